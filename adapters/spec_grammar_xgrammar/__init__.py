@@ -1,0 +1,152 @@
+"""xgrammar adapter for spec-grammar.
+
+Native paths used: ``GrammarMatcher.rollback`` / ``fork``, ``traverse_draft_tree`` for tree
+fills (its rows are then normalized to the protocol: descendants of rejected nodes zeroed),
+``find_jump_forward_tokens`` for forced tokens. Validation is emulated (accept + rollback),
+since xgrammar 0.2.9 has no non-mutating validate.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import warnings
+from typing import Any
+
+import torch
+
+from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
+from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
+from spec_grammar.tree import DraftTree
+
+try:
+    import xgrammar as xgr
+except ImportError as e:  # pragma: no cover - exercised when the extra is missing
+    raise ImportError("the xgrammar backend needs `pip install xgrammar`") from e
+
+__all__ = ["XGrammarBackend", "XGrammarMatcher"]
+
+_SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
+
+
+class XGrammarMatcher(SpecGrammar):
+    """:class:`SpecGrammar` over ``xgrammar.GrammarMatcher``."""
+
+    def __init__(self, backend: "XGrammarBackend", matcher: "xgr.GrammarMatcher"):
+        super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
+        self._backend = backend
+        self._m = matcher
+
+    def _accept_token(self, token: int) -> bool:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._m.accept_token(token)
+
+    def _rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def _fork(self) -> "XGrammarMatcher":
+        return XGrammarMatcher(self._backend, self._m.fork())
+
+    def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def _is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def _forced_tokens(self) -> list[int]:
+        # xgrammar drops a trailing token that could be the prefix of a longer one, so every
+        # returned token is forced; stop tokens are never part of a jump-forward string.
+        return [t for t in self._m.find_jump_forward_tokens() if not self.is_stop_token(t)]
+
+    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+        n = tree.num_nodes
+        rows = bitmask[row_offset : row_offset + n]
+        tokens = tree.tokens
+        n_tok = self.info.tokenizer_vocab_size
+        # Out-of-range ids must never reach the library's bit test.
+        safe = tokens.clamp(0, max(n_tok - 1, 0))
+        out_of_range = (tokens < 0) | (tokens >= n_tok)
+        if bool(out_of_range[1:].any()):
+            return super()._fill_tree_bitmask(tree, bitmask, row_offset)
+        self._m.traverse_draft_tree(
+            tree.retrieve_next_token, tree.retrieve_next_sibling, safe, rows
+        )
+        # Recompute validity from the rows (child bit in its parent's row, ancestors valid)
+        # and zero the rows xgrammar leaves stale (descendants of rejected nodes, G8) and the
+        # rows of terminating nodes.
+        words = rows.numpy()
+        parents = tree.parent_list
+        toks = tree.token_list
+        valid = [False] * n
+        valid[0] = True
+        for i in range(1, n):
+            p = parents[i]
+            t = toks[i]
+            ok = valid[p] and not self.is_stop_token(toks[p]) and (int(words[p, t >> 5]) >> (t & 31)) & 1
+            valid[i] = bool(ok)
+            if not ok or self.is_stop_token(t):
+                words[i] = 0
+        return torch.tensor(valid, dtype=torch.bool)
+
+
+class XGrammarBackend(GrammarBackend):
+    """xgrammar (https://github.com/mlc-ai/xgrammar) behind the spec-grammar protocol.
+
+    Extra option: ``max_threads`` for the compiler (default 1: on small hosts more threads
+    only add contention).
+    """
+
+    name = "xgrammar"
+    capabilities = Capabilities(
+        json_schema=True,
+        regex=True,
+        ebnf=True,
+        lark=True,
+        tool_calls=True,
+        native_rollback=True,
+        native_fork=True,
+        native_validate=False,
+        native_tree_fill=True,
+        native_forced_tokens=True,
+        parallel_fill=True,
+        releases_gil=True,
+    )
+
+    def __init__(self, tokenizer: Any, *, max_threads: int = 1, **kwargs: Any):
+        super().__init__(tokenizer, **kwargs)
+        info = self.tokenizer_info
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self._xgr_info = xgr.TokenizerInfo.from_huggingface(
+                info.hf_tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids)
+            )
+        self._compiler = xgr.GrammarCompiler(self._xgr_info, max_threads=max_threads, cache_enabled=False)
+
+    @classmethod
+    def library_version(cls) -> str:
+        return importlib.metadata.version("xgrammar")
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        c = self._compiler
+        if isinstance(spec, JsonSchema):
+            if spec.json_schema is False:
+                raise GrammarCompileError("the schema `false` accepts no document")
+            schema = spec.schema_json() if spec.json_schema is not True else "{}"
+            flexible = spec.whitespace == "flexible"
+            return c.compile_json_schema(
+                schema,
+                any_whitespace=flexible,
+                separators=None if flexible else _SEPARATORS[spec.whitespace],
+                strict_mode=False,
+            )
+        if isinstance(spec, Regex):
+            return c.compile_regex(spec.pattern)
+        if isinstance(spec, Ebnf):
+            return c.compile_grammar(spec.text, root_rule_name=spec.root)
+        if isinstance(spec, Lark):
+            return c.compile_grammar(xgr.Grammar.from_lark(spec.text))
+        raise UnsupportedGrammarError(f"{spec.kind} is not supported by xgrammar")
+
+    def _matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
+        return XGrammarMatcher(self, xgr.GrammarMatcher(compiled.native))

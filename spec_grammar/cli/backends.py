@@ -1,0 +1,36 @@
+"""``spec-grammar backends``: registered backends, versions and capabilities."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("backends", help="list registered grammar backends")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..registry import list_backends
+
+    infos = list_backends()
+    if args.json:
+        print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        return 0
+    table = Table(title="spec-grammar backends")
+    for col in ("name", "target", "version", "grammars", "native paths"):
+        table.add_column(col)
+    for i in infos:
+        if i.error:
+            table.add_row(i.name, i.target, "-", f"[red]{i.error}[/red]", "")
+            continue
+        caps = i.capabilities.model_dump()
+        grammars = [k for k in ("json_schema", "regex", "ebnf", "lark", "tool_calls") if caps[k]]
+        native = [k.removeprefix("native_") for k, v in caps.items() if v and k not in grammars]
+        table.add_row(i.name, i.target, i.version or "?", ", ".join(grammars), ", ".join(native))
+    Console().print(table)
+    return 0

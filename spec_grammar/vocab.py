@@ -1,0 +1,86 @@
+"""Token-id -> bytes tables for Hugging Face tokenizers.
+
+Backends whose libraries take a raw byte vocabulary (outlines-core, third-party engines) build
+it here. Two encodings cover the tokenizers in use:
+
+- byte-level BPE (GPT-2, Llama-3, SmolLM2, Qwen): each byte is one printable unicode character
+  (``bytes_to_unicode`` of GPT-2's ``encoder.py``), reversed here;
+- SentencePiece style (Llama-2, Gemma): ``▁`` stands for a space and ``<0xNN>`` for a raw byte.
+
+Added tokens (``<|im_end|>`` ...) map to their UTF-8 text.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+n.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def _decoder_kind(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return "slow"
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    text = json.dumps(decoder)
+    if '"ByteLevel"' in text:
+        return "byte_level"
+    if '"ByteFallback"' in text or "\u2581" in text or '"Metaspace"' in text:
+        return "sentencepiece"
+    return "slow"
+
+
+def _decode_byte_level(piece: str) -> bytes:
+    table = _byte_decoder()
+    try:
+        return bytes(table[ch] for ch in piece)
+    except KeyError:
+        return piece.encode("utf-8")
+
+
+def _decode_sentencepiece(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode("utf-8")
+
+
+def token_bytes_table(tokenizer: Any, size: int | None = None) -> list[bytes]:
+    """``table[i]`` = the bytes token ``i`` stands for; ``size`` defaults to ``len(tokenizer)``.
+
+    Ids with no token (holes in the vocabulary) map to ``b""``.
+    """
+    n = len(tokenizer) if size is None else size
+    kind = _decoder_kind(tokenizer)
+    added = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    table = [b""] * n
+    for piece, i in tokenizer.get_vocab().items():
+        if not 0 <= i < n:
+            continue
+        if i in added:
+            table[i] = added[i].encode("utf-8")
+        elif kind == "byte_level":
+            table[i] = _decode_byte_level(piece)
+        elif kind == "sentencepiece":
+            table[i] = _decode_sentencepiece(piece)
+        else:
+            table[i] = tokenizer.convert_tokens_to_string([piece]).encode("utf-8")
+    return table
