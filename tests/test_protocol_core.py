@@ -1,0 +1,171 @@
+"""Core protocol machinery shared by every backend: compile cache, registry, specs, checks."""
+
+import json
+import threading
+
+import pytest
+import torch
+from pydantic import BaseModel, ValidationError
+
+from spec_grammar import (
+    BackendNotFoundError,
+    GrammarCompileError,
+    GrammarStateError,
+    InvalidTokenError,
+    JsonSchema,
+    Regex,
+    ToolCalls,
+    UnsupportedGrammarError,
+    allocate_token_bitmask,
+    get_backend,
+    list_backends,
+)
+from spec_grammar.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def xgr(tokenizer):
+    return get_backend("xgrammar", tokenizer)
+
+
+def test_specs_normalize():
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    from_model = JsonSchema(Person)
+    assert from_model.json_schema["required"] == ["name", "age"]
+    assert JsonSchema(json.dumps({"type": "string"})).json_schema == {"type": "string"}
+    with pytest.raises(ValidationError, match="not valid JSON"):
+        JsonSchema("{not json")
+    with pytest.raises(ValidationError, match="object or a boolean"):
+        JsonSchema("[1, 2]")
+    with pytest.raises(ValidationError, match="at least one tool"):
+        ToolCalls([])
+    with pytest.raises(ValidationError, match="no function name"):
+        ToolCalls([{"type": "function", "function": {}}])
+    # key order is part of the grammar
+    a = JsonSchema({"properties": {"a": {}, "b": {}}})
+    b = JsonSchema({"properties": {"b": {}, "a": {}}})
+    assert a.cache_key() != b.cache_key()
+
+
+def test_tool_calls_schema_validates_example():
+    import jsonschema
+
+    from spec_grammar.datasets import bfcl_cases
+
+    for case in bfcl_cases()[:10]:
+        schema = ToolCalls(case["tools"]).to_json_schema().json_schema
+        jsonschema.Draft202012Validator.check_schema(schema)
+        if case["example_output_valid"]:
+            jsonschema.validate(case["example_output"], schema)
+
+
+def test_concurrent_compiles_run_once(tokenizer):
+    backend = get_backend("xgrammar", tokenizer)
+    specs = [JsonSchema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}}) for i in range(3)]
+    results = {}
+    barrier = threading.Barrier(8)
+
+    def work(i):
+        barrier.wait()
+        results[i] = [backend.compile(s) for s in specs]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert backend.num_compiles == 3
+    for i in range(8):
+        for j in range(3):
+            assert results[i][j] is results[0][j]
+
+
+def test_compile_cache_evicts(tokenizer):
+    backend = get_backend("xgrammar", tokenizer, compile_cache_size=2)
+    for i in range(4):
+        backend.compile(Regex(f"a{{{i + 1}}}"))
+    assert len(backend._cache) == 2
+    backend.compile(Regex("a{1}"))  # evicted: compiled again
+    assert backend.num_compiles == 5
+
+
+def test_compile_errors_are_typed_and_cached(xgr):
+    before = xgr.num_compiles
+    for _ in range(2):
+        with pytest.raises(GrammarCompileError, match=r"\[xgrammar\]"):
+            xgr.compile(Regex("(unclosed"))
+    assert xgr.num_compiles == before + 1
+
+
+def test_registry_errors(tokenizer):
+    with pytest.raises(BackendNotFoundError, match="unknown grammar backend 'nope'.*xgrammar"):
+        get_backend("nope", tokenizer)
+    with pytest.raises(BackendNotFoundError, match="cannot load"):
+        get_backend("no_such_module:Backend", tokenizer)
+    with pytest.raises(BackendNotFoundError, match="GrammarBackend subclass"):
+        get_backend("json:dumps", tokenizer)
+    names = {b.name for b in list_backends()}
+    assert {"xgrammar", "llguidance", "outlines"} <= names
+
+
+def test_protocol_guards(xgr, tokenizer):
+    m = xgr.matcher(xgr.compile(Regex("ab")))
+    with pytest.raises(InvalidTokenError, match="outside the logits width"):
+        m.accept_token(-1)
+    with pytest.raises(InvalidTokenError):
+        m.accept_tokens([tokenizer.encode("a")[0], len(tokenizer)])
+    assert m.num_accepted == 0
+    assert m.validate_tokens([-1]) == 0
+    with pytest.raises(GrammarStateError, match="exceeds the 0 tokens"):
+        m.rollback(1)
+    with pytest.raises(GrammarStateError, match=">= 0"):
+        m.rollback(-1)
+    ids = tokenizer.encode("ab")
+    assert m.accept_tokens(ids) == len(ids)
+    assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+    bm = allocate_token_bitmask(1, xgr.vocab_size)
+    with pytest.raises(GrammarStateError, match="terminated"):
+        m.fill_next_token_bitmask(bm, 0)
+    assert m.accept_token(ids[0]) is False and m.forced_tokens() == []
+    m.rollback(1)
+    assert not m.is_terminated()
+    other = get_backend("xgrammar", tokenizer)
+    with pytest.raises(GrammarStateError, match="not compiled by this backend"):
+        other.matcher(xgr.compile(Regex("ab")))
+    small = get_backend("xgrammar", tokenizer, max_rollback_tokens=2)
+    m2 = small.matcher(small.compile(Regex("a+")))
+    a = tokenizer.encode("a")[0]
+    assert m2.accept_tokens([a, a, a]) == 3
+    with pytest.raises(GrammarStateError, match="max_rollback_tokens=2"):
+        m2.rollback(3)
+
+
+def test_unsupported_kind_is_typed(tokenizer):
+    from spec_grammar.protocol import Capabilities
+    from spec_grammar_xgrammar import XGrammarBackend
+
+    class RegexOnly(XGrammarBackend):
+        capabilities = Capabilities(json_schema=False, regex=True, tool_calls=False)
+
+    b = RegexOnly(tokenizer)
+    with pytest.raises(UnsupportedGrammarError, match="json_schema grammars are not supported"):
+        b.compile(JsonSchema({"type": "object"}))
+
+
+def test_padding_columns_never_allowed(tokenizer):
+    wide = get_backend("xgrammar", tokenizer, vocab_size=len(tokenizer) + 100)
+    m = wide.matcher(wide.compile(JsonSchema({"type": "object"})))
+    bm = allocate_token_bitmask(1, wide.vocab_size)
+    m.fill_next_token_bitmask(bm, 0)
+    from spec_grammar import unpack_bitmask
+
+    assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tokenizer):].any()
+    assert m.accept_token(len(tokenizer) + 5) is False
