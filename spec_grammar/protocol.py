@@ -32,7 +32,8 @@ from .errors import (
     SpecGrammarError,
     UnsupportedGrammarError,
 )
-from .specs import GrammarSpec, ToolCalls
+from .schema_check import check_json_schema
+from .specs import GrammarSpec, JsonSchema, ToolCalls
 from .tree import DraftTree
 
 __all__ = [
@@ -441,6 +442,10 @@ class GrammarBackend:
         max_rollback_tokens: rollback depth of every matcher this backend makes.
         compile_cache_size: compiled grammars (and compile errors) kept, least recently used
             evicted first.
+        compile_timeout_s: a compile running longer fails with :class:`GrammarCompileError`
+            (the library call cannot be interrupted: it finishes in a daemon thread and its
+            result is dropped). ``None`` waits forever.
+        max_grammar_bytes: specs whose serialized form is larger are refused before compiling.
     """
 
     name: ClassVar[str] = "base"
@@ -454,6 +459,8 @@ class GrammarBackend:
         stop_token_ids: Sequence[int] | None = None,
         max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
         compile_cache_size: int = 256,
+        compile_timeout_s: float | None = 60.0,
+        max_grammar_bytes: int = 4_000_000,
     ):
         self.tokenizer_info = (
             tokenizer
@@ -464,6 +471,8 @@ class GrammarBackend:
         )
         self.max_rollback_tokens = int(max_rollback_tokens)
         self._cache = _CompileCache(int(compile_cache_size))
+        self.compile_timeout_s = compile_timeout_s
+        self.max_grammar_bytes = int(max_grammar_bytes)
 
     @classmethod
     def library_version(cls) -> str:
@@ -490,11 +499,20 @@ class GrammarBackend:
         if not getattr(self.capabilities, spec.kind, False):
             raise UnsupportedGrammarError(f"{spec.kind} grammars are not supported", backend=self.name)
 
+        key = spec.cache_key()
+        if len(key) > self.max_grammar_bytes:
+            raise GrammarCompileError(
+                f"the {spec.kind} spec is {len(key)} bytes, over max_grammar_bytes={self.max_grammar_bytes}",
+                backend=self.name,
+            )
+
         def run() -> CompiledGrammar:
             t0 = time.perf_counter()
             target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
             try:
-                native = self._compile(target)
+                if isinstance(target, JsonSchema):
+                    check_json_schema(target.json_schema)
+                native = self._compile_with_timeout(target)
             except SpecGrammarError as e:
                 if isinstance(e, GrammarCompileError) and e.backend is None:
                     raise type(e)(str(e), backend=self.name, reason=e.reason) from e
@@ -505,7 +523,26 @@ class GrammarBackend:
                 ) from e
             return CompiledGrammar(spec, self.name, native, time.perf_counter() - t0, id(self))
 
-        return self._cache.get_or_compile(spec.cache_key(), run)
+        return self._cache.get_or_compile(key, run)
+
+    def _compile_with_timeout(self, spec: GrammarSpec) -> Any:
+        if self.compile_timeout_s is None:
+            return self._compile(spec)
+        box: Future = Future()
+
+        def target() -> None:
+            try:
+                box.set_result(self._compile(spec))
+            except BaseException as e:
+                box.set_exception(e)
+
+        threading.Thread(target=target, name=f"{self.name}-compile", daemon=True).start()
+        try:
+            return box.result(timeout=self.compile_timeout_s)
+        except TimeoutError:
+            raise GrammarCompileError(
+                f"{spec.kind} compile did not finish within compile_timeout_s={self.compile_timeout_s}"
+            ) from None
 
     def matcher(self, compiled: CompiledGrammar) -> SpecGrammar:
         """A fresh matcher at the grammar's start state."""

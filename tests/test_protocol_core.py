@@ -169,3 +169,30 @@ def test_padding_columns_never_allowed(tokenizer):
 
     assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tokenizer):].any()
     assert m.accept_token(len(tokenizer) + 5) is False
+
+
+def test_invalid_schema_named(xgr):
+    with pytest.raises(GrammarCompileError, match=r"invalid JSON Schema at properties/a/type"):
+        xgr.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "strnig"}}}))
+    with pytest.raises(GrammarCompileError, match=r"invalid JSON Schema at minLength"):
+        xgr.compile(JsonSchema({"type": "string", "minLength": -1}))
+
+
+def test_compile_limits(tokenizer):
+    import time
+
+    from spec_grammar_xgrammar import XGrammarBackend
+
+    class Slow(XGrammarBackend):
+        def _compile(self, spec):
+            time.sleep(2.0)
+            return super()._compile(spec)
+
+    slow = Slow(tokenizer, compile_timeout_s=0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarCompileError, match="did not finish within compile_timeout_s=0.2"):
+        slow.compile(Regex("a"))
+    assert time.perf_counter() - t0 < 1.5
+    small = get_backend("xgrammar", tokenizer, max_grammar_bytes=200)
+    with pytest.raises(GrammarCompileError, match="over max_grammar_bytes=200"):
+        small.compile(JsonSchema({"enum": ["x" * 300]}))

@@ -156,10 +156,16 @@ class Session:
             self._backends[fixture] = self.factory(tok, vocab_size=width)
         return self._backends[fixture]
 
-    def supported(self, fixture: str, specs: Iterable[GrammarSpec]) -> list[tuple[GrammarSpec, Any]]:
-        """``(spec, compiled)`` for each spec the backend's capabilities claim and that compiles;
-        raises :class:`PropertySkipped` when none does. A claimed kind that fails to compile is
-        a failure only for specs every backend must take; callers decide (see ``require``)."""
+    def supported(
+        self, fixture: str, specs: Iterable[GrammarSpec], *, must_compile: bool = True
+    ) -> list[tuple[GrammarSpec, Any]]:
+        """``(spec, compiled)`` for each spec whose kind the backend's capabilities claim.
+
+        With ``must_compile`` a claimed kind that fails to compile is a
+        :class:`ConformanceFailure` (the suite's own grammars are plain); without it such specs
+        are left out (real schemas may use keywords a backend refuses with a typed error).
+        Raises :class:`PropertySkipped` when nothing is left.
+        """
         backend = self.backend(fixture)
         out = []
         for spec in specs:
@@ -167,8 +173,11 @@ class Session:
                 continue
             try:
                 out.append((spec, backend.compile(spec)))
-            except GrammarCompileError:
-                continue
+            except GrammarCompileError as e:
+                if must_compile:
+                    raise ConformanceFailure(
+                        "a grammar of a kind the capabilities claim compiles", spec.cache_key()[:300], "compiled", str(e)
+                    ) from None
         if not out:
             raise PropertySkipped(f"{backend.name} supports none of the grammars this property uses")
         return out

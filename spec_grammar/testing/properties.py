@@ -1,0 +1,3 @@
+"""Imports every property module, so the registry is complete once this module is loaded."""
+
+from . import toy_properties  # noqa: F401

@@ -1,0 +1,56 @@
+"""The drafter interface: one draft tree per request per step.
+
+A drafter proposes; the target verifies. Drafts need not respect the grammar: invalid nodes
+are never accepted (the tree bitmask marks them), so a drafter only affects speed, never
+output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ...tree import DraftTree
+
+if TYPE_CHECKING:
+    from ..request import RequestState
+
+__all__ = ["Drafter", "NoDrafter"]
+
+
+class Drafter:
+    """Proposes draft trees.
+
+    ``propose(batch)`` returns one :class:`~spec_grammar.tree.DraftTree` per request, in
+    order, whose root (node 0) is the request's last committed token and which has at most
+    ``num_draft_tokens`` nodes, root included (SGLang's ``speculative_num_draft_tokens``
+    convention). Drafters holding per-request state (a KV cache) override :meth:`add` /
+    :meth:`remove`; the worker calls them when a request starts and when it ends.
+    """
+
+    name = "base"
+
+    def __init__(self, *, num_draft_tokens: int = 8):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1 (the root counts), got {num_draft_tokens}")
+        self.num_draft_tokens = int(num_draft_tokens)
+
+    def add(self, state: "RequestState") -> None:
+        """A request joins the batch (its prompt is known, nothing generated yet)."""
+
+    def remove(self, rid: str) -> None:
+        """A request left the batch; drop its state."""
+
+    def propose(self, batch: Sequence["RequestState"]) -> list[DraftTree]:  # pragma: no cover
+        raise NotImplementedError
+
+
+class NoDrafter(Drafter):
+    """Root-only trees: plain (non-speculative) decoding through the speculative code path."""
+
+    name = "none"
+
+    def __init__(self) -> None:
+        super().__init__(num_draft_tokens=1)
+
+    def propose(self, batch: Sequence["RequestState"]) -> list[DraftTree]:
+        return [DraftTree.chain(s.root_token, []) for s in batch]

@@ -1,0 +1,118 @@
+"""Prompt-lookup (n-gram) drafting that builds a TREE from several matches.
+
+The context (prompt + output so far) is searched for earlier occurrences of its own suffix,
+longest suffix first (``max_match`` tokens down to ``min_match``), most recent occurrence
+first. The tokens that followed each occurrence are inserted into a trie rooted at the last
+committed token, so continuations sharing a prefix share nodes and different continuations
+become sibling branches. Insertion stops once the tree holds ``num_draft_tokens`` nodes.
+
+Sources: prompt lookup decoding (A. Saxena, https://github.com/apoorvumang/prompt-lookup-decoding)
+for the matching; SGLang's NGRAM speculator (``speculative/ngram_worker.py`` and its C++
+``ngram`` cache: match windows tried from the largest down, matches merged into one trie
+verified as a draft tree) for the tree.
+
+Why it is the default drafter: on CPU (and for SmolLM2-135M) a draft model's forwards cost a
+large fraction of a target forward, while this drafter costs ~0.1 ms per request; structured
+output repeats itself (keys, punctuation, values copied from the prompt), so matches are
+frequent. See the worker benchmark in the report for the measured numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ...tree import DraftTree
+from .base import Drafter
+
+__all__ = ["NgramDrafter", "ngram_tree"]
+
+
+def ngram_tree(
+    context: Sequence[int],
+    num_draft_tokens: int,
+    *,
+    max_match: int = 8,
+    min_match: int = 1,
+    max_depth: int | None = None,
+) -> DraftTree:
+    """The draft tree for one context.
+
+    Args:
+        context: committed token ids (prompt + output); the last one is the root.
+        num_draft_tokens: node cap, root included.
+        max_match / min_match: longest and shortest suffix (in tokens) to look up.
+        max_depth: longest continuation taken from one match (default ``num_draft_tokens - 1``).
+
+    Returns a :class:`DraftTree` with at most ``num_draft_tokens`` nodes (root only when
+    nothing matches). Nodes are inserted in priority order (longer match, then more recent),
+    so a trie node's children are ordered by the priority of the match that created them.
+    """
+    ctx = np.asarray(context, dtype=np.int64)
+    n_ctx = len(ctx)
+    budget = num_draft_tokens - 1
+    depth_cap = budget if max_depth is None else max_depth
+    tokens = [int(ctx[-1])] if n_ctx else [-1]
+    parents = [-1]
+    if budget <= 0 or depth_cap <= 0 or n_ctx < 2:
+        return DraftTree(tokens, parents)
+    children: list[dict[int, int]] = [{}]
+    used: set[int] = set()
+    for n in range(min(max_match, n_ctx - 1), min_match - 1, -1):
+        # Occurrence ending at p (exclusive) with p < n_ctx: windows of ctx[:-1] starting at p - n.
+        windows = sliding_window_view(ctx[:-1], n)
+        ends = np.flatnonzero((windows == ctx[n_ctx - n :]).all(axis=1)) + n
+        for p in ends[::-1].tolist():
+            if p in used:
+                continue
+            used.add(p)
+            node = 0
+            for t in ctx[p : p + depth_cap].tolist():
+                child = children[node].get(t)
+                if child is None:
+                    if budget == 0:
+                        break
+                    child = len(tokens)
+                    tokens.append(t)
+                    parents.append(node)
+                    children.append({})
+                    children[node][t] = child
+                    budget -= 1
+                node = child
+            if budget == 0:
+                return DraftTree(tokens, parents)
+    return DraftTree(tokens, parents)
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup draft trees (see the module docstring); stateless, CPU only.
+
+    Args:
+        num_draft_tokens: node cap per tree, root included (1 = no drafts).
+        max_match / min_match: suffix lengths to look up, tried from the longest.
+        max_depth: longest branch (default ``num_draft_tokens - 1``; 1 would give a star).
+    """
+
+    name = "ngram"
+
+    def __init__(self, *, num_draft_tokens: int = 8, max_match: int = 8, min_match: int = 1, max_depth: int | None = None):
+        super().__init__(num_draft_tokens=num_draft_tokens)
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.max_match = int(max_match)
+        self.min_match = int(min_match)
+        self.max_depth = max_depth
+
+    def propose(self, batch) -> list[DraftTree]:
+        return [
+            ngram_tree(
+                s.committed_ids,
+                self.num_draft_tokens,
+                max_match=self.max_match,
+                min_match=self.min_match,
+                max_depth=self.max_depth,
+            )
+            for s in batch
+        ]

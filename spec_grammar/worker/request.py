@@ -1,0 +1,138 @@
+"""Requests, their per-step state inside :class:`~spec_grammar.worker.engine.SpecWorker`, and
+the statistics a run reports.
+
+Conventions (``WORKER_INTERFACES.md``): a request's committed sequence is ``prompt_ids +
+output_ids``; its last token is the root of the next draft tree.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel
+
+from ..specs import GrammarSpec
+
+__all__ = ["Request", "RequestState", "RequestResult", "StepStats", "FinishReason"]
+
+FinishReason = Literal["stop", "length", "grammar", "error"]
+"""Why a request ended: ``stop`` = EOS (no grammar) or a stop string; ``length`` =
+``max_new_tokens``; ``grammar`` = the grammar accepted a stop token (the document is complete);
+``error`` = the grammar failed to compile or a matcher refused a committed token."""
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+        prompt: the full prompt text (chat template already applied) or its token ids.
+        grammar: the constraint, or None for plain decoding.
+        sampling: a :class:`~spec_grammar.worker.sampling.SamplingParams` (None = defaults).
+        rid: a unique id (one is made up when None).
+    """
+
+    prompt: str | list[int]
+    grammar: Optional[GrammarSpec] = None
+    sampling: Any = None
+    rid: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.rid is None:
+            self.rid = f"req-{next(_ids)}"
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the worker and the drafters know about a request while it runs.
+
+    Attributes:
+        request: the request.
+        prompt_ids: prompt token ids (at least one).
+        output_ids: committed output ids (stop token excluded).
+        matcher: the request's :class:`~spec_grammar.protocol.SpecGrammar` (None without grammar).
+        pending: committed tokens the matcher has not been fed yet (fed at the start of the
+            next step's grammar work, exactly once).
+        steps: target verify forwards this request took part in.
+    """
+
+    request: Request
+    prompt_ids: list[int]
+    sampling: Any
+    output_ids: list[int] = field(default_factory=list)
+    matcher: Any = None
+    pending: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[FinishReason] = None
+    error: Optional[str] = None
+    steps: int = 0
+    generator: Any = None
+    start_s: float = 0.0
+    end_s: float = 0.0
+    grammar_ms: float = 0.0
+    grammar_exposed_ms: float = 0.0
+
+    @property
+    def rid(self) -> str:
+        return self.request.rid  # type: ignore[return-value]
+
+    @property
+    def committed_ids(self) -> list[int]:
+        """``prompt_ids + output_ids``: the context the next draft tree continues."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def root_token(self) -> int:
+        """The last committed token (node 0 of the next draft tree)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def finish(self, reason: FinishReason, end_s: float, error: str | None = None) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        self.error = error
+        self.end_s = end_s
+
+
+class RequestResult(BaseModel):
+    """One request's output and statistics (what ``generate`` returns, ``--json`` prints).
+
+    ``accept_length`` = output tokens per target verify forward (1.0 without speculation);
+    ``tokens_per_s`` = output tokens over the request's wall time (seconds, worker start to
+    finish); grammar times are milliseconds of matcher work (advance + tree fill), split into
+    the part hidden under the verify forward and the part the loop waited for.
+    """
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: FinishReason
+    error: Optional[str] = None
+    num_tokens: int
+    steps: int
+    accept_length: float
+    tokens_per_s: float
+    grammar_ms_hidden: float
+    grammar_ms_exposed: float
+
+
+class StepStats(BaseModel):
+    """One worker step, milliseconds of wall time.
+
+    ``grammar_ms`` is the matcher work (advance with the previous step's tokens + tree bitmask
+    fill); ``grammar_exposed_ms`` is the part of it the loop waited for after the verify
+    forward returned (all of it with ``overlap=False``).
+    """
+
+    batch_size: int
+    num_nodes: int
+    draft_ms: float
+    verify_forward_ms: float
+    grammar_ms: float
+    grammar_exposed_ms: float
+    sample_ms: float
+    committed_tokens: int
