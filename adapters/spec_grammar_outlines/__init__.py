@@ -1,20 +1,34 @@
-"""outlines-core adapter for spec-grammar.
+r"""outlines-core adapter for spec-grammar.
 
 outlines-core 0.2.14 compiles a regex (JSON Schema through ``build_regex_from_schema``) into an
 ``Index``: a token-level DFA over the vocabulary. Its ``Guide`` is not used: copying one pickles
 the whole Index (60 ms .. 1.3 s), its rollback is a ring of 32 states, ``reset()`` keeps that
 history and ``advance(EOS)`` raises even in a final state (outlines-core issue #227). Instead
-the matcher tracks the integer DFA state itself with ``Index.get_next_state`` and keeps the list
+the matcher tracks the integer DFA state itself (``Index.get_next_state``) and keeps the list
 of past states, so every protocol operation is emulated cheaply:
 
 - rollback(k): pop k states; fork: a copy of the (bounded) state list;
-- termination: a stop token accepted in a final state (``Index.is_final_state``);
+- termination: a stop token accepted where the grammar can end;
 - masks: ``Index.get_allowed_tokens(state)`` packed into the protocol's int32 layout once per
   DFA state and kept in a bounded LRU on the compiled grammar (tree walks revisit the same
   states constantly), so a fill is a row copy;
 - tree fill, validation and forced tokens: loops over integer states, no matcher mutation.
 
 No context-free grammars: ``Ebnf`` and ``Lark`` raise ``UnsupportedGrammarError`` at compile.
+
+**Library fault worked around (outlines-core 0.2.14, ``Index::new``).** regex-automata DFAs
+report a match one byte late, and the Index keeps a token only when the state after it is "not a
+match" or "a full match at end of input". A token whose text *before its last byte* completes a
+match but whose full text does not is therefore dropped: with ``a( b)?`` the token ``" "`` is
+not allowed after ``a``, with ``[0-9]+(\.[0-9]+)?`` the token ``"."`` is not allowed after
+``1``. The adapter compiles ``(?:R)`` followed by a sentinel character (:data:`SENTINEL`, added
+to the vocabulary under an id no model produces) instead of ``R``: no real text completes a
+match any more, so no real token is dropped, and "R can end here" becomes "the sentinel token
+leads to a final state". Real byte tokens can spell the sentinel's UTF-8 bytes; the states
+only that spelling reaches (continuations are nothing but the rest of the sentinel) are
+detected and refused (:meth:`OutlinesGrammar.next_state`). A pattern that can match the
+sentinel's code point itself is still correct, unless it accepts *only* the sentinel's
+trailing bytes at some point (then that branch is refused, failing closed).
 """
 
 from __future__ import annotations
@@ -44,11 +58,23 @@ try:
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the outlines backend needs `pip install outlines-core`") from e
 
-__all__ = ["OutlinesBackend", "OutlinesMatcher", "OutlinesGrammar", "DEFAULT_MASK_CACHE_BYTES"]
+__all__ = [
+    "OutlinesBackend",
+    "OutlinesMatcher",
+    "OutlinesGrammar",
+    "VocabularyInfo",
+    "SENTINEL",
+    "DEFAULT_MASK_CACHE_BYTES",
+]
 
 DEFAULT_MASK_CACHE_BYTES = 32 << 20
 """Per compiled grammar: bytes of packed mask rows kept (SmolLM2: ~5,400 DFA states; a
 262k-token vocabulary: 1,024 states)."""
+
+SENTINEL = "\U0010fffd"
+"""End marker appended to every compiled pattern (a private-use code point; no tokenizer
+we know has a token containing all of its UTF-8 bytes, which the backend checks)."""
+_SENTINEL_BYTES = SENTINEL.encode("utf-8")
 
 _TERMINATED = -1  # state-list sentinel after an accepted stop token (DFA states are u32)
 _MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
@@ -57,43 +83,77 @@ _MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
 
 
-def build_vocabulary(info: TokenizerInfo) -> "oc.Vocabulary":
-    """``outlines_core.Vocabulary(eos, {token_bytes: [ids]})`` for a tokenizer.
+class VocabularyInfo:
+    """The outlines ``Vocabulary`` of a tokenizer plus what the sentinel workaround needs.
 
-    The map's keys are the tokens' raw bytes (byte-level BPE and SentencePiece pieces decoded
-    by :mod:`spec_grammar.vocab`). Left out: stop tokens (outlines refuses the EOS in the map;
-    the adapter allows stop tokens itself at final states), special/added tokens (a grammar
-    never produces them) and tokens with no bytes. The Vocabulary's EOS is the first stop
-    token; the Index then adds it at final states, and the adapter strips it from the masks.
+    Attributes:
+        vocabulary: ``outlines_core.Vocabulary(eos, {token_bytes: [ids]})``. Keys are the
+            tokens' raw bytes (:mod:`spec_grammar.vocab`). Left out: stop tokens (outlines
+            refuses the EOS in the map; the adapter allows stop tokens itself where the grammar
+            can end), special/added tokens (a grammar never produces them) and empty tokens.
+            The Vocabulary's EOS is the first stop token. The sentinel is added under
+            ``sentinel_id`` (= the logits width, an id no model samples).
+        sentinel_id: token id of :data:`SENTINEL` in the vocabulary.
+        spelled: real token id -> how many sentinel bytes the sentinel would have consumed
+            after it if its bytes spell part of the sentinel (ends with a prefix of it, or is a
+            piece of its tail); such transitions are checked before use.
+        token_bytes: ``token_bytes[i]`` of the tokenizer.
+
+    Raises :class:`GrammarCompileError` if a token holds the whole sentinel.
     """
-    excluded = set(info.special_token_ids) | set(info.stop_token_ids)
-    by_bytes: dict[bytes, list[int]] = {}
-    for i, b in enumerate(info.token_bytes):
-        if b and i not in excluded:
+
+    def __init__(self, info: TokenizerInfo):
+        excluded = set(info.special_token_ids) | set(info.stop_token_ids)
+        sb = _SENTINEL_BYTES
+        by_bytes: dict[bytes, list[int]] = {}
+        spelled: dict[int, tuple[int, ...]] = {}
+        for i, b in enumerate(info.token_bytes):
+            if not b or i in excluded:
+                continue
+            if sb in b:
+                raise GrammarCompileError(f"token {i} contains the sentinel {SENTINEL!r}")
+            if b[-1] in sb:  # cheap filter: every spelling piece ends with a sentinel byte
+                ks = {k for k in range(1, len(sb)) if b.endswith(sb[:k])}
+                ks |= {j + len(b) for j in range(1, len(sb)) if sb[j:].startswith(b)}
+                if ks:
+                    spelled[i] = tuple(sorted(ks))
             by_bytes.setdefault(b, []).append(i)
-    return oc.Vocabulary(info.stop_token_ids[0], by_bytes)
+        self.sentinel_id = info.vocab_size
+        self.vocabulary = oc.Vocabulary(info.stop_token_ids[0], by_bytes)
+        self.vocabulary.insert(sb, self.sentinel_id)
+        self.spelled = spelled
+        self.token_bytes = info.token_bytes
 
 
 class OutlinesGrammar:
-    """A compiled grammar: the outlines ``Index`` plus an LRU of packed mask rows per DFA state.
+    """A compiled grammar: the outlines ``Index`` of ``(?:R)`` + :data:`SENTINEL`, the sentinel
+    bookkeeping, and an LRU of packed mask rows per DFA state.
 
-    ``row(state)`` is the ``(ceil(V/32),)`` int32 row of tokens allowed in ``state`` (read-only;
-    stop tokens set exactly when the state is final; special, padding and EOS-as-text ids never
-    set). ``forced(state)`` is the one non-stop token allowed in a non-final state, else -1.
-    The cache holds at most ``max_cached_states`` rows and is thread-safe.
+    ``next_state(state, t)``: the state after real token ``t`` or None. ``is_final(state)``: R
+    can end here. ``row(state)``: the ``(ceil(V/32),)`` int32 row of tokens allowed in
+    ``state`` (read-only; stop tokens set exactly when final; special, padding and sentinel ids
+    never set). ``forced(state)``: the one token allowed in a non-final state, else -1. The row
+    cache holds at most ``max_cached_states`` rows and is thread-safe.
 
     Args:
-        index: the outlines-core Index.
-        info: the tokenizer info the vocabulary was built from.
+        index: the outlines-core Index of the sentinel-terminated pattern.
+        info: the tokenizer info.
+        vocab: the :class:`VocabularyInfo` the Index was built with.
         cache_bytes: bytes of packed rows to keep (at least one row is always kept).
     """
 
-    def __init__(self, index: "oc.Index", info: TokenizerInfo, cache_bytes: int):
+    def __init__(self, index: "oc.Index", info: TokenizerInfo, vocab: VocabularyInfo, cache_bytes: int):
         self.index = index
         self.initial_state: int = index.get_initial_state()
         self._width = info.bitmask_width
+        self._n_tok = info.tokenizer_vocab_size
         self._eos = info.stop_token_ids[0]
         self._stop_ids = np.array(sorted(set(info.stop_token_ids)), dtype=np.int64)
+        self._sentinel = vocab.sentinel_id
+        self._spelled = vocab.spelled
+        self._spelled_ids = np.array(sorted(vocab.spelled), dtype=np.int64)
+        self._token_bytes = vocab.token_bytes
+        self._spelling_only: dict[tuple[int, int], bool] = {}
         self.max_cached_states = max(1, int(cache_bytes) // (4 * self._width))
         self._rows: OrderedDict[int, tuple[np.ndarray, int]] = OrderedDict()
         self._lock = threading.Lock()
@@ -103,6 +163,47 @@ class OutlinesGrammar:
     def num_cached_states(self) -> int:
         return len(self._rows)
 
+    # -- transitions --------------------------------------------------------------------------
+    def is_final(self, state: int) -> bool:
+        nxt = self.index.get_next_state(state, self._sentinel)
+        return nxt is not None and self.index.is_final_state(nxt)
+
+    def next_state(self, state: int, token: int) -> int | None:
+        nxt = self.index.get_next_state(state, token)
+        if nxt is None or token not in self._spelled:
+            return nxt
+        if any(self._spelling_only_state(nxt, k) for k in self._spelled[token]):
+            return None
+        return nxt
+
+    def _real_tokens(self, state: int) -> np.ndarray:
+        allowed = self.index.get_allowed_tokens(state)
+        ids = np.fromiter(allowed, dtype=np.int64, count=len(allowed))
+        # The Index's own EOS self-loop and the sentinel are not real choices here.
+        return ids[(ids < self._n_tok) & (ids != self._eos)]
+
+    def _spelling_only_state(self, state: int, k: int) -> bool:
+        """True when ``state`` is explained by nothing but real tokens spelling the first ``k``
+        sentinel bytes: R cannot end here and every continuation is the rest of the sentinel,
+        followed (recursively) by such states. Memoized; at most 4 levels deep."""
+        key = (state, k)
+        hit = self._spelling_only.get(key)
+        if hit is not None:
+            return hit
+        result = not self.is_final(state)
+        if result:
+            rest = _SENTINEL_BYTES[k:]
+            for t in self._real_tokens(state).tolist():
+                b = self._token_bytes[t]
+                if not rest.startswith(b) or not self._spelling_only_state(
+                    self.index.get_next_state(state, t), k + len(b)
+                ):
+                    result = False
+                    break
+        self._spelling_only[key] = result
+        return result
+
+    # -- masks --------------------------------------------------------------------------------
     def entry(self, state: int) -> tuple[np.ndarray, int]:
         """``(row, forced)`` of ``state``, from the cache or built (and cached)."""
         with self._lock:
@@ -126,10 +227,13 @@ class OutlinesGrammar:
         return self.entry(state)[1]
 
     def _build(self, state: int) -> tuple[np.ndarray, int]:
-        allowed = self.index.get_allowed_tokens(state)
-        ids = np.fromiter(allowed, dtype=np.int64, count=len(allowed))
-        ids = ids[ids != self._eos]  # the Index's own EOS self-loop; stops are set below
-        final = self.index.is_final_state(state)
+        ids = self._real_tokens(state)
+        if len(self._spelled_ids):
+            odd = ids[np.isin(ids, self._spelled_ids)]
+            if len(odd):
+                refused = [t for t in odd.tolist() if self.next_state(state, t) is None]
+                ids = ids[~np.isin(ids, refused)]
+        final = self.is_final(state)
         dense = np.zeros(self._width * 32, dtype=bool)
         dense[ids] = True
         if final:
@@ -152,7 +256,6 @@ class OutlinesMatcher(SpecGrammar):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._g = grammar
-        self._index = grammar.index
         self._states = [grammar.initial_state] if states is None else states
         self._keep = self._max_rollback_tokens + 1
 
@@ -165,8 +268,8 @@ class OutlinesMatcher(SpecGrammar):
     def _step(self, state: int, token: int) -> int | None:
         """The state after ``token`` (``_TERMINATED`` for an accepted stop token) or None."""
         if token in self._stop_ids:
-            return _TERMINATED if self._index.is_final_state(state) else None
-        return self._index.get_next_state(state, token)
+            return _TERMINATED if self._g.is_final(state) else None
+        return self._g.next_state(state, token)
 
     def _accept_token(self, token: int) -> bool:
         nxt = self._step(self._states[-1], token)
@@ -221,13 +324,13 @@ class OutlinesMatcher(SpecGrammar):
             if t < 0:
                 break
             forced.append(t)
-            state = self._index.get_next_state(state, t)
+            state = self._g.next_state(state, t)
         return forced
 
     def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
         # Same rows as spec_grammar.traverse.fill_tree_bitmask_dfs, without touching the
-        # matcher: a node's state is get_next_state(parent's state, token), and since
-        # parents[i] < i, one pass in index order visits parents first.
+        # matcher: a node's DFA state is the step from its parent's state by its token, and
+        # since parents[i] < i, one pass in index order visits parents first.
         n = tree.num_nodes
         rows = bitmask.numpy()[row_offset : row_offset + n]
         rows[:] = 0
@@ -261,9 +364,10 @@ class OutlinesBackend(GrammarBackend):
     """outlines-core (https://github.com/dottxt-ai/outlines-core) behind the spec-grammar protocol.
 
     Grammars: ``JsonSchema`` (and ``ToolCalls``) through ``build_regex_from_schema``, and
-    ``Regex``. Building the Index walks the whole vocabulary per DFA state: 0.3-0.5 s for a
-    JSON schema with SmolLM2, 7-8 s with a 262k vocabulary; it runs inside :meth:`compile`
-    (cached).
+    ``Regex``. Building the Index walks the whole vocabulary per DFA state (0.2-0.5 s for a
+    JSON schema with SmolLM2, 5-8 s with Gemma-3's 262k vocabulary); it runs inside
+    :meth:`compile` (cached). The first mask of a DFA state costs ~1 ms (SmolLM2) to ~20 ms
+    (Gemma-3) in free-text states, later ones are a row copy.
 
     Whitespace (``JsonSchema.whitespace``), as outlines inserts one whitespace pattern at every
     place JSON allows whitespace: ``compact`` -> no whitespace; ``spaced`` -> ``[ ]?`` (the
@@ -294,7 +398,7 @@ class OutlinesBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any):
         super().__init__(tokenizer, **kwargs)
         self.mask_cache_bytes = int(mask_cache_bytes)
-        self._vocabulary = build_vocabulary(self.tokenizer_info)
+        self._vocab = VocabularyInfo(self.tokenizer_info)
 
     @classmethod
     def library_version(cls) -> str:
@@ -317,8 +421,8 @@ class OutlinesBackend(GrammarBackend):
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by outlines-core (regex only)")
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
-        index = oc.Index(self._regex_of(spec), self._vocabulary)
-        return OutlinesGrammar(index, self.tokenizer_info, self.mask_cache_bytes)
+        index = oc.Index(f"(?:{self._regex_of(spec)}){SENTINEL}", self._vocab.vocabulary)
+        return OutlinesGrammar(index, self.tokenizer_info, self._vocab, self.mask_cache_bytes)
 
     def _matcher(self, compiled: CompiledGrammar) -> OutlinesMatcher:
         return OutlinesMatcher(self, compiled.native)

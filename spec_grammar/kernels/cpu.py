@@ -1,33 +1,142 @@
-"""Vectorized torch apply: works on any device, the reference every kernel is tested against."""
+"""Torch paths for every kernel: the CPU implementation and the fallback on any other device.
+
+The apply works on the logits' bit patterns with integer ops, because every one of them is
+vectorized by ATen on the CPU, whereas ``masked_fill_`` and ``torch.where`` with a bool mask run
+a scalar loop there (about 30x slower per element). For each allowed-mask word the 32 bits are
+spread into a ``{0, -1}`` integer per token (shift left to the sign bit, then arithmetic shift
+right), and the logits become ``((x ^ NEG) & keep) ^ NEG`` where ``NEG`` is the bit pattern of
+``-inf`` in the logits' dtype: allowed tokens keep their exact bits, disallowed ones become
+exactly ``-inf`` (also from NaN or ``+inf``). Rows are processed in chunks of about
+:data:`CHUNK_TOKENS` tokens so the one temporary (one integer per token, in the logits' width)
+stays in cache.
+
+The fused verification fallbacks (:func:`masked_argmax_torch`, :func:`masked_softmax_torch`)
+apply the mask to a float32 copy of each row chunk and call ``torch.argmax`` /
+``torch.softmax``; they define the results the Triton kernels in :mod:`.fused` must match.
+"""
 
 from __future__ import annotations
 
 import torch
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+#: Tokens per row chunk: the ``{0, -1}`` temporary of one chunk is 1 MiB (int32) or 0.5 MiB.
+CHUNK_TOKENS = 1 << 18
+
+# Integer view of each float dtype, the bit pattern of -inf in it, and its width in bits.
+_INT_VIEW = {
+    torch.float32: (torch.int32, -0x00800000, 32),  # 0xFF800000
+    torch.bfloat16: (torch.int16, -0x0080, 16),  # 0xFF80
+    torch.float16: (torch.int16, -0x0400, 16),  # 0xFC00
+}
+_SHIFTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
-    s = _SHIFTS.get(device)
+def _shifts(device: torch.device, int_dtype: torch.dtype, bits: int) -> torch.Tensor:
+    """``bits - 1 - arange(bits)``: moves bit ``b`` of a mask word to the sign bit."""
+    key = (device, int_dtype)
+    s = _SHIFTS.get(key)
     if s is None:
-        s = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        s = _SHIFTS[key] = torch.arange(bits - 1, -1, -1, dtype=int_dtype, device=device)
     return s
 
 
-def apply_token_bitmask_inplace_cpu(logits: torch.Tensor, bitmask: torch.Tensor, *, indices=None) -> None:
-    """``logits[rows, ~allowed] = -inf``; columns past ``32 * W`` are disallowed."""
-    v = logits.shape[1]
-    width = bitmask.shape[1]
-    covered = min(v, width * 32)
-    allowed = ((bitmask.unsqueeze(-1) >> _shifts(bitmask.device)) & 1).bool().flatten(-2)[:, :covered]
-    if indices is None:
-        logits[:, :covered].masked_fill_(~allowed, float("-inf"))
-        if covered < v:
-            logits[:, covered:] = float("-inf")
-        return
-    idx = torch.as_tensor(indices, dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, idx)
-    sub[:, :covered].masked_fill_(~allowed, float("-inf"))
+def keep_words(bitmask: torch.Tensor, int_dtype: torch.dtype, bits: int) -> torch.Tensor:
+    """``(rows, W)`` int32 bitmask -> ``(rows, 32 * W)`` of ``int_dtype``: -1 allowed, 0 not.
+
+    For 16-bit dtypes each int32 word is read as two int16 halves (little-endian: bits 0-15
+    first), so the temporary is 2 bytes per token.
+    """
+    rows = bitmask.shape[0]
+    words = bitmask.contiguous()
+    if bits == 16:
+        words = words.view(torch.int16)
+    spread = words.unsqueeze(-1) << _shifts(bitmask.device, int_dtype, bits)
+    spread >>= bits - 1
+    return spread.view(rows, -1)
+
+
+def _apply_rows(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask ``logits`` (any strides) with ``bitmask`` (same rows), chunk by chunk."""
+    rows, v = logits.shape
+    covered = min(v, bitmask.shape[1] * 32)
+    int_dtype, neg, bits = _INT_VIEW[logits.dtype]
+    step = max(1, CHUNK_TOKENS // max(covered, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        keep = keep_words(bitmask[r0:r1], int_dtype, bits)[:, :covered]
+        x = logits[r0:r1, :covered].view(int_dtype)
+        x ^= neg
+        x &= keep
+        x ^= neg
     if covered < v:
-        sub[:, covered:] = float("-inf")
-    logits.index_copy_(0, idx, sub)
+        logits[:, covered:] = float("-inf")
+
+
+def apply_token_bitmask_inplace_torch(
+    logits: torch.Tensor, bitmask: torch.Tensor, *, indices: torch.Tensor | None = None
+) -> None:
+    """``logits[rows, ~allowed] = -inf`` in place; columns past ``32 * W`` are disallowed.
+
+    ``logits`` may have any strides. ``indices`` is a long tensor on ``logits.device`` (already
+    checked by the dispatcher); the selected rows are gathered, masked and scattered back.
+    """
+    if indices is None:
+        _apply_rows(logits, bitmask)
+        return
+    step = max(1, CHUNK_TOKENS // max(logits.shape[1], 1))
+    for i0 in range(0, indices.shape[0], step):
+        idx = indices[i0 : i0 + step]
+        sub = logits.index_select(0, idx)
+        _apply_rows(sub, bitmask[i0 : i0 + step])
+        logits.index_copy_(0, idx, sub)
+
+
+def _masked_rows_f32(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | slice
+) -> torch.Tensor:
+    """A masked float32 copy of ``logits[rows]`` (the bitmask rows are already sliced)."""
+    x = logits[rows].to(torch.float32, copy=True)
+    _apply_rows(x, bitmask)
+    return x
+
+
+def masked_argmax_torch(
+    logits: torch.Tensor, bitmask: torch.Tensor, *, indices: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch path of :func:`spec_grammar.kernels.masked_argmax` (same arguments and result)."""
+    n = logits.shape[0] if indices is None else indices.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    step = max(1, CHUNK_TOKENS // max(logits.shape[1], 1))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows = slice(r0, r1) if indices is None else indices[r0:r1]
+        best, arg = _masked_rows_f32(logits, bitmask[r0:r1], rows).max(dim=1)
+        out[r0:r1] = arg.masked_fill_(best == float("-inf"), -1)
+    return out
+
+
+def masked_softmax_torch(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    temperature: float | torch.Tensor,
+    *,
+    log: bool = False,
+    indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch path of :func:`spec_grammar.kernels.masked_softmax` (same arguments and result)."""
+    n = logits.shape[0] if indices is None else indices.shape[0]
+    out = torch.empty(n, logits.shape[1], dtype=torch.float32, device=logits.device)
+    step = max(1, CHUNK_TOKENS // max(logits.shape[1], 1))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        rows = slice(r0, r1) if indices is None else indices[r0:r1]
+        x = _masked_rows_f32(logits, bitmask[r0:r1], rows)
+        t = temperature if isinstance(temperature, float) else temperature[r0:r1, None]
+        x /= t
+        res = torch.log_softmax(x, dim=1) if log else torch.softmax(x, dim=1)
+        empty = (x == float("-inf")).all(dim=1)
+        if bool(empty.any()):
+            # Nothing allowed gives NaN (-inf - -inf); defined as p = 0, log p = -inf.
+            res[empty] = float("-inf") if log else 0.0
+        out[r0:r1] = res
+    return out

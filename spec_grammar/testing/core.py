@@ -187,6 +187,11 @@ def allowed_set(matcher: SpecGrammar, bitmask: torch.Tensor | None = None, row: 
     """Allowed token ids of ``matcher``'s current state (fills a fresh row, unless ``bitmask``
     is given: then the ids set in ``bitmask[row]``)."""
     if bitmask is None:
+        if matcher.is_terminated():
+            raise ConformanceFailure(
+                "the matcher is live here (rollback/fork restored a non-terminated state)",
+                "is_terminated() before filling the next mask", False, True,
+            )
         bitmask = allocate_token_bitmask(1, matcher.info.vocab_size)
         bitmask.zero_()
         matcher.fill_next_token_bitmask(bitmask, 0)

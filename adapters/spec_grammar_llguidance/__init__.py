@@ -1,0 +1,433 @@
+"""llguidance adapter for spec-grammar.
+
+Native paths used: ``LLMatcher.rollback`` / ``deep_copy``, ``validate_tokens`` (as a cheap upper
+bound, see below), ``compute_ff_tokens`` for forced tokens, ``unsafe_compute_mask_ptr`` for
+rows, and ``LLExecutor`` for filling the draft trees of many requests in parallel (the mask
+computation releases the GIL).
+
+Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llguidance 1.9.1):
+
+- **Sticky error state (G4).** A refused ``consume_token`` or a too-deep ``rollback`` puts the
+  matcher in an error state nothing clears. The native matcher is only ever given tokens whose
+  bit is set in its own mask.
+- **Accept is wider than the mask.** Where text is forced, the mask allows only the canonical
+  token (after ``{"`` only ``id``) while ``consume_token`` / ``validate_tokens`` also take other
+  spellings (``i``). The protocol needs "mask allows t" <=> "accept(t) succeeds", so accept and
+  validate check the mask bit; the native ``validate_tokens`` only bounds the walk.
+- **Stop tokens.** llguidance's ``is_stopped()`` is true right after the final ``}``, EOS
+  consumed there is not recorded in the rollback history, and ``validate_tokens([EOS])``
+  returns 0 there (G6). The adapter therefore never hands a stop token to the native matcher:
+  accepting an allowed stop token sets its own terminated flag, and ``rollback`` clears it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from spec_grammar.bitmask import check_bitmask, clear_padding_bits
+from spec_grammar.errors import BitmaskError, GrammarCompileError, GrammarStateError, UnsupportedGrammarError
+from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar, TokenizerInfo
+from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
+from spec_grammar.traverse import single_allowed_token
+from spec_grammar.tree import DraftTree
+
+try:
+    import llguidance
+    import llguidance.hf
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+except ImportError as e:  # pragma: no cover - exercised when the extra is missing
+    raise ImportError("the llguidance backend needs `pip install llguidance`") from e
+
+__all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
+
+_SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
+
+# llguidance messages for valid input it cannot represent (as opposed to invalid input).
+_UNSUPPORTED = re.compile(
+    r"Unimplemented keys|not supported|Unknown format|not present in a registry", re.IGNORECASE
+)
+
+
+def _consume_native(matcher: Any, token: int) -> None:
+    """Consume a token its mask allowed; a refusal would mean llguidance's mask and parser
+    disagree, so it is reported instead of ignored."""
+    if not matcher.consume_token(token):
+        raise GrammarStateError(
+            f"llguidance refused token {token} that its mask allowed: {matcher.get_error()}"
+        )
+
+
+@dataclass(eq=False)
+class _Grammar:
+    """A compiled grammar: llguidance's grammar string plus a matcher at the start state that
+    new matchers are deep-copied from (a copy is ~1 µs, a fresh ``LLMatcher`` ~1 ms)."""
+
+    text: str
+    prototype: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_matcher(self) -> Any:
+        with self.lock:
+            return self.prototype.deep_copy()
+
+
+class LLGuidanceMatcher(SpecGrammar):
+    """:class:`SpecGrammar` over ``llguidance.LLMatcher`` (see the module docstring for how
+    stop tokens and the error state are handled)."""
+
+    def __init__(self, backend: "LLGuidanceBackend", matcher: Any, *, terminated: bool = False):
+        super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
+        self._backend = backend
+        self._m = matcher
+        self._terminated = terminated
+        self._row_bytes = self.info.bitmask_width * 4
+        self._scratch: torch.Tensor | None = None
+
+    # -- native helpers -----------------------------------------------------------------------
+    def _fill_ptr(self, ptr: int) -> None:
+        self._m.unsafe_compute_mask_ptr(ptr, self._row_bytes)
+        if self._m.is_error():
+            raise GrammarStateError(f"llguidance matcher failed: {self._m.get_error()}")
+
+    def _scratch_row(self) -> np.ndarray:
+        """The current state's mask in a per-matcher ``(W,)`` int32 buffer."""
+        if self._scratch is None:
+            self._scratch = torch.zeros((1, self.info.bitmask_width), dtype=torch.int32)
+        self._fill_ptr(self._scratch.data_ptr())
+        return self._scratch.numpy()[0]
+
+    def _mask_allows(self, token: int) -> bool:
+        return bool((int(self._scratch_row()[token >> 5]) >> (token & 31)) & 1)
+
+    def _consume(self, token: int) -> None:
+        _consume_native(self._m, token)
+
+    # -- required hooks -----------------------------------------------------------------------
+    def _accept_token(self, token: int) -> bool:
+        if not self._mask_allows(token):
+            return False
+        if self.is_stop_token(token):
+            self._terminated = True
+        else:
+            self._consume(token)
+        return True
+
+    def _rollback(self, num_tokens: int) -> None:
+        if self._terminated:
+            # The stop token never reached the native matcher.
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens and not (self._m.rollback(num_tokens) and not self._m.is_error()):
+            raise GrammarStateError(f"llguidance rollback({num_tokens}) failed: {self._m.get_error()}")
+
+    def _fork(self) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(self._backend, self._m.deep_copy(), terminated=self._terminated)
+
+    def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._fill_ptr(bitmask.data_ptr() + row * self._row_bytes)
+
+    def _is_terminated(self) -> bool:
+        return self._terminated
+
+    # -- faster paths -------------------------------------------------------------------------
+    def _validate_tokens(self, tokens: list[int]) -> int:
+        # The native count is an upper bound (accept is wider than the mask, see the module
+        # docstring); the exact count walks the mask bits up to it.
+        stop_at = next((i for i, t in enumerate(tokens) if self.is_stop_token(t)), len(tokens))
+        bound = self._m.validate_tokens(tokens[:stop_at]) if stop_at else 0
+        if bound == stop_at < len(tokens):
+            bound += 1  # the stop token, checked against the mask below
+        n = consumed = 0
+        try:
+            while n < bound and self._mask_allows(tokens[n]):
+                n += 1
+                if n > stop_at:
+                    break
+                self._consume(tokens[n - 1])
+                consumed += 1
+        finally:
+            if consumed:
+                self._m.rollback(consumed)
+        return n
+
+    def _forced_tokens(self) -> list[int]:
+        # compute_ff_tokens tokenizes the forced bytes; keep only the prefix whose every token
+        # is the single token its state's mask allows (truly forced, never a stop token).
+        forced: list[int] = []
+        try:
+            for t in self._m.compute_ff_tokens():
+                if self.is_stop_token(t) or single_allowed_token(self._scratch_row()) != t:
+                    break
+                self._consume(t)
+                forced.append(t)
+        finally:
+            if forced:
+                self._m.rollback(len(forced))
+        return forced
+
+    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+        """Depth-first walk with consume/rollback on the native matcher; a child is entered only
+        when its bit is set in its parent's row (G4), a stop-token child is valid with a zero
+        row and is never consumed. Same rows as :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`."""
+        n = tree.num_nodes
+        tokens = tree.token_list
+        parents = tree.parent_list
+        first_child = tree.first_child_list
+        next_sibling = tree.next_sibling_list
+        n_tok = self.info.tokenizer_vocab_size
+        stops = self._stop_ids
+        m = self._m
+        words = bitmask.numpy()
+        words[row_offset : row_offset + n] = 0
+        base = bitmask.data_ptr() + row_offset * self._row_bytes
+        row_bytes = self._row_bytes
+        valid = [False] * n
+        valid[0] = True
+        self._fill_ptr(base)
+        # Stack entries: a node to enter (>= 0) or ~node to leave (roll its token back).
+        stack = tree.children(0)[::-1]
+        depth = 0
+        try:
+            while stack:
+                node = stack.pop()
+                if node < 0:
+                    m.rollback(1)
+                    depth -= 1
+                    continue
+                t = tokens[node]
+                prow = row_offset + parents[node]
+                if not (0 <= t < n_tok and (int(words[prow, t >> 5]) >> (t & 31)) & 1):
+                    continue
+                valid[node] = True
+                if t in stops:
+                    continue  # terminates: zero row, no children
+                self._consume(t)
+                depth += 1
+                stack.append(~node)
+                self._fill_ptr(base + node * row_bytes)
+                c = first_child[node]
+                kids = []
+                while c != -1:
+                    kids.append(c)
+                    c = next_sibling[c]
+                stack.extend(reversed(kids))
+        finally:
+            if depth:
+                m.rollback(depth)
+        return torch.tensor(valid, dtype=torch.bool)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """llguidance (https://github.com/guidance-ai/llguidance) behind the spec-grammar protocol.
+
+    Extra options: ``num_threads`` of the ``LLExecutor`` that fills many requests' tree rows
+    in parallel (default: llguidance's choice, 80 % of the CPUs up to 32); ``slices`` for the
+    tokenizer's mask slicer (``None`` = llguidance's general slices, ``[]`` = off; see G5).
+
+    Raises ``ValueError`` when the tokenizer is not a fast Hugging Face tokenizer or when the
+    logits width is smaller than the tokenizer (llguidance needs ``vocab_size >= len(tokenizer)``).
+    """
+
+    name = "llguidance"
+    capabilities = Capabilities(
+        json_schema=True,
+        regex=True,
+        ebnf=True,
+        lark=True,
+        tool_calls=True,
+        native_rollback=True,
+        native_fork=True,
+        native_validate=True,
+        native_tree_fill=False,
+        native_forced_tokens=True,
+        parallel_fill=True,
+        releases_gil=True,
+    )
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        num_threads: int | None = None,
+        slices: Sequence[str] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(tokenizer, **kwargs)
+        info = self.tokenizer_info
+        if info.tokenizer_vocab_size < len(info.hf_tokenizer):
+            raise ValueError(
+                f"llguidance needs a logits width >= the tokenizer's {len(info.hf_tokenizer)} tokens, "
+                f"got vocab_size={info.vocab_size}"
+            )
+        self._llg_tokenizer = _llg_tokenizer(info, None if slices is None else list(slices))
+        self._num_threads = num_threads
+        self._executor: Any = None
+        self._executor_lock = threading.Lock()
+
+    @classmethod
+    def library_version(cls) -> str:
+        return importlib.metadata.version("llguidance")
+
+    # -- compile ------------------------------------------------------------------------------
+    def _grammar_text(self, spec: GrammarSpec) -> str:
+        if isinstance(spec, JsonSchema):
+            flexible = spec.whitespace == "flexible"
+            item_sep, key_sep = _SEPARATORS.get(spec.whitespace, (",", ":"))
+            # overrides: the spec's whitespace policy wins over a schema's own x-guidance.
+            options = {
+                "whitespace_flexible": flexible,
+                "whitespace_pattern": None,
+                "item_separator": item_sep,
+                "key_separator": key_sep,
+                "lenient": not spec.strict,
+            }
+            if spec.json_schema is False:
+                raise GrammarCompileError("the schema `false` accepts no document")
+            # llguidance applies options only to object schemas: `true` is spelled `{}`.
+            schema = "{}" if spec.json_schema is True else spec.schema_json()
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if isinstance(spec, Regex):
+            return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+        if isinstance(spec, Ebnf):
+            text = spec.text
+            if spec.root != "root":
+                if re.search(r"(?m)^\s*root\s*::=", text):
+                    raise UnsupportedGrammarError(
+                        f"root={spec.root!r} but the grammar also defines a rule named 'root', "
+                        "which llguidance's GBNF converter always starts from"
+                    )
+                text += f"\nroot ::= {spec.root}\n"
+            try:
+                lark = gbnf_to_lark(text)
+            except Exception as e:  # the converter raises bare Exception
+                raise GrammarCompileError(f"invalid GBNF grammar: {e}", reason=str(e)) from e
+            return llguidance.LLMatcher.grammar_from_lark(lark)
+        if isinstance(spec, Lark):
+            return llguidance.LLMatcher.grammar_from_lark(spec.text)
+        raise UnsupportedGrammarError(f"{spec.kind} is not supported by llguidance")
+
+    def _compile(self, spec: GrammarSpec) -> _Grammar:
+        text = self._grammar_text(spec)
+        prototype = llguidance.LLMatcher(self._llg_tokenizer, text, log_level=0)
+        if prototype.is_error():
+            reason = prototype.get_error()
+            err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
+            raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
+        return _Grammar(text, prototype)
+
+    def _matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self, compiled.native.new_matcher())
+
+    # -- many requests at once ---------------------------------------------------------------
+    @property
+    def executor(self) -> Any:
+        """The ``llguidance.LLExecutor`` used by :meth:`fill_tree_bitmasks` (created lazily)."""
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self._num_threads)
+            return self._executor
+
+    def fill_tree_bitmasks(
+        self, jobs: Sequence[tuple[SpecGrammar, DraftTree, int]], bitmask: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Fill the tree rows of many requests, ``jobs`` = ``(matcher, tree, row_offset)``; rows
+        and the returned ``(N,)`` bool ``valid`` tensors are exactly those of
+        :meth:`SpecGrammar.fill_tree_bitmask` per job.
+
+        Level by level (breadth first over all trees at once): every valid node of the level
+        gets its own native matcher (its parent's, moved on by its token, for the first child;
+        a ``deep_copy`` for the other children) and the level's rows are computed in one
+        ``LLExecutor`` call, in parallel with the GIL released. Each job's own matcher follows
+        its first branch and is rolled back afterwards. Jobs whose matcher is not this
+        backend's, or that share a matcher, go through the sequential path.
+
+        Raises :class:`BitmaskError` on a bad buffer or rows that do not fit, and
+        :class:`GrammarStateError` when a job's matcher is terminated.
+        """
+        check_bitmask(bitmask, self.vocab_size)
+        results: list[torch.Tensor | None] = [None] * len(jobs)
+        par: list[int] = []
+        seen: set[int] = set()
+        for i, (m, tree, off) in enumerate(jobs):
+            if not 0 <= off <= bitmask.shape[0] - tree.num_nodes:
+                raise BitmaskError(
+                    f"rows [{off}, {off + tree.num_nodes}) do not fit a bitmask with {bitmask.shape[0]} rows"
+                )
+            if m.is_terminated():
+                raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
+            if isinstance(m, LLGuidanceMatcher) and m._backend is self and id(m) not in seen:
+                seen.add(id(m))
+                par.append(i)
+        if len(par) > 1:
+            for i, valid in zip(par, self._fill_trees_par([jobs[i] for i in par], bitmask)):
+                results[i] = valid
+        for i, (m, tree, off) in enumerate(jobs):
+            if results[i] is None:
+                results[i] = m.fill_tree_bitmask(tree, bitmask, off)
+        return results  # type: ignore[return-value]
+
+    def _fill_trees_par(
+        self, jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]], bitmask: torch.Tensor
+    ) -> list[torch.Tensor]:
+        words = bitmask.numpy()
+        executor = self.executor
+        n_tok = self.tokenizer_info.tokenizer_vocab_size
+        stops = frozenset(self.tokenizer_info.stop_token_ids)
+        valids: list[list[bool]] = []
+        moved = [0] * len(jobs)  # tokens each job's own matcher consumed along its first branch
+        level: list[tuple[int, int, Any]] = []  # (job, node, native matcher at that node)
+        for j, (m, tree, off) in enumerate(jobs):
+            words[off : off + tree.num_nodes] = 0
+            v = [False] * tree.num_nodes
+            v[0] = True
+            valids.append(v)
+            level.append((j, 0, m._m))
+        try:
+            while level:
+                executor.unsafe_compute_mask_ptr(
+                    [(nm, jobs[j][2] + node) for j, node, nm in level],
+                    bitmask.data_ptr(),
+                    bitmask.shape[1] * 4,
+                    bitmask.shape[0],
+                )
+                nxt: list[tuple[int, int, Any]] = []
+                for j, node, nm in level:
+                    if nm.is_error():
+                        raise GrammarStateError(f"llguidance matcher failed: {nm.get_error()}")
+                    m, tree, off = jobs[j]
+                    prow = words[off + node]
+                    kids = [
+                        c
+                        for c in tree.children(node)
+                        if 0 <= (t := tree.token_list[c]) < n_tok and (int(prow[t >> 5]) >> (t & 31)) & 1
+                    ]
+                    for c in kids:
+                        valids[j][c] = True
+                    kids = [c for c in kids if tree.token_list[c] not in stops]
+                    # Copies first: the first child then takes the parent's matcher over.
+                    for c in kids[1:]:
+                        cm = nm.deep_copy()
+                        _consume_native(cm, tree.token_list[c])
+                        nxt.append((j, c, cm))
+                    if kids:
+                        _consume_native(nm, tree.token_list[kids[0]])
+                        if nm is m._m:
+                            moved[j] += 1
+                        nxt.append((j, kids[0], nm))
+                level = nxt
+        finally:
+            for (m, _, _), k in zip(jobs, moved):
+                if k:
+                    m._m.rollback(k)
+        out = []
+        for (m, tree, off), v in zip(jobs, valids):
+            clear_padding_bits(bitmask, off, off + tree.num_nodes, n_tok)
+            out.append(torch.tensor(v, dtype=torch.bool))
+        return out

@@ -1,0 +1,330 @@
+"""Mask-apply and fused-verify kernels against the memory-bandwidth bound and other libraries.
+
+GPU (default when CUDA is available): for rows x vocab x dtype, times (``triton.testing.do_bench``,
+median, L2 flushed before every run) spec-grammar's apply, xgrammar's
+``apply_token_bitmask_inplace(backend="triton")`` and ``llguidance.torch.apply_token_bitmask_inplace``
+in the same run, and the fused masked argmax / softmax against apply followed by
+``torch.argmax`` / ``torch.softmax``. The bound of the in-place apply is one read and one write
+of the logits plus one read of the mask, over the device-to-device copy bandwidth measured in
+the same run (bytes read + written by a 1 GiB ``copy_``). Every cell also checks the results:
+spec-grammar's apply equals its torch path and xgrammar's result bit for bit, and the fused
+argmax equals apply + argmax.
+
+CPU (``--device cpu``, smaller sizes): wall-clock medians of the same calls, with xgrammar's
+``cpu`` backend and llguidance's torch apply (``torch.compile``; compiled before timing).
+
+Masks: ``random`` draws every bit independently with p = 1/2 (every 32-token word is mixed, so
+the whole row must be read and written: the bound case); ``sparse`` allows about 1% of the
+tokens in runs, as grammar masks at structural positions do (most words all zero).
+
+Writes ``<out>/kernels-<tag>.json`` and ``<out>/kernels-<tag>.md``.
+
+    python benchmarks/bench_kernels.py --out benchmarks/results --tag h200
+    python benchmarks/bench_kernels.py --device cpu --tag cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from spec_grammar.kernels import apply_token_bitmask_inplace, masked_argmax, masked_softmax
+from spec_grammar.kernels.cpu import apply_token_bitmask_inplace_torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GPU_ROWS, GPU_VOCABS = (64, 512, 2048), (49_152, 262_144)
+CPU_ROWS, CPU_VOCABS = (1, 16, 64), (49_152, 262_144)
+TEMPERATURE = 0.8
+
+
+def make_mask(kind: str, rows: int, vocab: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    """``(rows, ceil(vocab/32))`` int32 mask of the given kind (see the module docstring)."""
+    width = (vocab + 31) // 32
+    if kind == "random":
+        m = torch.randint(-(2**31), 2**31 - 1, (rows, width), dtype=torch.int32, generator=gen)
+        return m.to(device)
+    # sparse: ~1% of the words are all ones, plus one random bit in another ~1%.
+    full = torch.rand(rows, width, generator=gen) < 0.01
+    single = torch.rand(rows, width, generator=gen) < 0.01
+    bit = torch.randint(0, 31, (rows, width), generator=gen, dtype=torch.int32)
+    m = torch.where(single, torch.ones_like(bit) << bit, torch.zeros_like(bit))
+    m = torch.where(full, torch.full_like(m, -1), m)
+    return m.to(device)
+
+
+def load_others(device: str) -> dict:
+    """The other libraries' apply functions that import here, by name."""
+    others = {}
+    try:
+        import xgrammar
+
+        backend = "triton" if device == "cuda" else "cpu"
+        others["xgrammar"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(l, m, backend=backend)
+    except Exception as e:  # noqa: BLE001 - report, and benchmark without it
+        print(f"xgrammar unavailable: {type(e).__name__}: {e}")
+    try:
+        import llguidance.torch as llg
+
+        others["llguidance"] = llg.apply_token_bitmask_inplace
+    except Exception as e:  # noqa: BLE001
+        print(f"llguidance unavailable: {type(e).__name__}: {e}")
+    return others
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def gpu_time_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = gpu_time_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (ms * 1e-3)
+
+
+def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
+    dtype = DTYPES[dname]
+    logits0 = torch.randn(rows, vocab, device="cuda", dtype=torch.float32).to(dtype)
+    mask = make_mask(kind, rows, vocab, "cuda", gen)
+    width = mask.shape[1]
+    bound_bytes = 2 * rows * vocab * logits0.element_size() + rows * width * 4
+    bound_ms = bound_bytes / bw * 1e3
+
+    # Correctness on this cell's data.
+    ours = logits0.clone()
+    apply_token_bitmask_inplace(ours, mask)
+    ref = logits0.clone()
+    apply_token_bitmask_inplace_torch(ref, mask)
+    checks = {"apply == torch path": bool(torch.equal(ours, ref))}
+    for name, fn in others.items():
+        theirs = logits0.clone()
+        fn(theirs, mask)
+        checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
+    expect = ours.float().argmax(dim=1)
+    expect[ours.float().amax(dim=1) == float("-inf")] = -1
+    checks["masked_argmax == apply+argmax"] = bool(torch.equal(masked_argmax(logits0, mask), expect))
+    probs = masked_softmax(logits0, mask, TEMPERATURE)
+    ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
+    checks["masked_softmax ~= apply+softmax"] = bool(torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7))
+    del ref, probs, ref_p
+
+    work = logits0.clone()
+    t = {"spec_grammar": gpu_time_ms(lambda: apply_token_bitmask_inplace(work, mask))}
+    for name, fn in others.items():
+        t[name] = gpu_time_ms(lambda fn=fn: fn(work, mask))
+    t["fused_argmax"] = gpu_time_ms(lambda: masked_argmax(logits0, mask))
+    t["apply+argmax"] = gpu_time_ms(
+        lambda: (apply_token_bitmask_inplace(work, mask), torch.argmax(work, dim=1))
+    )
+    t["fused_softmax"] = gpu_time_ms(lambda: masked_softmax(logits0, mask, TEMPERATURE))
+    t["apply+softmax"] = gpu_time_ms(
+        lambda: (apply_token_bitmask_inplace(work, mask), torch.softmax(work.float() / TEMPERATURE, 1))
+    )
+    del work, logits0, ours
+    return {
+        "rows": rows,
+        "vocab": vocab,
+        "dtype": dname,
+        "mask": kind,
+        "bound_bytes": bound_bytes,
+        "bound_ms": bound_ms,
+        "ms": t,
+        "achieved_GBps": bound_bytes / (t["spec_grammar"] * 1e-3) / 1e9,
+        "fraction_of_bound": bound_ms / t["spec_grammar"],
+        "checks": checks,
+    }
+
+
+def sweep(gen) -> list[dict]:
+    """Apply time for (words per program, warps) candidates: picks the Triton defaults."""
+    from spec_grammar.kernels.triton import apply_token_bitmask_inplace_triton
+
+    out = []
+    for dname, dtype in DTYPES.items():
+        for rows, vocab in ((64, 262_144), (512, 49_152), (2048, 262_144)):
+            logits = torch.randn(rows, vocab, device="cuda").to(dtype)
+            mask = make_mask("random", rows, vocab, "cuda", gen)
+            for words, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)):
+                ms = gpu_time_ms(
+                    lambda: apply_token_bitmask_inplace_triton(
+                        logits, mask, words_per_program=words, num_warps=warps
+                    )
+                )
+                out.append({"dtype": dname, "rows": rows, "vocab": vocab, "words": words,
+                            "warps": warps, "ms": ms})
+                print(f"sweep {dname} {rows}x{vocab} words={words} warps={warps}: {ms * 1e3:.1f} us",
+                      flush=True)
+            del logits, mask
+    return out
+
+
+def run_gpu(args) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    others = load_others("cuda")
+    bw = copy_bandwidth()
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "copy_bandwidth_Bps": bw,
+        "cells": [],
+    }
+    for name in others:
+        mod = __import__(name)
+        result[f"{name}_version"] = getattr(mod, "__version__", "?")
+    if args.sweep:
+        result["sweep"] = sweep(gen)
+    for kind in args.masks:
+        for rows in args.rows or GPU_ROWS:
+            for vocab in args.vocabs or GPU_VOCABS:
+                for dname in DTYPES:
+                    cell = gpu_cell(rows, vocab, dname, kind, others, bw, gen)
+                    result["cells"].append(cell)
+                    print(json.dumps(cell), flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def cpu_time_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def run_cpu(args) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    others = load_others("cpu")
+    result = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "cells": []}
+    for kind in args.masks:
+        for rows in args.rows or CPU_ROWS:
+            for vocab in args.vocabs or CPU_VOCABS:
+                for dname, dtype in DTYPES.items():
+                    logits0 = torch.randn(rows, vocab, generator=gen).to(dtype)
+                    mask = make_mask(kind, rows, vocab, "cpu", gen)
+                    ours = logits0.clone()
+                    apply_token_bitmask_inplace(ours, mask)
+                    checks = {}
+                    for name, fn in others.items():
+                        theirs = logits0.clone()
+                        fn(theirs, mask)  # also compiles llguidance's kernel before timing
+                        checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
+                    reps = max(5, min(200, int(2e7 // (rows * vocab))))
+                    work = logits0.clone()
+                    t = {"spec_grammar": cpu_time_ms(lambda: apply_token_bitmask_inplace(work, mask), reps)}
+                    for name, fn in others.items():
+                        t[name] = cpu_time_ms(lambda fn=fn: fn(work, mask), reps)
+                    t["fused_argmax"] = cpu_time_ms(lambda: masked_argmax(logits0, mask), reps)
+                    t["apply+argmax"] = cpu_time_ms(
+                        lambda: (apply_token_bitmask_inplace(work, mask), torch.argmax(work, dim=1)), reps
+                    )
+                    cell = {"rows": rows, "vocab": vocab, "dtype": dname, "mask": kind, "ms": t,
+                            "checks": checks}
+                    result["cells"].append(cell)
+                    print(json.dumps(cell), flush=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _ratio(t: dict, other: str) -> str:
+    return f"{t[other] / t['spec_grammar']:.2f}x" if other in t else "n/a"
+
+
+def markdown(result: dict, gpu: bool) -> str:
+    lines = [f"# Mask-apply kernels on {result['device']}", ""]
+    if gpu:
+        lines += [
+            f"torch {result['torch']}, triton {result['triton']}; device-to-device copy "
+            f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write). Times: median of "
+            "`triton.testing.do_bench` (L2 flushed before each run), microseconds. Bound = "
+            "(read + write of the logits + read of the mask) / copy bandwidth. "
+            "'x' columns: their time / ours (> 1 = ours faster).",
+            "",
+        ]
+    else:
+        lines += [f"{result['threads']} torch threads; wall-clock medians, microseconds. "
+                  "'x' columns: their time / ours (> 1 = ours faster).", ""]
+    for kind in sorted({c["mask"] for c in result["cells"]}):
+        lines += [f"## {kind} masks", ""]
+        if gpu:
+            head = ("| rows | vocab | dtype | ours us | bound us | % of bound | GB/s | xgrammar us | "
+                    "xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
+                    "fused softmax us | apply+softmax us | checks |")
+        else:
+            head = ("| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
+                    "fused argmax us | apply+argmax us | checks |")
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        for c in (c for c in result["cells"] if c["mask"] == kind):
+            t = c["ms"]
+            us = lambda k: f"{t[k] * 1e3:.1f}" if k in t else "n/a"  # noqa: E731
+            ok = "ok" if all(c["checks"].values()) else "FAIL: " + ", ".join(
+                k for k, v in c["checks"].items() if not v)
+            if gpu:
+                lines.append(
+                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
+                    f"{c['bound_ms'] * 1e3:.1f} | {100 * c['fraction_of_bound']:.0f}% | "
+                    f"{c['achieved_GBps']:.0f} | {us('xgrammar')} | {_ratio(t, 'xgrammar')} | "
+                    f"{us('llguidance')} | {_ratio(t, 'llguidance')} | {us('fused_argmax')} | "
+                    f"{us('apply+argmax')} | {us('fused_softmax')} | {us('apply+softmax')} | {ok} |"
+                )
+            else:
+                lines.append(
+                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
+                    f"{us('xgrammar')} | {_ratio(t, 'xgrammar')} | {us('llguidance')} | "
+                    f"{_ratio(t, 'llguidance')} | {us('fused_argmax')} | {us('apply+argmax')} | {ok} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default=None, help="file stem suffix (default: h200 on CUDA, cpu)")
+    ap.add_argument("--masks", nargs="+", default=["random", "sparse"], choices=("random", "sparse"))
+    ap.add_argument("--rows", nargs="+", type=int, help="override the row counts")
+    ap.add_argument("--vocabs", nargs="+", type=int, help="override the vocab sizes")
+    ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument("--sweep", action="store_true", help="GPU: also time Triton block configs")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    warnings.simplefilter("ignore")
+    gpu = args.device == "cuda"
+    result = run_gpu(args) if gpu else run_cpu(args)
+    tag = args.tag or ("h200" if gpu else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kernels-{tag}.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result, gpu)
+    (out / f"kernels-{tag}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

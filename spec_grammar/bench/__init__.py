@@ -1,0 +1,8 @@
+"""Benchmarks of the grammar layer (``spec-grammar bench ...``).
+
+One module per measurement; each writes a JSON result file that :mod:`.report` turns into
+Markdown tables, PNG plots and the tables of ``docs/benchmarks.md``:
+
+- :mod:`.masks`: compile time of real schemas and the cost of filling draft-tree bitmasks,
+  ours (``GrammarBackend.fill_tree_bitmasks``) against the naive per-node DFS engines use.
+"""

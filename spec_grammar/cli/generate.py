@@ -1,0 +1,261 @@
+"""``spec-grammar generate``: constrained generation with tree speculative decoding.
+
+One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: ``prompt`` plus
+its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
+``tools``, and optional ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``). A line
+that cannot be turned into a request, or whose grammar fails to compile, is reported as failed;
+the other requests complete. Exit code 0 when every request succeeded, 1 when some failed, 2
+on bad arguments (missing files, unknown backend, unreadable schema).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark", "tools")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text under a grammar with tree speculative decoding",
+        description="Generate with a real model under a grammar (JSON schema, regex, EBNF, Lark, "
+        "tool calls), verifying draft trees against the grammar's tree bitmask.",
+    )
+    p.add_argument("prompt", nargs="?", help="the user prompt (chat template applied)")
+    p.add_argument("--grammar-backend", default="xgrammar", help="xgrammar, outlines, llguidance, an entry point or module:Class")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
+    g.add_argument("--regex", metavar="RE", help="regular expression the output must match")
+    g.add_argument("--ebnf", metavar="FILE", help="GBNF/EBNF grammar file (root rule: root)")
+    g.add_argument("--lark", metavar="FILE", help="Lark grammar file (start rule: start)")
+    g.add_argument("--tools", metavar="FILE", help="OpenAI-style tool list (JSON); output = required tool calls")
+    p.add_argument("--model", default="smollm2", help="smollm2, gemma3, a model directory or a .gguf file")
+    p.add_argument("--draft", default="ngram", help="ngram (default), self:L, model:PATH or none")
+    p.add_argument("--topk", type=int, default=1, help="branches per draft step (model drafters)")
+    p.add_argument("--num-steps", type=int, default=4, help="draft depth (model drafters)")
+    p.add_argument("--num-draft-tokens", type=int, default=8, help="draft tree size, root included")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--no-spec", action="store_true", help="plain constrained decoding (no drafts)")
+    p.add_argument("--no-overlap", action="store_true", help="grammar work after the verify forward, not under it")
+    p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
+    p.add_argument("--batch-file", metavar="FILE.jsonl", help="one request per line (see the module help)")
+    p.add_argument("--json", action="store_true", help="print per-request results and stats as JSON")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=run)
+
+
+def _read_text(path: str, what: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} file not found: {path}")
+    return p.read_text(encoding="utf-8")
+
+
+def _read_json(path: str, what: str) -> Any:
+    text = _read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} file {path} is not valid JSON: {e}") from None
+
+
+def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files_only: bool = False):
+    """The grammar spec named by one of ``_GRAMMAR_FIELDS``, or None. Values are file paths
+    (relative to ``base``) when ``files_only`` (the CLI flags); in a batch line they may also be
+    inline (a JSON object/list, grammar text)."""
+    from ..specs import Ebnf, JsonSchema, Lark, Regex, ToolCalls
+
+    present = [k for k in _GRAMMAR_FIELDS if fields.get(k) is not None]
+    if len(present) > 1:
+        raise ValueError(f"give one grammar, got {', '.join(present)}")
+    if not present:
+        return None
+    key = present[0]
+    value = fields[key]
+    if key == "regex":
+        return Regex(value)
+
+    def path(v: str) -> str:
+        return v if base is None or Path(v).is_absolute() else str(base / v)
+
+    if key in ("json_schema", "tools"):
+        what = "JSON schema" if key == "json_schema" else "tools"
+        if isinstance(value, str):
+            if not files_only and value.lstrip()[:1] in ("{", "["):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{what} is not valid JSON: {e}") from None
+            else:
+                value = _read_json(path(value), what)
+        return JsonSchema(value) if key == "json_schema" else ToolCalls(value)
+    what = key.upper() if key == "ebnf" else "Lark"
+    if files_only or ("\n" not in value and Path(path(value)).is_file()):
+        value = _read_text(path(value), what)
+    return Ebnf(value) if key == "ebnf" else Lark(value)
+
+
+def _cli_spec(args):
+    fields = {
+        "json_schema": args.json_schema,
+        "regex": args.regex,
+        "ebnf": args.ebnf,
+        "lark": args.lark,
+        "tools": args.tools,
+    }
+    return _spec_from_fields(fields, files_only=True)
+
+
+def _sampling(args, overrides: dict[str, Any]):
+    from ..worker.sampling import SamplingParams
+
+    values = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=list(args.stop),
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+    )
+    values.update({k: v for k, v in overrides.items() if k in SamplingParams.model_fields})
+    return SamplingParams(**values)
+
+
+def run(args) -> int:
+    from pydantic import ValidationError
+
+    from ..registry import load_backend_class
+    from ..worker.api import build_prompt, build_worker, schema_prompt, summarize
+    from ..worker.request import Request, RequestResult
+
+    if args.prompt is None and not args.batch_file:
+        raise ValueError("give a PROMPT or --batch-file")
+    load_backend_class(args.grammar_backend)  # unknown backends fail before the model loads
+    try:
+        global_spec = _cli_spec(args)
+    except ValidationError as e:
+        raise ValueError(f"bad grammar: {e.errors()[0]['msg']}") from None
+
+    # (prompt text, spec, sampling overrides) per request, or an error string for a bad line
+    items: list[tuple[str, Any, dict] | str] = []
+    if args.prompt is not None:
+        items.append((args.prompt, global_spec, {}))
+    if args.batch_file:
+        base = Path(args.batch_file).parent
+        for n, line in enumerate(_read_text(args.batch_file, "batch").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                    raise ValueError("each line needs a string field 'prompt'")
+                spec = _spec_from_fields(rec, base) if any(k in rec for k in _GRAMMAR_FIELDS) else global_spec
+                items.append((rec["prompt"], spec, rec))
+            except (ValueError, ValidationError, FileNotFoundError) as e:
+                msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
+                items.append(f"{args.batch_file}:{n}: {msg}")
+
+    worker = build_worker(
+        model=args.model,
+        grammar_backend=args.grammar_backend,
+        draft=None if args.draft == "none" else args.draft,
+        topk=args.topk,
+        num_steps=args.num_steps,
+        num_draft_tokens=args.num_draft_tokens,
+        no_spec=args.no_spec,
+        overlap=not args.no_overlap,
+        device=args.device,
+    )
+    requests, slots = [], []
+    for item in items:
+        if isinstance(item, str):
+            slots.append(item)
+            continue
+        text, spec, overrides = item
+        user = text if spec is None or args.no_schema_in_prompt else schema_prompt(spec, text)
+        req = Request(prompt=build_prompt(worker.tokenizer, user), grammar=spec, sampling=_sampling(args, overrides))
+        slots.append(len(requests))
+        requests.append(req)
+
+    t0 = time.perf_counter()
+    with worker, _progress(requests) as on_step:
+        results = worker.run(requests, on_step=on_step)
+    wall = time.perf_counter() - t0
+    final: list[RequestResult] = []
+    for n, slot in enumerate(slots):
+        if isinstance(slot, str):
+            final.append(
+                RequestResult(
+                    rid=f"line-{n}", text="", token_ids=[], prompt_tokens=0, finish_reason="error",
+                    error=slot, num_tokens=0, steps=0, accept_length=0.0, tokens_per_s=0.0,
+                    grammar_ms_hidden=0.0, grammar_ms_exposed=0.0,
+                )
+            )
+        else:
+            final.append(results[slot])
+    summary = summarize(final, worker.step_stats, wall)
+    if args.json:
+        print(json.dumps({"results": [r.model_dump() for r in final], "summary": summary.model_dump()}, indent=2))
+    else:
+        for r in final:
+            if len(final) > 1:
+                print(f"--- {r.rid} [{r.finish_reason}]")
+            if r.error:
+                print(f"error: {r.error}", file=sys.stderr if len(final) == 1 else sys.stdout)
+            else:
+                print(r.text)
+        print(
+            f"{summary.output_tokens} tokens in {summary.wall_s:.2f} s ({summary.tokens_per_s:.1f} tok/s), "
+            f"accept length {summary.accept_length:.2f}, grammar {summary.grammar_ms_per_step:.2f} ms/step "
+            f"({summary.grammar_exposed_ms_per_step:.2f} exposed)",
+            file=sys.stderr,
+        )
+    return 1 if summary.errors else 0
+
+
+class _progress:
+    """A rich progress bar on stderr (only on a terminal) over the requested token budget."""
+
+    def __init__(self, requests):
+        self.total = sum(r.sampling.max_new_tokens for r in requests)
+        self.bar = None
+
+    def __enter__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(stderr=True)
+        if not console.is_terminal or self.total < 64:
+            return None
+        self.bar = Progress(
+            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console, transient=True,
+        )
+        self.bar.start()
+        task = self.bar.add_task("tokens", total=self.total)
+
+        def on_step(_stats, states):
+            done = sum(s.sampling.max_new_tokens if s.finished else len(s.output_ids) for s in states)
+            self.bar.update(task, completed=done)
+
+        return on_step
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()

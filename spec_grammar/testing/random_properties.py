@@ -1,0 +1,390 @@
+"""Randomized properties (hypothesis) on real grammars: draft trees, rollback, fork, split
+invariance, mask/accept agreement.
+
+The oracle is the backend itself used in the simplest way: a fresh matcher fed one path token
+by token. Every property runs twice: on the toy tokenizer with grammars G and U (fast, exact
+grammar), and on the SmolLM2 tokenizer with real JSON schemas (JSONSchemaBench sample), BFCL
+tool calls, a regex and an EBNF/Lark grammar. Tokens are drawn mostly from the allowed sets
+(so walks reach deep states), otherwise invalid: ``-1`` padding, padding columns
+``[len(tokenizer), V)``, ids ``>= V``, or any token of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Sequence
+
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from ..bitmask import allocate_token_bitmask
+from ..datasets import bfcl_cases, jsonschemabench_sample
+from ..protocol import CompiledGrammar, GrammarBackend, SpecGrammar
+from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
+from ..tree import DraftTree
+from .core import ConformanceFailure, Session, allowed_set, check, check_equal_sets, conformance_property
+from .fixtures import grammar_g, grammar_u
+
+QUICK_SCHEMA_IDS = ("o12240", "calculate_area_98abd231", "wp_88_Normalized")
+REGEX = r"[A-Z]{3}-[0-9]{4} (active|inactive|pending) [a-z]+@[a-z]+\.com \d{1,3}(\.\d{1,2})?"
+ARITH_EBNF = r'''root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= [0-9]+ | "(" expr ")"
+'''
+ARITH_LARK = r'''start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")"
+NUMBER: /[0-9]+/
+'''
+
+
+def grammar_bank(fixture: str, slow: bool) -> list[GrammarSpec]:
+    """Grammars the random properties draw from on ``fixture``."""
+    if fixture == "toy":
+        return grammar_g() + grammar_u()
+    rows = jsonschemabench_sample()
+    if not slow:
+        rows = [r for r in rows if r["id"] in QUICK_SCHEMA_IDS]
+    cases = bfcl_cases() if slow else bfcl_cases()[:2]
+    return (
+        [JsonSchema(r["schema"]) for r in rows]
+        + [ToolCalls(c["tools"]) for c in cases]
+        + [Regex(REGEX), Ebnf(ARITH_EBNF), Lark(ARITH_LARK)]
+    )
+
+
+class Oracle:
+    """Allowed sets by fresh-matcher replay of a path, memoized per path. Every set it reads
+    is also checked for padding ids and, for JSON grammars, EOS only where the text parses."""
+
+    def __init__(self, backend: GrammarBackend, compiled: CompiledGrammar):
+        self.backend = backend
+        self.compiled = compiled
+        self.info = backend.tokenizer_info
+        self.is_json = isinstance(compiled.spec, (JsonSchema, ToolCalls))
+        self._memo: dict[tuple[int, ...], tuple[frozenset[int], bool]] = {}
+
+    def describe(self, path: Sequence[int]) -> str:
+        return f"{self.compiled.spec.kind} {self.compiled.spec.cache_key()[:120]}... after {list(path)} {self.info.decode(path)!r}"
+
+    def fresh(self, path: Sequence[int]) -> SpecGrammar:
+        m = self.backend.matcher(self.compiled)
+        for i, t in enumerate(path):
+            if not m.accept_token(t):
+                raise ConformanceFailure(
+                    "a token the mask allowed is accepted", self.describe(path[:i]) + f", token {t}", True, False
+                )
+        return m
+
+    def state(self, path: Sequence[int]) -> tuple[frozenset[int], bool]:
+        """``(allowed set, terminated)`` after ``path`` (the empty set once terminated)."""
+        key = tuple(path)
+        if key not in self._memo:
+            m = self.fresh(key)
+            done = m.is_terminated()
+            allowed = frozenset() if done else allowed_set(m)
+            self._check_row(key, allowed)
+            self._memo[key] = (allowed, done)
+        return self._memo[key]
+
+    def _check_row(self, path: tuple[int, ...], allowed: frozenset[int]) -> None:
+        padding = {t for t in allowed if t >= self.info.tokenizer_vocab_size}
+        check(not padding, "ids in [tokenizer vocab, logits width) are never allowed", self.describe(path),
+              set(), padding)
+        stops = set(self.info.stop_token_ids) & allowed
+        if self.is_json and stops:
+            text = self.info.decode(path)
+            try:
+                json.loads(text)
+                parses = True
+            except ValueError:
+                parses = False
+            check(parses, "EOS is allowed only where the grammar can end (the JSON text is complete)",
+                  self.describe(path), "EOS refused", "EOS allowed")
+
+
+def _settings(session: Session, fixture: str) -> Callable:
+    examples = {"toy": 40, "smollm2": 12}[fixture] * (8 if session.slow else 1)
+    cfg = settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=session.seed is None,
+        phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if session.slow else []),
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+
+    def apply(fn: Callable) -> Callable:
+        fn = cfg(fn)
+        return fn if session.seed is None else seed(session.seed)(fn)
+
+    return apply
+
+
+def _compiled_bank(session: Session, fixture: str) -> list[tuple[GrammarSpec, CompiledGrammar]]:
+    # Real schemas may use keywords a backend refuses with a typed error: those are left out.
+    return session.supported(fixture, grammar_bank(fixture, session.slow), must_compile=False)
+
+
+def _draw_token(data: Any, oracle: Oracle, allowed: frozenset[int], *, invalid_rate: int) -> int:
+    """A token: from ``allowed`` (stop tokens only sometimes), otherwise an invalid or arbitrary id."""
+    info = oracle.info
+    kind = data.draw(st.integers(0, 9))
+    body = sorted(allowed - set(info.stop_token_ids))
+    if kind >= invalid_rate and allowed:
+        if body and (kind < 9 or len(body) == len(allowed)):
+            return data.draw(st.sampled_from(body))
+        return data.draw(st.sampled_from(sorted(allowed)))
+    junk = [-1, info.tokenizer_vocab_size, info.vocab_size - 1, info.vocab_size, info.vocab_size + 1000]
+    if kind % 2:
+        return data.draw(st.sampled_from([t for t in junk if t >= -1]))
+    return data.draw(st.integers(0, info.tokenizer_vocab_size - 1))
+
+
+def _draw_walk(data: Any, oracle: Oracle, max_len: int, *, may_end: bool) -> list[int]:
+    """A path of accepted tokens drawn from the allowed sets (ending with EOS sometimes)."""
+    path: list[int] = []
+    for _ in range(data.draw(st.integers(0, max_len))):
+        allowed, done = oracle.state(path)
+        if done or not allowed:
+            break
+        body = sorted(allowed - set(oracle.info.stop_token_ids))
+        stops = sorted(allowed & set(oracle.info.stop_token_ids))
+        if stops and (not body or (may_end and data.draw(st.integers(0, 3)) == 0)):
+            path.append(stops[0])
+            break
+        if not body:
+            break
+        path.append(data.draw(st.sampled_from(body)))
+    return path
+
+
+def _walk_len(fixture: str) -> int:
+    return 8 if fixture == "toy" else 30
+
+
+def _register_for_both(name: str, contract: str) -> Callable:
+    def wrap(body: Callable[[Session, str], None]) -> Callable:
+        for fixture in ("toy", "smollm2"):
+            conformance_property(f"{fixture}_{name}", contract, fixture)(
+                lambda session, _f=fixture: body(session, _f)
+            )
+        return body
+
+    return wrap
+
+
+@_register_for_both(
+    "random_tree_rows",
+    "random draft trees: each row equals fresh-matcher replay of root..node, siblings isolated, "
+    "valid = token in parent's row (ancestors valid), invalid/terminated/below-invalid rows zero, "
+    "rows outside the tree untouched, the matcher (mask, num_accepted, termination) unchanged, "
+    "validate_tokens of each root-to-leaf chain = its leading valid nodes, state unchanged",
+)
+def random_tree_rows(session: Session, fixture: str) -> None:
+    backend = session.backend(fixture)
+    bank = _compiled_bank(session, fixture)
+    max_nodes = 10 if fixture == "toy" else 14
+    contract = "tree rows = fresh-matcher replay; fill leaves the matcher unchanged"
+
+    @_settings(session, fixture)
+    @given(st.data())
+    def run(data: Any) -> None:
+        spec, compiled = data.draw(st.sampled_from(bank))
+        oracle = Oracle(backend, compiled)
+        prefix = _draw_walk(data, oracle, _walk_len(fixture), may_end=False)
+        if oracle.state(prefix)[1]:
+            return
+        # The root is the last committed token; with no prefix, any non-stop token (a prompt's).
+        root = prefix[-1] if prefix else min(set(range(3)) - set(oracle.info.stop_token_ids))
+        tokens, parents = [root], [-1]
+        paths: list[list[int] | None] = [list(prefix)]  # grammar path per node, None = invalid
+        for i in range(1, data.draw(st.integers(1, max_nodes))):
+            p = data.draw(st.integers(0, i - 1))
+            ppath = paths[p]
+            if ppath is None or oracle.state(ppath)[1]:
+                t = _draw_token(data, oracle, frozenset(), invalid_rate=10)
+                path = None
+            else:
+                allowed = oracle.state(ppath)[0]
+                t = _draw_token(data, oracle, allowed, invalid_rate=2)
+                path = ppath + [t] if t in allowed else None
+            tokens.append(t)
+            parents.append(p)
+            paths.append(path)
+        tree = DraftTree.from_parents(tokens, parents)
+        where = f"{oracle.describe(prefix)}; tree {tree}"
+
+        m = oracle.fresh(prefix)
+        before = (allowed_set(m), m.num_accepted, m.is_terminated())
+        bm = allocate_token_bitmask(tree.num_nodes + 2, backend.vocab_size)  # all ones: stale rows show
+        valid = m.fill_tree_bitmask(tree, bm, row_offset=1)
+        expected_valid = [pth is not None for pth in paths]
+        check(valid.tolist() == expected_valid, contract, where + ": valid", expected_valid, valid.tolist())
+        for node, pth in enumerate(paths):
+            live = pth is not None and not oracle.state(pth)[1]
+            expected = oracle.state(pth)[0] if live else frozenset()
+            check_equal_sets(m, contract, f"{where}: row of node {node} (path {tree.path(node)})", expected,
+                             allowed_set(m, bm, 1 + node))
+        check(bool((bm[0] == -1).all() and (bm[-1] == -1).all()), contract, where + ": rows outside the tree",
+              "untouched", "overwritten")
+        after = (allowed_set(m), m.num_accepted, m.is_terminated())
+        check(after == before, contract, where + ": matcher after the fill", _state(before), _state(after))
+
+        for leaf in range(tree.num_nodes):
+            if tree.first_child_list[leaf] != -1:
+                continue
+            chain = tree.path(leaf)
+            n_valid = next((i for i, node in enumerate(tree.path_nodes(leaf)[1:]) if not expected_valid[node]), len(chain))
+            n = m.validate_tokens(chain)
+            check(n == n_valid, "validate_tokens counts the leading valid drafts", f"{where}: validate_tokens({chain})",
+                  n_valid, n)
+        after = (allowed_set(m), m.num_accepted, m.is_terminated())
+        check(after == before, "validate_tokens leaves the state unchanged", where + ": after validate_tokens",
+              _state(before), _state(after))
+
+    run()
+
+
+def _state(s: tuple[frozenset[int], int, bool]) -> str:
+    return f"{len(s[0])} allowed ids (hash {hash(s[0]) & 0xFFFF:04x}), num_accepted {s[1]}, terminated {s[2]}"
+
+
+@_register_for_both(
+    "random_rollback_fork",
+    "after random walks (EOS included): rollback(k) equals a fresh replay of the shorter path "
+    "(mask, termination, num_accepted); a fork advanced independently leaves its origin intact; "
+    "a refused token is a no-op; after termination accept is False and fills raise GrammarStateError",
+)
+def random_rollback_fork(session: Session, fixture: str) -> None:
+    backend = session.backend(fixture)
+    bank = _compiled_bank(session, fixture)
+
+    @_settings(session, fixture)
+    @given(st.data())
+    def run(data: Any) -> None:
+        spec, compiled = data.draw(st.sampled_from(bank))
+        oracle = Oracle(backend, compiled)
+        path = _draw_walk(data, oracle, _walk_len(fixture), may_end=True)
+        m = oracle.fresh(path)
+        _same_as(m, oracle, path, "accept token by token")
+        k = data.draw(st.integers(0, len(path)))
+        m.rollback(k)
+        short = path[: len(path) - k]
+        _same_as(m, oracle, short, f"{path} then rollback({k})")
+
+        f = m.fork()
+        more = _draw_walk_from(data, oracle, short, 6)
+        n = f.accept_tokens(more)
+        check(n == len(more), "fork accepts what the grammar allows", oracle.describe(short + more), len(more), n)
+        _same_as(m, oracle, short, f"origin after its fork accepted {more}")
+        _same_as(f, oracle, short + more, "the fork itself")
+
+        allowed, done = oracle.state(short)
+        if not done:
+            bad = _draw_token(data, oracle, frozenset(), invalid_rate=10)
+            if 0 <= bad < backend.vocab_size and bad not in allowed:
+                check(not m.accept_token(bad), "a refused token is refused", oracle.describe(short) + f", token {bad}",
+                      False, True)
+                _same_as(m, oracle, short, f"after the refused token {bad}")
+
+    run()
+
+
+def _draw_walk_from(data: Any, oracle: Oracle, start: list[int], max_len: int) -> list[int]:
+    path = list(start)
+    for _ in range(data.draw(st.integers(0, max_len))):
+        allowed, done = oracle.state(path)
+        if done or not allowed:
+            break
+        path.append(data.draw(st.sampled_from(sorted(allowed))))
+    return path[len(start):]
+
+
+def _same_as(m: SpecGrammar, oracle: Oracle, path: Sequence[int], how: str) -> None:
+    allowed, done = oracle.state(path)
+    where = f"{oracle.describe(path)} ({how})"
+    got = (m.is_terminated(), m.num_accepted)
+    check(got == (done, len(path)), "the state equals a fresh replay of the path", where + ": terminated, num_accepted",
+          (done, len(path)), got)
+    if done:
+        from ..errors import GrammarStateError
+
+        check(not m.accept_token(oracle.info.stop_token_ids[0]), "nothing is accepted after termination", where,
+              False, True)
+        try:
+            m.fill_next_token_bitmask(allocate_token_bitmask(1, oracle.info.vocab_size), 0)
+        except GrammarStateError:
+            return
+        except Exception as e:
+            raise ConformanceFailure("a fill after termination raises GrammarStateError", where,
+                                     "GrammarStateError", f"{type(e).__name__}: {e}") from None
+        raise ConformanceFailure("a fill after termination raises GrammarStateError", where, "GrammarStateError",
+                                 "no error")
+    check_equal_sets(m, "the state equals a fresh replay of the path", where, allowed, allowed_set(m))
+
+
+@_register_for_both(
+    "random_split_validate",
+    "a random accepted sequence gives the same state accepted in one call, token by token or in "
+    "random chunks; validate_tokens returns its length and changes nothing",
+)
+def random_split_validate(session: Session, fixture: str) -> None:
+    backend = session.backend(fixture)
+    bank = _compiled_bank(session, fixture)
+    contract = "split invariance and non-mutating validate"
+
+    @_settings(session, fixture)
+    @given(st.data())
+    def run(data: Any) -> None:
+        spec, compiled = data.draw(st.sampled_from(bank))
+        oracle = Oracle(backend, compiled)
+        path = _draw_walk(data, oracle, _walk_len(fixture), may_end=True)
+        cuts = sorted(set(data.draw(st.lists(st.integers(0, len(path)), max_size=4))))
+        one = backend.matcher(compiled)
+        v = one.validate_tokens(path)
+        check(v == len(path), contract, oracle.describe(path) + ": validate_tokens on a fresh matcher", len(path), v)
+        _same_as(one, oracle, [], "after validate_tokens")
+        n = one.accept_tokens(path)
+        check(n == len(path), contract, oracle.describe(path) + ": accept_tokens in one call", len(path), n)
+        _same_as(one, oracle, path, "one call")
+        chunked = backend.matcher(compiled)
+        bounds = [0] + cuts + [len(path)]
+        for a, b in zip(bounds, bounds[1:]):
+            chunked.accept_tokens(path[a:b])
+        _same_as(chunked, oracle, path, f"chunks cut at {cuts}")
+
+    run()
+
+
+@_register_for_both(
+    "random_mask_accept_agree",
+    "at random reachable states, for sampled ids (allowed, refused, stop, padding columns): the "
+    "mask allows the id <=> accept_token succeeds on a fork",
+)
+def random_mask_accept_agree(session: Session, fixture: str) -> None:
+    backend = session.backend(fixture)
+    bank = _compiled_bank(session, fixture)
+    info = backend.tokenizer_info
+
+    @_settings(session, fixture)
+    @given(st.data())
+    def run(data: Any) -> None:
+        spec, compiled = data.draw(st.sampled_from(bank))
+        oracle = Oracle(backend, compiled)
+        path = _draw_walk(data, oracle, _walk_len(fixture), may_end=False)
+        allowed, done = oracle.state(path)
+        if done:
+            return
+        m = oracle.fresh(path)
+        pool = sorted(allowed)[:64] + list(info.stop_token_ids) + list(range(info.tokenizer_vocab_size, info.vocab_size))
+        ids = set(data.draw(st.lists(st.integers(0, info.vocab_size - 1), min_size=8, max_size=32)))
+        ids |= set(pool if len(pool) <= 96 else data.draw(st.lists(st.sampled_from(pool), max_size=48)))
+        accepted = {t for t in ids if m.fork().accept_token(t)}
+        check_equal_sets(m, "mask allows id <=> accept(id) on a fork", oracle.describe(path) + f" over {len(ids)} sampled ids",
+                         allowed & ids, accepted)
+
+    run()

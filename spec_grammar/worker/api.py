@@ -1,0 +1,275 @@
+"""``generate``: the one-call entry point of the speculative worker, and prompt building.
+
+Example::
+
+    from spec_grammar import JsonSchema
+    from spec_grammar.worker import generate, schema_prompt
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    [out] = generate([schema_prompt(schema, "Invent a user.")], grammar=JsonSchema(schema))
+    print(out.text, out.finish_reason, out.accept_length)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Sequence
+
+import torch
+from pydantic import BaseModel
+
+from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
+from .drafters import DEFAULT_DRAFT
+from .engine import SpecWorker
+from .request import Request, RequestResult, StepStats
+from .sampling import SamplingParams
+
+__all__ = [
+    "generate",
+    "build_worker",
+    "build_prompt",
+    "schema_prompt",
+    "resolve_device",
+    "summarize",
+    "RunSummary",
+]
+
+_lock = threading.Lock()
+_models: dict[tuple, tuple[Any, Any]] = {}
+_backends: dict[tuple, Any] = {}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``"auto"`` (or None) = CUDA when available, else CPU; anything else as given."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _load(model: str, dtype: Any, device: torch.device) -> tuple[Any, Any]:
+    """(model, tokenizer), cached per (name, dtype, device) for the process."""
+    from ..models import load_model, load_tokenizer
+
+    key = (model, str(dtype), str(device))
+    with _lock:
+        if key not in _models:
+            _models[key] = (load_model(model, dtype=dtype, device=device), load_tokenizer(model))
+        return _models[key]
+
+
+def _backend(name: str, model: str, tokenizer: Any, vocab_size: int) -> Any:
+    """The grammar backend ``name`` for ``model``'s tokenizer, cached (it keeps the compile cache)."""
+    from ..registry import get_backend
+
+    key = (name, model, vocab_size)
+    with _lock:
+        if key not in _backends:
+            _backends[key] = get_backend(name, tokenizer, vocab_size=vocab_size)
+        return _backends[key]
+
+
+def build_prompt(tokenizer: Any, user: str, *, system: str | None = None) -> list[int]:
+    """Token ids of a one-turn chat (``system`` optional) ending with the assistant header,
+    through the tokenizer's chat template; the plain encoding of ``user`` when the tokenizer
+    has no template (base models such as the Gemma-3-270M GGUF)."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return list(tokenizer.encode(user))
+
+
+def schema_prompt(grammar: GrammarSpec | dict | bool, task: str | None = None) -> str:
+    """A user message asking for output in the grammar's format, with the schema / tool list /
+    pattern written into it (small models follow a schema they can read far better).
+
+    ``grammar``: a spec or a JSON schema dict. ``task``: what to produce (a generic request
+    when None).
+    """
+    spec = grammar if isinstance(grammar, GrammarSpec) else JsonSchema(grammar)
+    task = task or "Produce an example answer."
+    if isinstance(spec, JsonSchema):
+        return f"{task}\nAnswer with one JSON document valid under this JSON schema:\n{spec.schema_json()}"
+    if isinstance(spec, ToolCalls):
+        tools = json.dumps(spec.tools, ensure_ascii=False)
+        return (
+            f"{task}\nYou can call these tools:\n{tools}\nAnswer with a JSON list of calls, each "
+            '{"name": ..., "arguments": {...}}.'
+        )
+    if isinstance(spec, Regex):
+        return f"{task}\nAnswer with text matching the regular expression: {spec.pattern}"
+    if isinstance(spec, (Ebnf, Lark)):
+        return f"{task}\nAnswer in the language of this grammar:\n{spec.text}"
+    return task
+
+
+def build_worker(
+    *,
+    model: str = "smollm2",
+    grammar_backend: str | None = "xgrammar",
+    draft: str | None = DEFAULT_DRAFT,
+    topk: int = 1,
+    num_steps: int = 4,
+    num_draft_tokens: int = 8,
+    no_spec: bool = False,
+    overlap: bool = True,
+    device: str | torch.device | None = "auto",
+    dtype: Any = None,
+) -> SpecWorker:
+    """A :class:`SpecWorker` over a model loaded by :func:`spec_grammar.models.load_model`
+    (models and backends are cached per process). ``grammar_backend=None`` gives a worker for
+    plain requests only. Raises :class:`~spec_grammar.errors.BackendNotFoundError` for an
+    unknown backend and :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
+    dev = resolve_device(device)
+    target, tokenizer = _load(model, dtype, dev)
+    vocab = int(target.config.vocab_size)
+    backend = _backend(grammar_backend, model, tokenizer, vocab) if grammar_backend else None
+    return SpecWorker(
+        target,
+        tokenizer,
+        backend=backend,
+        draft=draft,
+        topk=topk,
+        num_steps=num_steps,
+        num_draft_tokens=num_draft_tokens,
+        no_spec=no_spec,
+        overlap=overlap,
+        device=dev,
+    )
+
+
+def _as_spec(g: Any) -> GrammarSpec | None:
+    if g is None or isinstance(g, GrammarSpec):
+        return g
+    if isinstance(g, (dict, bool)):
+        return JsonSchema(g)
+    raise TypeError(f"a grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or a schema dict, got {type(g).__name__}")
+
+
+def generate(
+    prompts_or_requests: str | Request | Sequence[str | Request],
+    *,
+    grammar: Any = None,
+    model: str = "smollm2",
+    grammar_backend: str = "xgrammar",
+    draft: str | None = DEFAULT_DRAFT,
+    topk: int = 1,
+    num_steps: int = 4,
+    num_draft_tokens: int = 8,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    max_new_tokens: int = 256,
+    stop: Sequence[str] | None = None,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    ignore_eos: bool = False,
+    no_spec: bool = False,
+    overlap: bool = True,
+    device: str | torch.device | None = "auto",
+    dtype: Any = None,
+    chat: bool = True,
+) -> list[RequestResult]:
+    """Generate for a batch of prompts in one worker run.
+
+    Args:
+        prompts_or_requests: prompt text(s) (wrapped in the model's chat template when
+            ``chat``) or :class:`Request` objects (used as they are: their own grammar and
+            sampling params win).
+        grammar: one spec (or JSON-schema dict) for every prompt, or a list with one entry
+            (or None) per prompt.
+        model: ``smollm2``, ``gemma3``, a model directory or a ``.gguf`` file.
+        grammar_backend: registered backend name or ``module:Class``.
+        draft: ``ngram`` (default), ``self:L``, ``model:PATH`` or ``none``.
+        topk / num_steps / num_draft_tokens: draft-tree shape (see :class:`SpecWorker`).
+        temperature ... presence_penalty, ignore_eos: the
+            :class:`~spec_grammar.worker.sampling.SamplingParams` of every prompt.
+        no_spec: plain constrained decoding; overlap: grammar work under the verify forward.
+        device: ``auto`` / ``cpu`` / ``cuda``; dtype: model dtype (default float32).
+
+    Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
+    compile comes back with ``finish_reason="error"`` and the error; the others complete.
+    Raises ``ValueError`` when a grammar list does not match the prompts.
+    """
+    items = [prompts_or_requests] if isinstance(prompts_or_requests, (str, Request)) else list(prompts_or_requests)
+    grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(items)
+    if len(grammars) != len(items):
+        raise ValueError(f"{len(grammars)} grammars for {len(items)} prompts")
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        stop=list(stop or []),
+        ignore_eos=ignore_eos,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+    )
+    worker = build_worker(
+        model=model,
+        grammar_backend=grammar_backend,
+        draft=draft,
+        topk=topk,
+        num_steps=num_steps,
+        num_draft_tokens=num_draft_tokens,
+        no_spec=no_spec,
+        overlap=overlap,
+        device=device,
+        dtype=dtype,
+    )
+    requests = []
+    for item, g in zip(items, grammars):
+        if isinstance(item, Request):
+            requests.append(item)
+            continue
+        prompt = build_prompt(worker.tokenizer, item) if chat else item
+        requests.append(Request(prompt=prompt, grammar=_as_spec(g), sampling=params))
+    with worker:
+        return worker.run(requests)
+
+
+class RunSummary(BaseModel):
+    """Aggregate numbers of one worker run (what the CLI's ``--json`` and the benchmark print).
+
+    ``tokens_per_s`` = all output tokens over the run's wall time (s); ``accept_length`` =
+    output tokens per request-step, over all requests; grammar times are ms per step.
+    """
+
+    requests: int
+    errors: int
+    output_tokens: int
+    steps: int
+    wall_s: float
+    tokens_per_s: float
+    accept_length: float
+    draft_ms_per_step: float
+    verify_forward_ms_per_step: float
+    grammar_ms_per_step: float
+    grammar_exposed_ms_per_step: float
+
+
+def summarize(results: Sequence[RequestResult], steps: Sequence[StepStats], wall_s: float) -> RunSummary:
+    """Aggregate a run's results and step stats."""
+    n_steps = max(len(steps), 1)
+    tokens = sum(r.num_tokens for r in results)
+    req_steps = sum(r.steps for r in results)
+    return RunSummary(
+        requests=len(results),
+        errors=sum(r.finish_reason == "error" for r in results),
+        output_tokens=tokens,
+        steps=len(steps),
+        wall_s=wall_s,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        accept_length=tokens / req_steps if req_steps else 0.0,
+        draft_ms_per_step=sum(s.draft_ms for s in steps) / n_steps,
+        verify_forward_ms_per_step=sum(s.verify_forward_ms for s in steps) / n_steps,
+        grammar_ms_per_step=sum(s.grammar_ms for s in steps) / n_steps,
+        grammar_exposed_ms_per_step=sum(s.grammar_exposed_ms for s in steps) / n_steps,
+    )

@@ -1,0 +1,408 @@
+"""The speculative worker: a batch loop of draft -> verify -> accept with grammar work
+overlapped under the verify forward.
+
+Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode verify",
+#31488, adapted to one CPU process):
+
+1. **Draft**: one tree per live request (``Drafter.propose``), root = last committed token;
+   trees deeper than the request's remaining token budget are cut.
+2. **Verify forward**: ``ModelRunner.forward_trees`` over every node of every tree.
+3. **Grammar work** (a worker thread while step 2 runs when ``overlap=True``; after it
+   otherwise): every matcher is first advanced with the tokens the PREVIOUS step committed
+   (each committed token reaches its matcher exactly once; a finished request's last run is
+   fed too), then the tree rows of this step are filled (``GrammarBackend.fill_tree_bitmasks``).
+   Advance-then-fill is forced by the tree semantics: row n is the allowed set after
+   committed + path root..n, so the matcher must hold every committed token first.
+4. **Accept**: ``process_tree_logits`` (penalties, grammar mask, temperature) then
+   ``verify_greedy`` / ``verify_stochastic``; the committed run (accepted path tokens + bonus)
+   is truncated at a stop token (EOS / grammar completion), a stop string or
+   ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
+
+``overlap=False`` does the same work strictly in order, so temperature-0 outputs are identical
+with and without overlap (the tests check it). The worker only talks to grammars through the
+:class:`~spec_grammar.protocol.SpecGrammar` / :class:`~spec_grammar.protocol.GrammarBackend`
+protocol.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..bitmask import allocate_token_bitmask
+from ..errors import SpecGrammarError
+from ..protocol import GrammarBackend
+from ..tree import DraftTree
+from .drafters import Drafter, NoDrafter, make_drafter
+from .request import Request, RequestResult, RequestState, StepStats
+from .runner import ModelRunner
+from .sampling import SamplingParams, process_tree_logits
+from .verify import verify_greedy, verify_stochastic
+
+__all__ = ["SpecWorker", "cut_tree_depth"]
+
+
+def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """``tree`` without the nodes deeper than ``max_depth`` (node order kept)."""
+    depth = tree.depth_list
+    if max(depth) <= max_depth:
+        return tree
+    keep = [i for i in range(tree.num_nodes) if depth[i] <= max_depth]
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree(
+        [tree.token_list[i] for i in keep],
+        [-1 if i == 0 else index[tree.parent_list[i]] for i in keep],
+    )
+
+
+class _GrammarWork:
+    """What the grammar thread hands back for one step."""
+
+    __slots__ = ("bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
+
+    def __init__(self) -> None:
+        self.bitmask: torch.Tensor | None = None
+        self.offsets: dict[str, int] = {}
+        self.valid: dict[str, torch.Tensor] = {}
+        self.errors: dict[str, str] = {}
+        self.ms = 0.0
+        self.per_request_ms: dict[str, float] = {}
+
+
+class SpecWorker:
+    """Runs batches of requests with tree speculative decoding and grammar constraints.
+
+    Args:
+        model: a ``transformers`` causal LM (the target), or a ready
+            :class:`~spec_grammar.worker.runner.ModelRunner` over it.
+        tokenizer: its Hugging Face tokenizer.
+        backend: a :class:`~spec_grammar.protocol.GrammarBackend` built for this tokenizer
+            with ``vocab_size`` = the model's logits width, a registered backend name, or
+            None (then only plain requests are allowed; a grammar request fails alone).
+        draft: a :class:`~spec_grammar.worker.drafters.Drafter` or a name (``ngram``,
+            ``self:L``, ``model:PATH``, ``none``); see
+            :func:`~spec_grammar.worker.drafters.make_drafter`.
+        topk / num_steps / num_draft_tokens: tree shape (model drafters use all three; the
+            n-gram drafter uses ``num_draft_tokens``, the node cap root included).
+        no_spec: plain constrained decoding (root-only trees) through the same code path.
+        overlap: run the grammar work in a worker thread under the verify forward.
+        device: where the target runs (default: the model's device).
+
+    Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        backend: GrammarBackend | str | None = "xgrammar",
+        draft: Drafter | str | None = "ngram",
+        topk: int = 1,
+        num_steps: int = 4,
+        num_draft_tokens: int = 8,
+        no_spec: bool = False,
+        overlap: bool = True,
+        device: Any = None,
+    ):
+        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model, device=device)
+        self.tokenizer = tokenizer
+        if isinstance(backend, str):
+            from ..registry import get_backend
+
+            backend = get_backend(backend, tokenizer, vocab_size=self.runner.vocab_size)
+        if backend is not None and backend.vocab_size != self.runner.vocab_size:
+            raise ValueError(
+                f"the grammar backend masks {backend.vocab_size} logits but the model has "
+                f"{self.runner.vocab_size}; build it with vocab_size={self.runner.vocab_size}"
+            )
+        self.backend = backend
+        self.drafter = (
+            NoDrafter()
+            if no_spec
+            else make_drafter(
+                draft,
+                target_model=self.runner.model,
+                device=self.runner.device,
+                topk=topk,
+                num_steps=num_steps,
+                num_draft_tokens=num_draft_tokens,
+            )
+        )
+        self.no_spec = no_spec
+        self.overlap = overlap
+        if backend is not None:
+            stops = backend.tokenizer_info.stop_token_ids
+        else:
+            eos = tokenizer.eos_token_id
+            stops = (eos,) if isinstance(eos, int) else tuple(eos)
+        self.stop_token_ids = frozenset(int(t) for t in stops)
+        self.step_stats: list[StepStats] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar") if overlap else None
+
+    def close(self) -> None:
+        """Stop the grammar thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> "SpecWorker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- setup ------------------------------------------------------------------------------
+    def _start(self, req: Request, now: float) -> RequestState:
+        params = req.sampling if req.sampling is not None else SamplingParams()
+        if isinstance(req.prompt, str):
+            ids = list(self.tokenizer.encode(req.prompt))
+        else:
+            ids = [int(t) for t in req.prompt]
+        st = RequestState(request=req, prompt_ids=ids, sampling=params, start_s=now)
+        if not ids:
+            st.finish("error", now, "the prompt is empty")
+            return st
+        if req.grammar is not None:
+            if self.backend is None:
+                st.finish("error", now, "this request has a grammar but the worker has no grammar backend")
+                return st
+            try:
+                st.matcher = self.backend.matcher(self.backend.compile(req.grammar))
+            except SpecGrammarError as e:
+                st.finish("error", now, str(e))
+                return st
+        gen_device = self.runner.device if self.runner.device.type == "cuda" else "cpu"
+        st.generator = torch.Generator(device=gen_device)
+        if params.seed is not None:
+            st.generator.manual_seed(int(params.seed))
+        else:
+            st.generator.seed()
+        if params.max_new_tokens <= 0:
+            st.finish("length", now)
+            return st
+        try:
+            self.runner.add(st.rid, ids)
+        except SpecGrammarError as e:
+            st.finish("error", now, str(e))
+            return st
+        self.drafter.add(st)
+        return st
+
+    # -- grammar work (the overlapped part) -------------------------------------------------
+    def _grammar_work(
+        self, live: Sequence[RequestState], trees: Sequence[DraftTree], draining: Sequence[RequestState]
+    ) -> _GrammarWork:
+        t0 = time.perf_counter()
+        work = _GrammarWork()
+        for st in draining:
+            ts = time.perf_counter()
+            self._advance(st, work)
+            work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
+        jobs, owners, rows = [], [], 0
+        for st, tree in zip(live, trees):
+            if st.matcher is None:
+                continue
+            ts = time.perf_counter()
+            ok = self._advance(st, work)
+            work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
+            if not ok:
+                continue
+            if st.matcher.is_terminated():
+                work.errors[st.rid] = "the grammar terminated without a stop token being committed"
+                continue
+            jobs.append((st.matcher, tree, rows))
+            owners.append(st)
+            work.offsets[st.rid] = rows
+            rows += tree.num_nodes
+        if jobs:
+            pin = self.runner.device.type == "cuda"
+            work.bitmask = allocate_token_bitmask(rows, self.backend.vocab_size, pin_memory=pin)
+            tf = time.perf_counter()
+            valids = self.backend.fill_tree_bitmasks(jobs, work.bitmask)
+            fill_ms = (time.perf_counter() - tf) * 1e3
+            for st, (_, tree, _), valid in zip(owners, jobs, valids):
+                work.valid[st.rid] = valid
+                # a batched fill is timed as a whole: charge it by node count
+                work.per_request_ms[st.rid] += fill_ms * tree.num_nodes / rows
+        work.ms = (time.perf_counter() - t0) * 1e3
+        return work
+
+    @staticmethod
+    def _advance(st: RequestState, work: _GrammarWork) -> bool:
+        """Feed the pending committed tokens to the matcher; False (and an error) if refused."""
+        if not st.pending:
+            return True
+        pending, st.pending = st.pending, []
+        n = st.matcher.accept_tokens(pending)
+        if n != len(pending):
+            work.errors[st.rid] = (
+                f"the grammar refused committed token {pending[n]} after {st.matcher.num_accepted} "
+                "accepted tokens (a mask/verify mismatch)"
+            )
+            return False
+        return True
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(
+        self,
+        requests: Sequence[Request],
+        *,
+        on_step: Callable[[StepStats, Sequence[RequestState]], None] | None = None,
+    ) -> list[RequestResult]:
+        """Generate every request; returns one :class:`RequestResult` per request, in order.
+
+        A request whose grammar fails to compile (or whose prompt is empty) ends at once with
+        ``finish_reason="error"`` and the reason; the others go on. ``on_step`` is called after
+        every step with its stats and all request states (for progress displays).
+        """
+        self.step_stats = []
+        now = time.perf_counter()
+        states = [self._start(r, now) for r in requests]
+        live = [s for s in states if not s.finished]
+        draining: list[RequestState] = []
+        try:
+            while live:
+                stats = self._step(live, draining)
+                draining = [s for s in live if s.finished and s.matcher is not None and s.pending]
+                live = [s for s in live if not s.finished]
+                self.step_stats.append(stats)
+                if on_step is not None:
+                    on_step(stats, states)
+            final = _GrammarWork()
+            for st in draining:
+                ts = time.perf_counter()
+                self._advance(st, final)
+                st.grammar_ms += (time.perf_counter() - ts) * 1e3
+                st.grammar_exposed_ms += (time.perf_counter() - ts) * 1e3
+            self._apply_errors(final, draining, time.perf_counter())
+        finally:
+            for st in live:
+                self._release(st)
+        return [self._result(s) for s in states]
+
+    def _step(self, live: list[RequestState], draining: list[RequestState]) -> StepStats:
+        t0 = time.perf_counter()
+        trees = self.drafter.propose(live)
+        trees = [
+            cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1) for s, t in zip(live, trees)
+        ]
+        t1 = time.perf_counter()
+        rids = [s.rid for s in live]
+        if self._pool is not None:
+            fut = self._pool.submit(self._grammar_work, live, trees, draining)
+            logits = self.runner.forward_trees(rids, trees)
+            t2 = time.perf_counter()
+            work = fut.result()
+        else:
+            logits = self.runner.forward_trees(rids, trees)
+            t2 = time.perf_counter()
+            work = self._grammar_work(live, trees, draining)
+        t3 = time.perf_counter()
+        exposed = (t3 - t2) * 1e3
+        frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
+        for st in list(live) + list(draining):
+            ms = work.per_request_ms.get(st.rid, 0.0)
+            st.grammar_ms += ms
+            st.grammar_exposed_ms += ms * frac
+        self._apply_errors(work, draining, t3)
+        committed = 0
+        for i, (st, tree) in enumerate(zip(live, trees)):
+            st.steps += 1
+            if st.rid in work.errors:
+                st.finish("error", t3, work.errors[st.rid])
+                self._release(st)
+                continue
+            committed += self._accept(st, tree, logits[i, : tree.num_nodes], work)
+        t4 = time.perf_counter()
+        return StepStats(
+            batch_size=len(live),
+            num_nodes=sum(t.num_nodes for t in trees),
+            draft_ms=(t1 - t0) * 1e3,
+            verify_forward_ms=(t2 - t1) * 1e3,
+            grammar_ms=work.ms,
+            grammar_exposed_ms=exposed,
+            sample_ms=(t4 - t3) * 1e3,
+            committed_tokens=committed,
+        )
+
+    @staticmethod
+    def _apply_errors(work: _GrammarWork, draining: Sequence[RequestState], now: float) -> None:
+        for st in draining:
+            if st.rid in work.errors:
+                st.finish("error", st.end_s or now, work.errors[st.rid])
+
+    def _accept(self, st: RequestState, tree: DraftTree, logits: torch.Tensor, work: _GrammarWork) -> int:
+        """Mask, verify, truncate and commit one request; returns the tokens committed."""
+        params = st.sampling
+        bitmask = valid = None
+        if st.matcher is not None:
+            off = work.offsets[st.rid]
+            bitmask = work.bitmask[off : off + tree.num_nodes]
+            if logits.device.type != "cpu":
+                bitmask = bitmask.to(logits.device, non_blocking=True)
+            valid = work.valid[st.rid]
+        processed = process_tree_logits(logits, tree, st.committed_ids, params, bitmask=bitmask)
+        if params.temperature == 0:
+            nodes, bonus = verify_greedy(processed, tree, valid)
+        else:
+            nodes, bonus = verify_stochastic(processed, tree, st.generator, valid)
+        run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
+        now = time.perf_counter()
+        kept = 0
+        for tok in run:
+            if tok in self.stop_token_ids and not (params.ignore_eos and st.matcher is None):
+                if st.matcher is not None:
+                    st.pending.append(tok)  # the matcher sees its own termination
+                st.finish("grammar" if st.matcher is not None else "stop", now)
+                break
+            st.output_ids.append(tok)
+            if st.matcher is not None:
+                st.pending.append(tok)
+            kept += 1
+            if params.stop and self._hit_stop_string(st):
+                st.finish("stop", now)
+                break
+            if len(st.output_ids) >= params.max_new_tokens:
+                st.finish("length", now)
+                break
+        if st.finished:
+            self._release(st)
+        else:
+            self.runner.commit(st.rid, nodes)
+        return kept
+
+    def _hit_stop_string(self, st: RequestState) -> bool:
+        text = self.tokenizer.decode(st.output_ids)
+        return any(s and s in text for s in st.sampling.stop)
+
+    def _release(self, st: RequestState) -> None:
+        if st.rid in self.runner.request_ids:
+            self.runner.remove(st.rid)
+            self.drafter.remove(st.rid)
+
+    def _result(self, st: RequestState) -> RequestResult:
+        text = self.tokenizer.decode(st.output_ids)
+        if st.finish_reason == "stop" and st.sampling.stop:
+            cuts = [text.find(s) for s in st.sampling.stop if s and s in text]
+            if cuts:
+                text = text[: min(cuts)]
+        n = len(st.output_ids)
+        wall = max(st.end_s - st.start_s, 1e-9)
+        return RequestResult(
+            rid=st.rid,
+            text=text,
+            token_ids=list(st.output_ids),
+            prompt_tokens=len(st.prompt_ids),
+            finish_reason=st.finish_reason or "error",
+            error=st.error,
+            num_tokens=n,
+            steps=st.steps,
+            accept_length=n / st.steps if st.steps else 0.0,
+            tokens_per_s=n / wall if n else 0.0,
+            grammar_ms_hidden=st.grammar_ms - st.grammar_exposed_ms,
+            grammar_ms_exposed=st.grammar_exposed_ms,
+        )

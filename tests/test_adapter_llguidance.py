@@ -1,0 +1,406 @@
+"""The llguidance adapter against oracles: fresh-matcher replay, llguidance's own parser and
+``jsonschema``, on the real SmolLM2 tokenizer with a padded logits width."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("llguidance")
+
+from spec_grammar.bitmask import allocate_token_bitmask, allowed_token_ids, clear_padding_bits
+from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
+from spec_grammar.errors import GrammarCompileError, GrammarStateError, InvalidTokenError, UnsupportedGrammarError
+from spec_grammar.models import load_tokenizer
+from spec_grammar.registry import get_backend
+from spec_grammar.specs import Ebnf, JsonSchema, Lark, Regex, ToolCalls
+from spec_grammar.traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
+from spec_grammar.tree import DraftTree
+from spec_grammar_llguidance import LLGuidanceBackend, LLGuidanceMatcher
+
+PAD = 64  # logits columns past the tokenizer, as a padded lm_head has
+SCHEMA_ID = "o19071"  # Github_easy: required keys, an array of objects, an int enum, an optional key
+INSTANCE = {
+    "user_id": "u-42",
+    "events": [{"type": 3, "show_id": "s 1", "time": 12.5}, {"type": 1}],
+    "is_test": 0,
+    "cid": "abc",
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def backend(tok):
+    return get_backend("llguidance", tok, vocab_size=len(tok) + PAD)
+
+
+@pytest.fixture(scope="module")
+def schema():
+    (row,) = [r for r in jsonschemabench_sample("Github_easy") if r["id"] == SCHEMA_ID]
+    jsonschema.validate(INSTANCE, row["schema"])
+    return row["schema"]
+
+
+@pytest.fixture(scope="module")
+def compiled(backend, schema):
+    return backend.compile(JsonSchema(schema))
+
+
+@pytest.fixture(scope="module")
+def ids(tok, backend, compiled):
+    """Tokens of ``json.dumps(INSTANCE)`` (no EOS); the grammar accepts all of them."""
+    out = tok.encode(json.dumps(INSTANCE), add_special_tokens=False)
+    assert backend.matcher(compiled).validate_tokens(out) == len(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eos(tok):
+    return tok.eos_token_id
+
+
+def row_of(matcher) -> torch.Tensor:
+    bm = allocate_token_bitmask(1, matcher.info.vocab_size)
+    matcher.fill_next_token_bitmask(bm, 0)
+    return bm[0].clone()
+
+
+def fresh_row(backend, compiled, tokens) -> torch.Tensor | None:
+    """Oracle: the row after ``tokens`` on a fresh matcher (None once terminated)."""
+    m = backend.matcher(compiled)
+    assert m.accept_tokens(tokens) == len(tokens)
+    return None if m.is_terminated() else row_of(m)
+
+
+def bit(row: torch.Tensor, t: int) -> bool:
+    return bool((int(row[t >> 5]) >> (t & 31)) & 1)
+
+
+def test_registered_with_honest_capabilities(backend):
+    assert isinstance(backend, LLGuidanceBackend)
+    caps = backend.capabilities
+    assert caps.ebnf and caps.lark and caps.native_rollback and caps.native_fork and caps.parallel_fill
+    assert backend.library_version().startswith("1.")
+
+
+def test_accept_rollback_fork_exact_across_eos(backend, compiled, ids, eos):
+    m = backend.matcher(compiled)
+    assert m.accept_tokens(ids + [eos, ids[0]]) == len(ids) + 1
+    assert m.is_terminated()
+    assert not m.accept_token(eos)
+    with pytest.raises(GrammarStateError):
+        row_of(m)
+    m.rollback(1)  # un-terminates: only the stop token may follow the final "}"
+    assert not m.is_terminated()
+    assert allowed_token_ids(row_of(m)) == [eos]
+    assert torch.equal(row_of(m), fresh_row(backend, compiled, ids))
+    for k in (1, 3, 7, len(ids) - 5):
+        m.rollback(k)
+        assert torch.equal(row_of(m), fresh_row(backend, compiled, ids[: len(ids) - k]))
+        assert m.accept_tokens(ids[len(ids) - k :] + [eos]) == k + 1 and m.is_terminated()
+        m.rollback(1)
+    # A fork is independent in both directions, including the terminated flag.
+    fork = m.fork()
+    assert fork.accept_token(eos) and fork.is_terminated() and not m.is_terminated()
+    fork.rollback(4)
+    assert torch.equal(row_of(fork), fresh_row(backend, compiled, ids[:-3]))
+    assert torch.equal(row_of(m), fresh_row(backend, compiled, ids))
+    with pytest.raises(GrammarStateError):
+        m.rollback(len(ids) + 1)
+    assert not m._m.is_error()
+
+
+def test_refused_token_is_a_no_op(tok, backend, compiled, ids, eos):
+    m = backend.matcher(compiled)
+    pos = ids.index(tok.encode(",", add_special_tokens=False)[0])  # inside the first event object
+    m.accept_tokens(ids[:pos])
+    before = row_of(m)
+    allowed = set(allowed_token_ids(before))
+    first_bytes = {m.info.token_bytes[t][:1] for t in allowed}
+    # Refused tokens whose first byte is legal here (only the rest is illegal), plus EOS
+    # mid-document and llguidance's non-canonical spellings that its parser alone would take.
+    near = [t for t in range(m.info.tokenizer_vocab_size) if t not in allowed and m.info.token_bytes[t][:1] in first_bytes]
+    assert near
+    refused = near[:50] + [eos, tok.encode("x", add_special_tokens=False)[0]]
+    for t in refused:
+        assert not m.accept_token(t)
+        assert torch.equal(row_of(m), before)
+    assert not m._m.is_error()
+    assert m.accept_tokens(ids[pos:]) == len(ids) - pos
+
+
+def test_accept_agrees_with_mask_where_llguidance_parser_is_wider(tok, backend, compiled, ids, eos):
+    """At every state of the instance: bit set <=> accept succeeds, for every token llguidance's
+    own parser would consume (a superset of its mask) and for EOS."""
+    m = backend.matcher(compiled)
+    wider = 0
+    everything = list(range(m.info.tokenizer_vocab_size))
+    for p in range(len(ids) + 1):
+        row = row_of(m)
+        parser_ok = [t for t in everything if m._m.validate_tokens([t])]
+        only_parser = [t for t in parser_ok if not bit(row, t)]
+        for t in only_parser + parser_ok[:: max(1, len(parser_ok) // 20)] + [eos]:
+            f = m.fork()
+            assert f.validate_tokens([t]) == bit(row, t), (p, t)
+            assert f.accept_token(t) == bit(row, t), (p, t)
+        wider += len(only_parser)
+        assert bit(row, eos) == (p == len(ids))  # EOS only where the document can end
+        if p < len(ids):
+            assert m.accept_token(ids[p])
+    assert wider > 0  # the case exists on this tokenizer (e.g. "{" where only '{"' is masked in)
+
+
+def test_validate_does_not_mutate(backend, compiled, ids, eos):
+    m = backend.matcher(compiled)
+    start = row_of(m)
+    assert m.validate_tokens(ids + [eos, ids[0]]) == len(ids) + 1
+    bad = list(ids)
+    bad[9] = eos
+    assert m.validate_tokens(bad) == 9
+    assert m.validate_tokens(ids[:5] + [m.info.tokenizer_vocab_size + 1] + ids[5:]) == 5
+    assert m.num_accepted == 0 and torch.equal(row_of(m), start)
+    m.accept_tokens(ids)  # llguidance is_stopped() here; its validate_tokens([EOS]) says 0 (G6)
+    assert m._m.is_stopped()
+    assert m.validate_tokens([eos]) == 1 and not m.is_terminated()
+    m.accept_token(eos)
+    assert m.validate_tokens([eos]) == 0
+
+
+def test_forced_tokens_are_truly_forced(backend, compiled, ids, eos):
+    m = backend.matcher(compiled)
+    seen_forced = 0
+    for p in range(len(ids) + 1):
+        before = row_of(m)
+        forced = m.forced_tokens()
+        assert eos not in forced
+        assert forced == forced_tokens_by_mask(m)[: len(forced)]
+        f = m.fork()
+        for t in forced:  # each one is the only token its state allows
+            assert allowed_token_ids(row_of(f)) == [t]
+            assert f.accept_token(t)
+        assert torch.equal(row_of(m), before) and m.num_accepted == p
+        seen_forced += len(forced)
+        if p < len(ids):
+            m.accept_token(ids[p])
+    assert seen_forced >= 10  # keys of required properties are forced
+
+
+def test_padding_ids_never_allowed(tok, backend):
+    m = backend.matcher(backend.compile(Regex(r"(.|\n)*")))
+    n_tok = len(tok)
+    row = row_of(m)
+    assert allowed_token_ids(row)[-1] < n_tok and len(allowed_token_ids(row)) > 40000
+    assert not m.accept_token(n_tok) and not m.accept_token(n_tok + PAD - 1)
+    with pytest.raises(InvalidTokenError):
+        m.accept_token(n_tok + PAD)
+    tree = DraftTree.from_parents([0, n_tok + 3, -1, tok.encode("a", add_special_tokens=False)[0]], [-1, 0, 0, 0])
+    bm = allocate_token_bitmask(4, m.info.vocab_size)
+    assert m.fill_tree_bitmask(tree, bm).tolist() == [True, False, False, True]
+    assert not bm[1:3].any() and allowed_token_ids(bm[3])[-1] < n_tok
+
+
+def test_llguidance_needs_vocab_size_at_least_the_tokenizer(tok):
+    with pytest.raises(ValueError, match="logits width"):
+        LLGuidanceBackend(tok, vocab_size=len(tok) - 10)
+
+
+# -- draft trees ---------------------------------------------------------------------------------
+
+
+@st.composite
+def draft_trees(draw, ids: list[int], eos: int, n_tok: int):
+    """(root position p, tree): the root is the state after ``ids[:p]``; children mix the true
+    continuation, tokens of the instance, EOS, padding / out-of-range ids and random ids."""
+    p = draw(st.one_of(st.integers(0, len(ids)), st.integers(len(ids) - 3, len(ids))))  # + near the end
+    n = draw(st.integers(1, 20))
+    tokens, parents, depth = [ids[p - 1] if p else eos], [-1], [0]
+    for i in range(1, n):
+        par = draw(st.integers(0, i - 1))
+        d = depth[par] + 1
+        kind = draw(st.sampled_from(["true", "true", "true", "instance", "eos", "pad", "neg", "random"]))
+        if kind == "true":
+            t = ids[p + d - 1] if p + d - 1 < len(ids) else eos
+        elif kind == "instance":
+            t = draw(st.sampled_from(ids))
+        elif kind == "eos":
+            t = eos
+        elif kind == "pad":
+            t = n_tok + draw(st.integers(0, PAD - 1))
+        elif kind == "neg":
+            t = -1
+        else:
+            t = draw(st.integers(0, n_tok - 1))
+        tokens.append(t)
+        parents.append(par)
+        depth.append(d)
+    return p, DraftTree.from_parents(tokens, parents)
+
+
+def oracle_tree(backend, compiled, prefix, tree):
+    """Rows and validity by fresh-matcher replay of every root..node path."""
+    n = tree.num_nodes
+    rows = torch.zeros((n, backend.tokenizer_info.bitmask_width), dtype=torch.int32)
+    valid = [False] * n
+    valid[0] = True
+    n_tok = backend.tokenizer_info.tokenizer_vocab_size
+    for node in range(n):
+        if node:
+            par, t = tree.parent_list[node], tree.token_list[node]
+            valid[node] = valid[par] and 0 <= t < n_tok and bit(rows[par], t)
+        if valid[node]:
+            r = fresh_row(backend, compiled, prefix + tree.path(node))
+            if r is not None:
+                rows[node] = r
+    return rows, valid
+
+
+def test_tree_rows_equal_fresh_replay(tok, backend, compiled, ids, eos):
+    n_tok = len(tok)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(draft_trees(ids, eos, n_tok))
+    def check(case):
+        p, tree = case
+        n = tree.num_nodes
+        m = backend.matcher(compiled)
+        m.accept_tokens(ids[:p])
+        before = row_of(m)
+        rows, valid = oracle_tree(backend, compiled, ids[:p], tree)
+
+        bm = allocate_token_bitmask(n + 2, m.info.vocab_size)
+        got = m.fill_tree_bitmask(tree, bm, row_offset=1)
+        assert got.tolist() == valid
+        assert torch.equal(bm[1 : n + 1], rows)
+        assert (bm[0] == -1).all() and (bm[n + 1] == -1).all()  # rows outside untouched
+
+        ref = allocate_token_bitmask(n, m.info.vocab_size)
+        assert fill_tree_bitmask_dfs(m, tree, ref).tolist() == valid
+        clear_padding_bits(ref, 0, n, n_tok)
+        assert torch.equal(ref, rows)
+
+        # Many requests at once (parallel executor path), one of them at another state.
+        other = backend.matcher(compiled)
+        jobs = [(m, tree, 0), (m.fork(), tree, n), (other, tree, 2 * n)]
+        par = allocate_token_bitmask(3 * n, m.info.vocab_size)
+        vs = backend.fill_tree_bitmasks(jobs, par)
+        assert vs[0].tolist() == valid and vs[1].tolist() == valid
+        assert torch.equal(par[:n], rows) and torch.equal(par[n : 2 * n], rows)
+        rows0, valid0 = oracle_tree(backend, compiled, [], tree)
+        assert vs[2].tolist() == valid0 and torch.equal(par[2 * n :], rows0)
+
+        for mm, prefix_len in ((m, p), (jobs[1][0], p), (other, 0)):
+            assert mm.num_accepted == prefix_len and not mm._m.is_error()
+        assert torch.equal(row_of(m), before) and torch.equal(row_of(other), fresh_row(backend, compiled, []))
+
+    check()
+
+
+def test_tree_with_shared_matcher_and_terminated_job(backend, compiled, ids, eos):
+    m = backend.matcher(compiled)
+    tree = DraftTree.chain(eos, ids[:4])
+    bm = allocate_token_bitmask(2 * tree.num_nodes, backend.vocab_size)
+    vs = backend.fill_tree_bitmasks([(m, tree, 0), (m, tree, tree.num_nodes)], bm)
+    assert vs[0].tolist() == vs[1].tolist() == [True] * 5
+    assert torch.equal(bm[:5], bm[5:])
+    done = backend.matcher(compiled)
+    done.accept_tokens(ids + [eos])
+    with pytest.raises(GrammarStateError):
+        backend.fill_tree_bitmasks([(m, tree, 0), (done, tree, 5)], bm)
+
+
+# -- grammar kinds and compile errors ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, sample, wrong",
+    [
+        (Regex(r"[A-Z]{3}-[0-9]{4} (active|inactive) [a-z]+@[a-z]+\.com"), "ABC-1234 active bob@mail.com", "ABC-123 active"),
+        (Lark('start: expr\nexpr: term (("+"|"-") term)*\nterm: NUMBER | "(" expr ")"\n%import common.NUMBER'), "(1+22)-3", "1++"),
+        (Ebnf('root ::= "{" pair ("," pair)* "}"\npair ::= [a-z]+ "=" [0-9]+'), "{ab=1,c=23}", "{ab=}"),
+        (Ebnf('expr ::= "x" digit+\ndigit ::= [0-9]', root="expr"), "x42", "xx"),
+    ],
+    ids=["regex", "lark", "gbnf", "gbnf-root"],
+)
+def test_grammar_kinds_accept_a_sample(tok, backend, eos, spec, sample, wrong):
+    m = backend.matcher(backend.compile(spec))
+    toks = tok.encode(sample, add_special_tokens=False)
+    assert m.accept_tokens(toks + [eos]) == len(toks) + 1 and m.is_terminated()
+    compiled = backend.compile(spec)
+    for k in (1, 2):  # EOS may end an accepting state that could still go on (llguidance
+        m.rollback(1)  # records EOS in its history there, but not after is_stopped())
+        assert torch.equal(row_of(m), fresh_row(backend, compiled, toks[: len(toks) + 1 - k]))
+    bad = tok.encode(wrong, add_special_tokens=False) + [eos]
+    assert backend.matcher(backend.compile(spec)).validate_tokens(bad) < len(bad)
+
+
+@pytest.mark.parametrize(
+    "whitespace, accepted, refused",
+    [
+        ("spaced", ['{"a": 1, "b": [1, 2]}'], ['{"a":1,"b":[1,2]}', '{ "a": 1, "b": [1, 2]}']),
+        ("compact", ['{"a":1,"b":[1,2]}'], ['{"a": 1, "b": [1, 2]}']),
+        ("flexible", ['{"a":1,"b":[1,2]}', '{"a": 1, "b": [1, 2]}', '{\n  "a" : 1,\n  "b": [ 1 , 2 ]\n}'], []),
+    ],
+)
+def test_json_whitespace_policies(tok, backend, eos, whitespace, accepted, refused):
+    # The schema's own x-guidance options must not override the spec's whitespace policy.
+    schema = {"type": "object", "x-guidance": {"whitespace_pattern": "[ ]*"}, "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}, "required": ["a", "b"]}
+    compiled = backend.compile(JsonSchema(schema, whitespace=whitespace))
+    for text in accepted + refused:
+        toks = tok.encode(text, add_special_tokens=False) + [eos]
+        assert (backend.matcher(compiled).validate_tokens(toks) == len(toks)) == (text in accepted), text
+
+
+def test_json_schema_semantics(tok, backend, eos):
+    def accepts(schema, text):
+        toks = tok.encode(text, add_special_tokens=False) + [eos]
+        return backend.matcher(backend.compile(JsonSchema(schema))).validate_tokens(toks) == len(toks)
+
+    props = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert accepts(props, '{"a": 1, "zz": [true]}')  # additionalProperties defaults to allowed
+    assert not accepts({**props, "additionalProperties": False}, '{"a": 1, "zz": [true]}')
+    assert accepts(True, '[1, "x"]')
+
+
+def test_tool_calls_compile_and_force_the_call_head(tok, backend):
+    case = next(c for c in bfcl_cases() if len(c["tools"]) == 1)
+    fn = case["tools"][0].get("function", case["tools"][0])
+    m = backend.matcher(backend.compile(ToolCalls(case["tools"])))
+    forced = m.forced_tokens()  # single tool: the name const and the keys are forced
+    assert m.accept_tokens(forced) == len(forced)
+    assert m.info.decode(forced).startswith(json.dumps([{"name": fn["name"], "arguments": {}}])[:-4])
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        (Regex("a(b"), GrammarCompileError),
+        (Lark("start: undefined_rule"), GrammarCompileError),
+        (Ebnf('root ::= ("a"'), GrammarCompileError),
+        (Ebnf("root ::= missing"), GrammarCompileError),
+        (Ebnf('root ::= "a"\nexpr ::= "b"', root="expr"), UnsupportedGrammarError),
+        (JsonSchema({"type": "integer", "minimum": 5, "maximum": 2}), GrammarCompileError),
+        (JsonSchema(False), GrammarCompileError),
+        (JsonSchema({"type": "string", "pattern": "(?=a)b"}), UnsupportedGrammarError),
+        (JsonSchema({"type": "array", "uniqueItems": True}, strict=True), UnsupportedGrammarError),
+    ],
+)
+def test_bad_grammars_raise_typed_errors(backend, spec, error):
+    with pytest.raises(error) as info:
+        backend.compile(spec)
+    assert info.value.backend == "llguidance" and info.value.reason
+    if error is GrammarCompileError:
+        assert not isinstance(info.value, UnsupportedGrammarError)
+
+
+def test_non_strict_schema_ignores_unimplemented_keywords(backend):
+    backend.compile(JsonSchema({"type": "array", "uniqueItems": True}))

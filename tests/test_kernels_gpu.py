@@ -1,0 +1,132 @@
+"""CUDA kernels against the CPU path: bit-exact apply and argmax, float32-close softmax,
+and replay inside a CUDA graph. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spec_grammar
+from spec_grammar.kernels import HAS_TRITON, masked_argmax, masked_softmax
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# vocab, mask width: multiple of 32, not a multiple, padded vocab (V > 32 W), V < 32 W, real
+# vocabularies (SmolLM2 49,152 and Gemma-3 262,144 padded to 262,208).
+SHAPES = [(256, 8), (100, 4), (200, 4), (70, 4), (49_152, 1_536), (262_208, 8_192)]
+
+
+def case(rows, vocab, width, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g).to(dtype)
+    mask = torch.randint(-(2**31), 2**31 - 1, (rows, width), dtype=torch.int32, generator=g)
+    mask[0], mask[1], mask[2, ::2] = 0, -1, 0
+    sparse = torch.rand(rows, width, generator=g) < 0.9
+    mask[3][sparse[3]] = 0  # grammar-like row: most words all zero
+    return logits, mask
+
+
+def test_triton_is_used():
+    assert HAS_TRITON
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,width", SHAPES)
+def test_apply_cuda_equals_cpu(dtype, vocab, width):
+    logits, mask = case(6, vocab, width, dtype, seed=vocab)
+    cpu = logits.clone()
+    spec_grammar.apply_token_bitmask_inplace(cpu, mask)
+    gpu = logits.cuda()
+    spec_grammar.apply_token_bitmask_inplace(gpu, mask.cuda())
+    assert torch.equal(gpu.cpu(), cpu)
+    idx = [5, 0, 3]
+    cpu = logits.clone()
+    spec_grammar.apply_token_bitmask_inplace(cpu, mask[:3], indices=idx)
+    for make in (list, lambda x: torch.tensor(x, device="cuda"), lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")):
+        gpu = logits.cuda()
+        spec_grammar.apply_token_bitmask_inplace(gpu, mask[:3].cuda(), indices=make(idx))
+        assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_apply_cuda_strided_logits():
+    logits, mask = case(6, 1000, 32, torch.bfloat16, seed=1)
+    cpu = logits.clone()
+    spec_grammar.apply_token_bitmask_inplace(cpu, mask)
+    wide = torch.cat([logits, logits], dim=1).cuda()[:, :1000]  # row stride 2000 (Triton path)
+    spec_grammar.apply_token_bitmask_inplace(wide, mask.cuda())
+    assert torch.equal(wide.cpu(), cpu)
+    colmajor = logits.cuda().t().contiguous().t()  # column stride != 1 (torch path)
+    spec_grammar.apply_token_bitmask_inplace(colmajor, mask.cuda())
+    assert torch.equal(colmajor.cpu(), cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,width", SHAPES)
+def test_fused_cuda_equals_cpu(dtype, vocab, width):
+    # Small vocabularies take one chunk per row (one launch), large ones several chunks.
+    rows = 6 if vocab < 10_000 else 64
+    logits, mask = case(rows, vocab, width, dtype, seed=width)
+    lg, mg = logits.cuda(), mask.cuda()
+    want = masked_argmax(logits, mask)
+    assert want[0] == -1
+    assert torch.equal(masked_argmax(lg, mg).cpu(), want)
+    idx = torch.tensor([5, 0, 3], device="cuda")
+    assert torch.equal(masked_argmax(lg, mg[:3], indices=idx).cpu(), masked_argmax(logits, mask[:3], indices=[5, 0, 3]))
+    for log in (False, True):
+        for temp in (0.7, torch.rand(6, generator=torch.Generator().manual_seed(0)) + 0.3):
+            n = 6
+            p_cpu = masked_softmax(logits[:n], mask[:n], temp, log=log)
+            p_gpu = masked_softmax(lg[:n], mg[:n], temp if isinstance(temp, float) else temp.cuda(), log=log).cpu()
+            assert torch.equal(torch.isinf(p_gpu), torch.isinf(p_cpu))
+            fin = torch.isfinite(p_cpu)
+            assert torch.allclose(p_gpu[fin], p_cpu[fin], rtol=2e-5, atol=1e-6 if log else 1e-8)
+
+
+def test_fused_argmax_ties_first_index_cuda():
+    g = torch.Generator().manual_seed(2)
+    ties = torch.randint(0, 3, (64, 49_152), generator=g).to(torch.bfloat16)
+    _, mask = case(64, 49_152, 1_536, torch.float32, seed=4)
+    assert torch.equal(masked_argmax(ties.cuda(), mask.cuda()).cpu(), masked_argmax(ties, mask))
+
+
+def test_cuda_graph_capture_and_replay():
+    rows, vocab, width = 16, 49_152, 1_536
+    logits, mask = case(rows, vocab, width, torch.bfloat16, seed=7)
+    static_logits, static_mask = logits.cuda(), mask.cuda()
+    idx = torch.arange(0, rows, 2, device="cuda")
+    work, work_idx = static_logits.clone(), static_logits.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up (compile) outside the capture
+        spec_grammar.apply_token_bitmask_inplace(work, static_mask)
+        masked_argmax(static_logits, static_mask)
+        masked_softmax(static_logits, static_mask, 0.5)
+        spec_grammar.apply_token_bitmask_inplace(work_idx, static_mask[: rows // 2], indices=idx)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work.copy_(static_logits)
+        spec_grammar.apply_token_bitmask_inplace(work, static_mask)
+        work_idx.copy_(static_logits)
+        spec_grammar.apply_token_bitmask_inplace(work_idx, static_mask[: rows // 2], indices=idx)
+        arg = masked_argmax(static_logits, static_mask)
+        probs = masked_softmax(static_logits, static_mask, 0.5)
+    for seed in (8, 9):  # new data in the same buffers, then replay
+        new_logits, new_mask = case(rows, vocab, width, torch.bfloat16, seed=seed)
+        static_logits.copy_(new_logits)
+        static_mask.copy_(new_mask)
+        graph.replay()
+        torch.cuda.synchronize()
+        cpu = new_logits.clone()
+        spec_grammar.apply_token_bitmask_inplace(cpu, new_mask)
+        assert torch.equal(work.cpu(), cpu)
+        cpu = new_logits.clone()
+        spec_grammar.apply_token_bitmask_inplace(cpu, new_mask[: rows // 2], indices=idx.tolist())
+        assert torch.equal(work_idx.cpu(), cpu)
+        assert torch.equal(arg.cpu(), masked_argmax(new_logits, new_mask))
+        ref = masked_softmax(new_logits, new_mask, 0.5)
+        assert torch.allclose(probs.cpu(), ref, rtol=2e-5, atol=1e-8)

@@ -1,0 +1,171 @@
+"""ModelRunner on the real SmolLM2: tree-attention logits equal plain sequential forwards, commit
+keeps exactly the accepted path, batches mix cache lengths, rows come and go mid-batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker.runner import ModelRunner, RunnerError
+
+pytestmark = pytest.mark.model
+
+ATOL = 5e-4  # fp32; a wrong mask or position shifts logits by O(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from spec_grammar.models import load_model
+
+    return load_model("smollm2")
+
+
+@pytest.fixture(params=["sdpa", "eager"])
+def attn_model(request, model):
+    before = model.config._attn_implementation
+    model.set_attn_implementation(request.param)
+    yield model
+    model.set_attn_implementation(before)
+
+
+def reference(model, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """Per sequence, ``(len, V)`` float32 logits of a plain forward without cache. One batched
+    forward, right-padded: under causal attention the padding never touches real positions."""
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits.float()
+    return [logits[i, : len(s)] for i, s in enumerate(seqs)]
+
+
+def assert_tree_logits(model, cases: list[tuple[torch.Tensor, list[int], DraftTree]]) -> None:
+    """For each ``(logits (N, V), context, tree)``: row n == the plain forward of
+    ``context + path(n)`` at its last position. A reference sequence per leaf covers the whole
+    root..leaf path. Nodes with invalid tokens (and their subtrees) are skipped: their rows are
+    garbage by contract."""
+    seqs, spans = [], []
+    for logits, context, tree in cases:
+        vocab, n = logits.shape[-1], tree.num_nodes
+        bad = {i for i in range(1, n) if not 0 <= tree.token_list[i] < vocab}
+        for i in range(1, n):
+            if tree.parent_list[i] in bad:
+                bad.add(i)
+        good = set(range(n)) - bad
+        leaves = [i for i in good if not good.intersection(tree.children(i))]
+        covered = set()
+        for leaf in leaves:
+            seqs.append(context + tree.path(leaf))
+            spans.append((logits, tree.path_nodes(leaf), len(context) - 1))
+            covered.update(tree.path_nodes(leaf))
+        assert covered == good
+    for ref, (logits, nodes, offset) in zip(reference(model, seqs), spans):
+        torch.testing.assert_close(logits[nodes], ref[offset:], atol=ATOL, rtol=0)
+
+
+# real text ("The capital of France is", "Hi", "One two three four"); "Hi" is one token: an
+# empty cache, the root is the whole context
+PROMPT_A = [504, 3575, 282, 4649, 314]
+PROMPT_B = [26843]
+PROMPT_C = [2705, 827, 1296, 1876]
+
+
+def test_tree_logits_equal_sequential_and_commit_equals_fresh(attn_model):
+    m = attn_model
+    runner = ModelRunner(m)
+    prompts = {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}
+    for rid, p in prompts.items():
+        runner.add(rid, p)
+    assert [runner.cache_len(r) for r in "abc"] == [4, 0, 3]
+    trees = {
+        # branching tree with a duplicate-token sibling and an invalid (-1) leaf
+        "a": DraftTree.from_parents([314, 253, 260, 1345, 2365, 28, 253, -1], [-1, 0, 0, 1, 1, 3, 2, 0]),
+        "b": DraftTree.chain(26843, []),  # root only: padded to N_max = 8
+        "c": DraftTree.chain(1876, [2353, 3098, 2064]),
+    }
+    order = ["b", "c", "a"]
+    logits = runner.forward_trees(order, [trees[r] for r in order])
+    assert logits.shape == (3, 8, runner.vocab_size) and logits.dtype == torch.float32
+    assert_tree_logits(
+        m, [(logits[i, : trees[r].num_nodes], prompts[r], trees[r]) for i, r in enumerate(order)]
+    )
+    assert [runner.cache_len(r) for r in "abc"] == [4, 0, 3]  # forward does not commit
+
+    accepted = {"a": [0, 1, 3, 5], "b": [0], "c": [0, 1]}
+    bonus = {"a": 29, "b": 28, "c": 2064}
+    for rid in "abc":
+        runner.commit(rid, accepted[rid])
+    committed = {r: prompts[r] + trees[r].path(accepted[r][-1]) + [bonus[r]] for r in "abc"}
+    assert [runner.cache_len(r) for r in "abc"] == [len(committed[r]) - 1 for r in "abc"]
+
+    nxt = {
+        "a": DraftTree.from_parents([29, 314, 260, 1345], [-1, 0, 0, 2]),
+        "b": DraftTree.chain(28, [216]),
+        "c": DraftTree.from_parents([2064, 2353, 3098], [-1, 0, 0]),
+    }
+    logits = runner.forward_trees(list("abc"), [nxt[r] for r in "abc"])
+    assert_tree_logits(
+        m, [(logits[i, : nxt[r].num_nodes], committed[r], nxt[r]) for i, r in enumerate("abc")]
+    )
+
+
+def test_remove_and_add_mid_batch_and_subsets(model):
+    runner = ModelRunner(model)
+    prompts = {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}
+    for rid, p in prompts.items():
+        runner.add(rid, p)
+    drafts = {"a": [253], "b": [28, 253], "c": [2353, 3098, 2064]}
+    trees = {r: DraftTree.chain(prompts[r][-1], drafts[r]) for r in prompts}
+    runner.forward_trees(list(prompts), list(trees.values()))
+    runner.commit("a", [0, 1])
+    runner.commit("b", [0])
+    runner.commit("c", [0, 1, 2, 3])
+    ctx = {"a": PROMPT_A + [253, 1345], "b": PROMPT_B + [29], "c": PROMPT_C + [2353, 3098, 2064, 2353]}
+
+    runner.remove("a")  # the last row (c) moves into a's row
+    runner.add("d", [1604, 803, 24, 81])
+    ctx["d"] = [1604, 803, 24, 81]
+    assert sorted(runner.request_ids) == ["b", "c", "d"]
+    # a subset whose rows are not contiguous (c, d sit in rows 0 and 2), in reverse order
+    t_d = DraftTree.from_parents([81, 28, 278, 727], [-1, 0, 1, 0])
+    t_c = DraftTree.chain(2353, [3098])
+    logits = runner.forward_trees(["d", "c"], [t_d, t_c])
+    assert_tree_logits(model, [(logits[0, :4], ctx["d"], t_d), (logits[1, :2], ctx["c"], t_c)])
+    runner.commit("d", [0, 1, 2])
+    ctx["d"] += [28, 278, 727]
+    logits = runner.forward_trees(["b", "d"], [DraftTree.chain(29, []), DraftTree.chain(727, [])])
+    ref_b, ref_d = reference(model, [ctx["b"], ctx["d"]])
+    torch.testing.assert_close(logits[:, 0], torch.stack([ref_b[-1], ref_d[-1]]), atol=ATOL, rtol=0)
+
+
+def test_chunked_prefill_and_extend(model):
+    runner = ModelRunner(model, prefill_chunk=2)
+    runner.add("a", PROMPT_A + PROMPT_C)  # 8 cached tokens in chunks of 2
+    runner.extend("a", [1876, 28, 253])  # the root and two more tokens become cache
+    assert runner.cache_len("a") == 11
+    logits = runner.forward_trees(["a"], [DraftTree.chain(1345, [2365])])
+    (ref,) = reference(model, [PROMPT_A + PROMPT_C + [28, 253, 1345, 2365]])
+    torch.testing.assert_close(logits[0], ref[-2:], atol=ATOL, rtol=0)
+
+
+def test_misuse_raises_runner_error(model):
+    runner = ModelRunner(model)
+    runner.add("a", [504, 3575, 282])
+    with pytest.raises(RunnerError, match="already"):
+        runner.add("a", [504])
+    with pytest.raises(RunnerError, match="empty"):
+        runner.add("e", [])
+    with pytest.raises(RunnerError, match="outside"):
+        runner.add("e", [504, runner.vocab_size, 282])
+    assert runner.request_ids == ["a"]
+    with pytest.raises(RunnerError, match="unknown"):
+        runner.cache_len("zz")
+    with pytest.raises(RunnerError, match="no verified tree"):
+        runner.commit("a", [0])
+    runner.forward_trees(["a"], [DraftTree.from_parents([282, 4649, 314], [-1, 0, 0])])
+    with pytest.raises(RunnerError, match="root path"):
+        runner.commit("a", [0, 1, 2])  # siblings, not a path
+    with pytest.raises(RunnerError, match="start at the root"):
+        runner.commit("a", [1])
+    runner.commit("a", [0, 2])
+    assert runner.cache_len("a") == 4
