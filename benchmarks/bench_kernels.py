@@ -1,14 +1,22 @@
 """Mask-apply and fused-verify kernels against the memory-bandwidth bound and other libraries.
 
-GPU (default when CUDA is available): for rows x vocab x dtype, times (``triton.testing.do_bench``,
-median, L2 flushed before every run) spec-grammar's apply, xgrammar's
-``apply_token_bitmask_inplace(backend="triton")`` and ``llguidance.torch.apply_token_bitmask_inplace``
-in the same run, and the fused masked argmax / softmax against apply followed by
-``torch.argmax`` / ``torch.softmax``. The bound of the in-place apply is one read and one write
-of the logits plus one read of the mask, over the device-to-device copy bandwidth measured in
-the same run (bytes read + written by a 1 GiB ``copy_``). Every cell also checks the results:
-spec-grammar's apply equals its torch path and xgrammar's result bit for bit, and the fused
-argmax equals apply + argmax.
+GPU (default when CUDA is available): for rows x vocab x dtype, times spec-grammar's apply,
+xgrammar's ``apply_token_bitmask_inplace(backend="triton")`` and
+``llguidance.torch.apply_token_bitmask_inplace`` in the same run, and the fused masked argmax /
+softmax against apply followed by ``torch.argmax`` / ``torch.softmax``.
+
+Device time: each call is captured in a CUDA graph once per input set, with enough distinct sets
+to span 4x the L2 (so every call reads cold memory); the median of 20 replays (CUDA events,
+after 50 ms of warm-up replays) over the number of sets. Also recorded: eager time
+(``triton.testing.do_bench`` median, L2 flushed), which includes host launch time where that
+exceeds the flush.
+
+Bound of the in-place apply: one read and one write of the logits plus one read of the mask,
+over the device-to-device copy bandwidth measured in the same run (bytes read + written by an
+eager 1 GiB ``copy_``; captured in a graph, a copy becomes a copy-engine node, about 35%
+slower). Every cell also checks the results: spec-grammar's apply equals its torch path and
+the other libraries' results bit for bit, the fused argmax equals apply + argmax, and the fused
+softmax is close to apply + softmax.
 
 CPU (``--device cpu``, smaller sizes): wall-clock medians of the same calls, with xgrammar's
 ``cpu`` backend and llguidance's torch apply (``torch.compile``; compiled before timing).
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -81,69 +90,129 @@ def load_others(device: str) -> dict:
 # ----------------------------------------------------------------------------- GPU
 
 
-def gpu_time_ms(fn) -> float:
+def eager_time_ms(fn) -> float:
+    """``do_bench`` median with the L2 flushed before each call; host launch time shows when
+    it exceeds the flush."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
+def graph_time_ms(calls: list, replays: int = 20) -> float:
+    """Device time of one call: ``calls`` (one closure per buffer set) are captured back to
+    back in one CUDA graph; after 50 ms of warm-up replays, the median replay time (CUDA
+    events) / ``len(calls)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile / autotune outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    # Warm up for 50 ms so clocks have ramped after the host-side setup.
+    warm = time.perf_counter()
+    while time.perf_counter() - warm < 0.05:
+        graph.replay()
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) / len(calls)
+
+
 def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written: eager
+    ``copy_`` of 1 GiB (a copy captured in a graph becomes a copy-engine node, about 35% slower)."""
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = gpu_time_ms(lambda: dst.copy_(src))
+    ms = eager_time_ms(lambda: dst.copy_(src))
     del src, dst
     return 2 * n / (ms * 1e-3)
+
+
+def buffer_sets(bytes_per_set: int) -> int:
+    """Distinct input sets per graph so that they span 4x the L2 (every call starts cold)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(64, -(-4 * l2 // bytes_per_set)))
 
 
 def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
     dtype = DTYPES[dname]
     logits0 = torch.randn(rows, vocab, device="cuda", dtype=torch.float32).to(dtype)
-    mask = make_mask(kind, rows, vocab, "cuda", gen)
-    width = mask.shape[1]
+    mask0 = make_mask(kind, rows, vocab, "cuda", gen)
+    width = mask0.shape[1]
     bound_bytes = 2 * rows * vocab * logits0.element_size() + rows * width * 4
     bound_ms = bound_bytes / bw * 1e3
 
     # Correctness on this cell's data.
     ours = logits0.clone()
-    apply_token_bitmask_inplace(ours, mask)
+    apply_token_bitmask_inplace(ours, mask0)
     ref = logits0.clone()
-    apply_token_bitmask_inplace_torch(ref, mask)
+    apply_token_bitmask_inplace_torch(ref, mask0)
     checks = {"apply == torch path": bool(torch.equal(ours, ref))}
     for name, fn in others.items():
         theirs = logits0.clone()
-        fn(theirs, mask)
+        fn(theirs, mask0)
         checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
     expect = ours.float().argmax(dim=1)
     expect[ours.float().amax(dim=1) == float("-inf")] = -1
-    checks["masked_argmax == apply+argmax"] = bool(torch.equal(masked_argmax(logits0, mask), expect))
-    probs = masked_softmax(logits0, mask, TEMPERATURE)
+    checks["masked_argmax == apply+argmax"] = bool(torch.equal(masked_argmax(logits0, mask0), expect))
+    probs = masked_softmax(logits0, mask0, TEMPERATURE)
     ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
     checks["masked_softmax ~= apply+softmax"] = bool(torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7))
-    del ref, probs, ref_p
+    del ref, probs, ref_p, ours
 
-    work = logits0.clone()
-    t = {"spec_grammar": gpu_time_ms(lambda: apply_token_bitmask_inplace(work, mask))}
-    for name, fn in others.items():
-        t[name] = gpu_time_ms(lambda fn=fn: fn(work, mask))
-    t["fused_argmax"] = gpu_time_ms(lambda: masked_argmax(logits0, mask))
-    t["apply+argmax"] = gpu_time_ms(
-        lambda: (apply_token_bitmask_inplace(work, mask), torch.argmax(work, dim=1))
-    )
-    t["fused_softmax"] = gpu_time_ms(lambda: masked_softmax(logits0, mask, TEMPERATURE))
-    t["apply+softmax"] = gpu_time_ms(
-        lambda: (apply_token_bitmask_inplace(work, mask), torch.softmax(work.float() / TEMPERATURE, 1))
-    )
-    del work, logits0, ours
+    k = buffer_sets(rows * vocab * logits0.element_size() + rows * width * 4)
+    src = [logits0.clone() for _ in range(k)]
+    work = [logits0.clone() for _ in range(k)]
+    masks = [mask0.clone() for _ in range(k)]
+    sets = list(zip(src, work, masks))
+
+    def per_set(fn):
+        return [lambda s=s, w=w, m=m: fn(s, w, m) for s, w, m in sets]
+
+    candidates = {
+        "spec_grammar": lambda s, w, m: apply_token_bitmask_inplace(w, m),
+        **{name: (lambda s, w, m, fn=fn: fn(w, m)) for name, fn in others.items()},
+        "fused_argmax": lambda s, w, m: masked_argmax(s, m),
+        "apply+argmax": lambda s, w, m: (apply_token_bitmask_inplace(w, m), torch.argmax(w, dim=1)),
+        "fused_softmax": lambda s, w, m: masked_softmax(s, m, TEMPERATURE),
+        "apply+softmax": lambda s, w, m: (
+            apply_token_bitmask_inplace(w, m), torch.softmax(w.float() / TEMPERATURE, dim=1)
+        ),
+    }
+    t, notes = {}, {}
+    for name, fn in candidates.items():
+        try:
+            t[name] = graph_time_ms(per_set(fn))
+        except Exception as e:  # noqa: BLE001 - e.g. a library that cannot be captured
+            notes[name] = f"not capturable ({type(e).__name__}: {str(e)[:120]}); eager time"
+            torch.cuda.synchronize()
+            t[name] = eager_time_ms(lambda fn=fn: fn(*sets[0]))
+    eager = {name: eager_time_ms(lambda fn=candidates[name]: fn(*sets[0]))
+             for name in ("spec_grammar", *others, "fused_argmax", "apply+argmax")}
+    del src, work, masks, sets, logits0
     return {
         "rows": rows,
         "vocab": vocab,
         "dtype": dname,
         "mask": kind,
+        "buffer_sets": k,
         "bound_bytes": bound_bytes,
         "bound_ms": bound_ms,
         "ms": t,
+        "eager_ms": eager,
+        "notes": notes,
         "achieved_GBps": bound_bytes / (t["spec_grammar"] * 1e-3) / 1e9,
         "fraction_of_bound": bound_ms / t["spec_grammar"],
         "checks": checks,
@@ -159,17 +228,18 @@ def sweep(gen) -> list[dict]:
         for rows, vocab in ((64, 262_144), (512, 49_152), (2048, 262_144)):
             logits = torch.randn(rows, vocab, device="cuda").to(dtype)
             mask = make_mask("random", rows, vocab, "cuda", gen)
+            sets = [(logits.clone(), mask.clone()) for _ in range(buffer_sets(logits.nbytes))]
             for words, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)):
-                ms = gpu_time_ms(
-                    lambda: apply_token_bitmask_inplace_triton(
-                        logits, mask, words_per_program=words, num_warps=warps
-                    )
-                )
+                ms = graph_time_ms([
+                    lambda l=l, m=m: apply_token_bitmask_inplace_triton(
+                        l, m, words_per_program=words, num_warps=warps)
+                    for l, m in sets
+                ])
                 out.append({"dtype": dname, "rows": rows, "vocab": vocab, "words": words,
                             "warps": warps, "ms": ms})
                 print(f"sweep {dname} {rows}x{vocab} words={words} warps={warps}: {ms * 1e3:.1f} us",
                       flush=True)
-            del logits, mask
+            del logits, mask, sets
     return out
 
 
@@ -216,7 +286,7 @@ def cpu_time_ms(fn, reps: int) -> float:
 def run_cpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     others = load_others("cpu")
-    result = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    result = {"device": f"{platform.machine()} CPU, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
               "torch": torch.__version__, "cells": []}
     for kind in args.masks:
         for rows in args.rows or CPU_ROWS:
@@ -259,10 +329,11 @@ def markdown(result: dict, gpu: bool) -> str:
     if gpu:
         lines += [
             f"torch {result['torch']}, triton {result['triton']}; device-to-device copy "
-            f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write). Times: median of "
-            "`triton.testing.do_bench` (L2 flushed before each run), microseconds. Bound = "
-            "(read + write of the logits + read of the mask) / copy bandwidth. "
-            "'x' columns: their time / ours (> 1 = ours faster).",
+            f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write). Times in microseconds: "
+            "device time per call from CUDA-graph replays over input sets spanning 4x the L2 "
+            "(cold memory); 'eager': `triton.testing.do_bench` median (L2 flushed, host launch "
+            "time included where it exceeds the flush). Bound = (read + write of the logits + "
+            "read of the mask) / copy bandwidth. 'x' columns: their time / ours (> 1 = ours faster).",
             "",
         ]
     else:
@@ -271,8 +342,8 @@ def markdown(result: dict, gpu: bool) -> str:
     for kind in sorted({c["mask"] for c in result["cells"]}):
         lines += [f"## {kind} masks", ""]
         if gpu:
-            head = ("| rows | vocab | dtype | ours us | bound us | % of bound | GB/s | xgrammar us | "
-                    "xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
+            head = ("| rows | vocab | dtype | ours us | ours eager us | bound us | % of bound | GB/s | "
+                    "xgrammar us | xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
                     "fused softmax us | apply+softmax us | checks |")
         else:
             head = ("| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
@@ -286,6 +357,7 @@ def markdown(result: dict, gpu: bool) -> str:
             if gpu:
                 lines.append(
                     f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
+                    f"{c['eager_ms']['spec_grammar'] * 1e3:.1f} | "
                     f"{c['bound_ms'] * 1e3:.1f} | {100 * c['fraction_of_bound']:.0f}% | "
                     f"{c['achieved_GBps']:.0f} | {us('xgrammar')} | {_ratio(t, 'xgrammar')} | "
                     f"{us('llguidance')} | {_ratio(t, 'llguidance')} | {us('fused_argmax')} | "
@@ -298,12 +370,16 @@ def markdown(result: dict, gpu: bool) -> str:
                     f"{_ratio(t, 'llguidance')} | {us('fused_argmax')} | {us('apply+argmax')} | {ok} |"
                 )
         lines.append("")
+    notes = sorted({f"{name}: {note}" for c in result["cells"] for name, note in c.get("notes", {}).items()})
+    if notes:
+        lines += ["Notes:", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default=None, help="file stem suffix (default: h200 on CUDA, cpu)")
     ap.add_argument("--masks", nargs="+", default=["random", "sparse"], choices=("random", "sparse"))

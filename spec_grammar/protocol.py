@@ -34,6 +34,7 @@ from .errors import (
 )
 from .schema_check import check_json_schema
 from .specs import GrammarSpec, JsonSchema, ToolCalls
+from .strict import KeywordSupport, unenforced_keywords
 from .tree import DraftTree
 
 __all__ = [
@@ -157,6 +158,8 @@ class CompiledGrammar:
         backend_name: name of the backend that compiled it (matchers check it).
         native: the library's compiled object (opaque to callers).
         compile_time_s: wall time of the compile in seconds (0 for a cache hit's original).
+        warnings: one line per JSON-Schema keyword the backend compiled but does not enforce
+            (see :mod:`spec_grammar.strict`); empty when the grammar is enforced in full.
     """
 
     spec: GrammarSpec
@@ -164,6 +167,7 @@ class CompiledGrammar:
     native: Any
     compile_time_s: float
     backend_id: int = 0
+    warnings: tuple[str, ...] = ()
 
 
 class SpecGrammar:
@@ -450,6 +454,8 @@ class GrammarBackend:
 
     name: ClassVar[str] = "base"
     capabilities: ClassVar[Capabilities] = Capabilities()
+    json_schema_support: ClassVar[KeywordSupport] = KeywordSupport()
+    """JSON-Schema keywords the library does not enforce (strict mode refuses them)."""
 
     def __init__(
         self,
@@ -509,9 +515,16 @@ class GrammarBackend:
         def run() -> CompiledGrammar:
             t0 = time.perf_counter()
             target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
+            ignored: list[str] = []
             try:
                 if isinstance(target, JsonSchema):
                     check_json_schema(target.json_schema)
+                    ignored = unenforced_keywords(target.json_schema, self.json_schema_support)
+                    if ignored and target.strict:
+                        raise UnsupportedGrammarError(
+                            f"strict mode: {len(ignored)} keyword use(s) would not be enforced: "
+                            + "; ".join(ignored[:5]) + ("; ..." if len(ignored) > 5 else "")
+                        )
                 native = self._compile_with_timeout(target)
             except SpecGrammarError as e:
                 if isinstance(e, GrammarCompileError) and e.backend is None:
@@ -521,7 +534,7 @@ class GrammarBackend:
                 raise GrammarCompileError(
                     f"{spec.kind} failed to compile: {type(e).__name__}: {e}", backend=self.name, reason=str(e)
                 ) from e
-            return CompiledGrammar(spec, self.name, native, time.perf_counter() - t0, id(self))
+            return CompiledGrammar(spec, self.name, native, time.perf_counter() - t0, id(self), tuple(ignored))
 
         return self._cache.get_or_compile(key, run)
 

@@ -225,6 +225,22 @@ def test_refused_tokens_are_no_ops_and_validate_does_not_mutate(backend, tok):
         m.rollback(len(good) + 1)
 
 
+def test_repeated_rollbacks_over_a_long_history_and_the_rollback_bound(tok):
+    small = InteregularBackend(tok, max_rollback_tokens=3)
+    compiled = small.compile(Regex(r"(ab|[0-9])*"))
+    path = tok.encode("ab1ab2" * 6, add_special_tokens=False)
+    m = small.matcher(compiled)
+    assert m.accept_tokens(path) == len(path) > 8
+    fork = m.fork()
+    for matcher in (m, fork):
+        matcher.rollback(3)
+        matcher.rollback(3)
+        assert row_ids(matcher) == row_ids(replay(small, compiled, path[:-6]))
+        with pytest.raises(GrammarStateError):
+            matcher.rollback(4)
+    assert fork.accept_tokens(path[-6:]) == 6 and m.num_accepted == len(path) - 6
+
+
 def test_stop_token_exactly_where_the_pattern_can_end(backend, tok):
     m = backend.matcher(backend.compile(Regex(r"(yes|no)!?")))
     bm = allocate_token_bitmask(1, backend.vocab_size)

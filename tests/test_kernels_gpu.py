@@ -46,7 +46,12 @@ def test_apply_cuda_equals_cpu(dtype, vocab, width):
     idx = [5, 0, 3]
     cpu = logits.clone()
     spec_grammar.apply_token_bitmask_inplace(cpu, mask[:3], indices=idx)
-    for make in (list, lambda x: torch.tensor(x, device="cuda"), lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")):
+    makers = (
+        list,
+        lambda x: torch.tensor(x, device="cuda"),
+        lambda x: torch.tensor(x, dtype=torch.int32, device="cuda"),
+    )
+    for make in makers:
         gpu = logits.cuda()
         spec_grammar.apply_token_bitmask_inplace(gpu, mask[:3].cuda(), indices=make(idx))
         assert torch.equal(gpu.cpu(), cpu)
@@ -75,12 +80,14 @@ def test_fused_cuda_equals_cpu(dtype, vocab, width):
     assert want[0] == -1
     assert torch.equal(masked_argmax(lg, mg).cpu(), want)
     idx = torch.tensor([5, 0, 3], device="cuda")
-    assert torch.equal(masked_argmax(lg, mg[:3], indices=idx).cpu(), masked_argmax(logits, mask[:3], indices=[5, 0, 3]))
+    want_idx = masked_argmax(logits, mask[:3], indices=[5, 0, 3])
+    assert torch.equal(masked_argmax(lg, mg[:3], indices=idx).cpu(), want_idx)
     for log in (False, True):
         for temp in (0.7, torch.rand(6, generator=torch.Generator().manual_seed(0)) + 0.3):
             n = 6
             p_cpu = masked_softmax(logits[:n], mask[:n], temp, log=log)
-            p_gpu = masked_softmax(lg[:n], mg[:n], temp if isinstance(temp, float) else temp.cuda(), log=log).cpu()
+            t_gpu = temp if isinstance(temp, float) else temp.cuda()
+            p_gpu = masked_softmax(lg[:n], mg[:n], t_gpu, log=log).cpu()
             assert torch.equal(torch.isinf(p_gpu), torch.isinf(p_cpu))
             fin = torch.isfinite(p_cpu)
             assert torch.allclose(p_gpu[fin], p_cpu[fin], rtol=2e-5, atol=1e-6 if log else 1e-8)

@@ -33,13 +33,13 @@ def reference(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Per sequence, ``(len, V)`` float32 logits of a plain forward without cache. One batched
     forward, right-padded: under causal attention the padding never touches real positions."""
     width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=model.device)
     with torch.inference_mode():
         logits = model(input_ids=ids).logits.float()
     return [logits[i, : len(s)] for i, s in enumerate(seqs)]
 
 
-def assert_tree_logits(model, cases: list[tuple[torch.Tensor, list[int], DraftTree]]) -> None:
+def assert_tree_logits(model, cases: list[tuple[torch.Tensor, list[int], DraftTree]], atol=ATOL) -> None:
     """For each ``(logits (N, V), context, tree)``: row n == the plain forward of
     ``context + path(n)`` at its last position. A reference sequence per leaf covers the whole
     root..leaf path. Nodes with invalid tokens (and their subtrees) are skipped: their rows are
@@ -60,7 +60,7 @@ def assert_tree_logits(model, cases: list[tuple[torch.Tensor, list[int], DraftTr
             covered.update(tree.path_nodes(leaf))
         assert covered == good
     for ref, (logits, nodes, offset) in zip(reference(model, seqs), spans):
-        torch.testing.assert_close(logits[nodes], ref[offset:], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[nodes], ref[offset:], atol=atol, rtol=0)
 
 
 # real text ("The capital of France is", "Hi", "One two three four"); "Hi" is one token: an
@@ -70,8 +70,7 @@ PROMPT_B = [26843]
 PROMPT_C = [2705, 827, 1296, 1876]
 
 
-def test_tree_logits_equal_sequential_and_commit_equals_fresh(attn_model):
-    m = attn_model
+def check_tree_logits_and_commit(m, atol=ATOL):
     runner = ModelRunner(m)
     prompts = {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}
     for rid, p in prompts.items():
@@ -87,7 +86,7 @@ def test_tree_logits_equal_sequential_and_commit_equals_fresh(attn_model):
     logits = runner.forward_trees(order, [trees[r] for r in order])
     assert logits.shape == (3, 8, runner.vocab_size) and logits.dtype == torch.float32
     assert_tree_logits(
-        m, [(logits[i, : trees[r].num_nodes], prompts[r], trees[r]) for i, r in enumerate(order)]
+        m, [(logits[i, : trees[r].num_nodes], prompts[r], trees[r]) for i, r in enumerate(order)], atol
     )
     assert [runner.cache_len(r) for r in "abc"] == [4, 0, 3]  # forward does not commit
 
@@ -105,11 +104,11 @@ def test_tree_logits_equal_sequential_and_commit_equals_fresh(attn_model):
     }
     logits = runner.forward_trees(list("abc"), [nxt[r] for r in "abc"])
     assert_tree_logits(
-        m, [(logits[i, : nxt[r].num_nodes], committed[r], nxt[r]) for i, r in enumerate("abc")]
+        m, [(logits[i, : nxt[r].num_nodes], committed[r], nxt[r]) for i, r in enumerate("abc")], atol
     )
 
 
-def test_remove_and_add_mid_batch_and_subsets(model):
+def check_remove_add_mid_batch_and_subsets(model, atol=ATOL):
     runner = ModelRunner(model)
     prompts = {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}
     for rid, p in prompts.items():
@@ -130,22 +129,77 @@ def test_remove_and_add_mid_batch_and_subsets(model):
     t_d = DraftTree.from_parents([81, 28, 278, 727], [-1, 0, 1, 0])
     t_c = DraftTree.chain(2353, [3098])
     logits = runner.forward_trees(["d", "c"], [t_d, t_c])
-    assert_tree_logits(model, [(logits[0, :4], ctx["d"], t_d), (logits[1, :2], ctx["c"], t_c)])
+    assert_tree_logits(model, [(logits[0, :4], ctx["d"], t_d), (logits[1, :2], ctx["c"], t_c)], atol)
     runner.commit("d", [0, 1, 2])
     ctx["d"] += [28, 278, 727]
     logits = runner.forward_trees(["b", "d"], [DraftTree.chain(29, []), DraftTree.chain(727, [])])
     ref_b, ref_d = reference(model, [ctx["b"], ctx["d"]])
-    torch.testing.assert_close(logits[:, 0], torch.stack([ref_b[-1], ref_d[-1]]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[:, 0], torch.stack([ref_b[-1], ref_d[-1]]), atol=atol, rtol=0)
 
 
-def test_chunked_prefill_and_extend(model):
+def check_chunked_prefill_and_extend(model, atol=ATOL):
     runner = ModelRunner(model, prefill_chunk=2)
     runner.add("a", PROMPT_A + PROMPT_C)  # 8 cached tokens in chunks of 2
     runner.extend("a", [1876, 28, 253])  # the root and two more tokens become cache
     assert runner.cache_len("a") == 11
     logits = runner.forward_trees(["a"], [DraftTree.chain(1345, [2365])])
     (ref,) = reference(model, [PROMPT_A + PROMPT_C + [28, 253, 1345, 2365]])
-    torch.testing.assert_close(logits[0], ref[-2:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[0], ref[-2:], atol=atol, rtol=0)
+
+
+def test_tree_logits_equal_sequential_and_commit_equals_fresh(attn_model):
+    check_tree_logits_and_commit(attn_model)
+
+
+def test_remove_and_add_mid_batch_and_subsets(model):
+    check_remove_add_mid_batch_and_subsets(model)
+
+
+def test_chunked_prefill_and_extend(model):
+    check_chunked_prefill_and_extend(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_same_code(attn, dtype):
+    """The same checks on CUDA, on a 2-layer Llama with SmolLM2's shapes and random weights (the
+    mechanics under test do not depend on trained weights; the device may hold no model files).
+    The tolerance is relative to the logits' scale: 1e-4 in fp32, 3e-2 in bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+        rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).to("cuda", dtype).eval()
+    model.set_attn_implementation(attn)
+    scale = float(reference(model, [PROMPT_A])[0].abs().max())
+    atol = scale * (1e-4 if dtype == torch.float32 else 3e-2)
+    check_tree_logits_and_commit(model, atol)
+    check_remove_add_mid_batch_and_subsets(model, atol)
+    check_chunked_prefill_and_extend(model, atol)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_window_models(arch):
+    """Sliding-window attention is part of the runner's mask: Gemma-3 (per-layer-type masks) and
+    Mistral (one windowed mask), tiny random models with a 3-token window, so the checks above
+    cross the window."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=3)
+    if arch == "gemma3":
+        config = Gemma3TextConfig(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"], **shape)
+        model = Gemma3ForCausalLM(config).eval()
+    else:
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, **shape)).eval()
+    check_tree_logits_and_commit(model)
+    check_remove_add_mid_batch_and_subsets(model)
 
 
 def test_misuse_raises_runner_error(model):

@@ -9,20 +9,24 @@ Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llgu
 
 - **Sticky error state (G4).** A refused ``consume_token`` or a too-deep ``rollback`` puts the
   matcher in an error state nothing clears. The native matcher is only ever given tokens whose
-  bit is set in its own mask.
-- **Accept is wider than the mask.** Where text is forced, the mask allows only the canonical
-  token (after ``{"`` only ``id``) while ``consume_token`` / ``validate_tokens`` also take other
-  spellings (``i``). The protocol needs "mask allows t" <=> "accept(t) succeeds", so accept and
-  validate check the mask bit; the native ``validate_tokens`` only bounds the walk.
+  bit is set in the row of its state.
+- **Canonical-only masks in forced text.** Where the grammar forces text, llguidance's mask
+  allows only the first token of that text's canonical tokenization (where ``{"a":`` must come
+  next, the token ``{"a":`` but not ``{``), while its parser accepts every spelling. The
+  protocol's row is the grammar's allowed set (as the other backends give it), so such a row
+  is completed: when llguidance's row is a single token and forced bytes exist, every token
+  consistent with the forced bytes that the parser accepts is added (:func:`_complete_row`).
+  Accept and validate then check the completed row, so "row allows t" <=> "accept(t)".
 - **Stop tokens.** llguidance's ``is_stopped()`` is true right after the final ``}``, EOS
   consumed there is not recorded in the rollback history, and ``validate_tokens([EOS])``
-  returns 0 there (G6). The adapter therefore never hands a stop token to the native matcher:
-  accepting an allowed stop token sets its own terminated flag, and ``rollback`` clears it.
+  returns 0 there (G6). The adapter never hands a stop token to the native matcher: accepting
+  an allowed stop token sets its own terminated flag, and ``rollback`` clears it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -33,21 +37,27 @@ import torch
 
 from spec_grammar.bitmask import check_bitmask, clear_padding_bits
 from spec_grammar.errors import BitmaskError, GrammarCompileError, GrammarStateError, UnsupportedGrammarError
-from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar, TokenizerInfo
+from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
-from spec_grammar.traverse import single_allowed_token
 from spec_grammar.tree import DraftTree
 
 try:
     import llguidance
-    import llguidance.hf
     from llguidance.gbnf_to_lark import gbnf_to_lark
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the llguidance backend needs `pip install llguidance`") from e
 
+from .vocab import VocabIndex, llg_tokenizer
+
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
 
 _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
+
+# Keywords a non-strict schema may have llguidance ignore (lenient mode), as xgrammar does;
+# listed as library semantics in spec_grammar.testing.json_suite. Any other unimplemented
+# keyword is refused even when not strict, since ignoring it would accept invalid documents.
+# Unknown ``format`` values are always ignored when not strict (JSON Schema annotations).
+_IGNORABLE_KEYWORDS = frozenset({"uniqueItems"})
 
 # llguidance messages for valid input it cannot represent (as opposed to invalid input).
 _UNSUPPORTED = re.compile(
@@ -56,12 +66,50 @@ _UNSUPPORTED = re.compile(
 
 
 def _consume_native(matcher: Any, token: int) -> None:
-    """Consume a token its mask allowed; a refusal would mean llguidance's mask and parser
+    """Consume a token its row allowed; a refusal would mean llguidance's mask and parser
     disagree, so it is reported instead of ignored."""
     if not matcher.consume_token(token):
         raise GrammarStateError(
-            f"llguidance refused token {token} that its mask allowed: {matcher.get_error()}"
+            f"llguidance refused token {token} that its row allowed: {matcher.get_error()}"
         )
+
+
+def _fill_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
+    """Write the state's allowed set into ``row`` (a ``(W,)`` int32 view): llguidance's mask,
+    then :func:`_complete_row`. Raises :class:`GrammarStateError` if llguidance fails."""
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    _check_native(matcher)
+    _complete_row(matcher, row, vocab)
+
+
+def _check_native(matcher: Any) -> None:
+    if matcher.is_error():
+        raise GrammarStateError(f"llguidance matcher failed: {matcher.get_error()}")
+
+
+def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
+    """Add the non-canonical spellings of forced text to a row llguidance filled (see the
+    module docstring). Only a single-token row can be such a row. Candidates are the tokens
+    whose bytes are a proper prefix of the forced bytes or start with them, each checked by
+    llguidance's parser (``validate_tokens`` never mutates). Validity is prefix-closed (a
+    token is allowed iff its bytes can begin the rest of a document), which lets
+    :meth:`VocabIndex.extensions_accepted` skip the extensions of a refused token."""
+    if np.count_nonzero(row) != 1:
+        return
+    word = int(row[np.flatnonzero(row)[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return
+    forced = matcher.compute_ff_bytes()
+    if not forced:
+        return
+    bits = row.view(np.uint32)
+
+    def accepts(t: int) -> bool:
+        return bool((int(bits[t >> 5]) >> (t & 31)) & 1) or matcher.validate_tokens([t]) == 1
+
+    shorter = [t for t in vocab.proper_prefixes(forced) if accepts(t)]
+    for t in shorter + vocab.extensions_accepted(forced, accepts):
+        bits[t >> 5] |= np.uint32(1 << (t & 31))
 
 
 @dataclass(eq=False)
@@ -79,44 +127,39 @@ class _Grammar:
 
 
 class LLGuidanceMatcher(SpecGrammar):
-    """:class:`SpecGrammar` over ``llguidance.LLMatcher`` (see the module docstring for how
-    stop tokens and the error state are handled)."""
+    """:class:`SpecGrammar` over ``llguidance.LLMatcher`` (see the module docstring for rows,
+    stop tokens and the error state)."""
 
     def __init__(self, backend: "LLGuidanceBackend", matcher: Any, *, terminated: bool = False):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._m = matcher
         self._terminated = terminated
-        self._row_bytes = self.info.bitmask_width * 4
-        self._scratch: torch.Tensor | None = None
+        self._scratch: np.ndarray | None = None
 
-    # -- native helpers -----------------------------------------------------------------------
-    def _fill_ptr(self, ptr: int) -> None:
-        self._m.unsafe_compute_mask_ptr(ptr, self._row_bytes)
-        if self._m.is_error():
-            raise GrammarStateError(f"llguidance matcher failed: {self._m.get_error()}")
-
-    def _scratch_row(self) -> np.ndarray:
-        """The current state's mask in a per-matcher ``(W,)`` int32 buffer."""
+    # -- helpers ------------------------------------------------------------------------------
+    def _row(self) -> np.ndarray:
+        """The current state's row in a per-matcher ``(W,)`` int32 buffer."""
         if self._scratch is None:
-            self._scratch = torch.zeros((1, self.info.bitmask_width), dtype=torch.int32)
-        self._fill_ptr(self._scratch.data_ptr())
-        return self._scratch.numpy()[0]
+            self._scratch = np.zeros(self.info.bitmask_width, dtype=np.int32)
+        _fill_row(self._m, self._scratch, self._backend.vocab_index)
+        return self._scratch
 
-    def _mask_allows(self, token: int) -> bool:
-        return bool((int(self._scratch_row()[token >> 5]) >> (token & 31)) & 1)
-
-    def _consume(self, token: int) -> None:
-        _consume_native(self._m, token)
+    def _allows(self, token: int) -> bool:
+        return bool((int(self._row()[token >> 5]) >> (token & 31)) & 1)
 
     # -- required hooks -----------------------------------------------------------------------
     def _accept_token(self, token: int) -> bool:
-        if not self._mask_allows(token):
+        # The parser's verdict is cheap and wider than the row: it settles refusals without
+        # filling a row.
+        if not self.is_stop_token(token) and self._m.validate_tokens([token]) != 1:
+            return False
+        if not self._allows(token):
             return False
         if self.is_stop_token(token):
             self._terminated = True
         else:
-            self._consume(token)
+            _consume_native(self._m, token)
         return True
 
     def _rollback(self, num_tokens: int) -> None:
@@ -131,26 +174,26 @@ class LLGuidanceMatcher(SpecGrammar):
         return LLGuidanceMatcher(self._backend, self._m.deep_copy(), terminated=self._terminated)
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._fill_ptr(bitmask.data_ptr() + row * self._row_bytes)
+        _fill_row(self._m, bitmask.numpy()[row], self._backend.vocab_index)
 
     def _is_terminated(self) -> bool:
         return self._terminated
 
     # -- faster paths -------------------------------------------------------------------------
     def _validate_tokens(self, tokens: list[int]) -> int:
-        # The native count is an upper bound (accept is wider than the mask, see the module
-        # docstring); the exact count walks the mask bits up to it.
+        # llguidance's count bounds the walk (its parser accepts every row token); the exact
+        # count checks each token against its state's row.
         stop_at = next((i for i, t in enumerate(tokens) if self.is_stop_token(t)), len(tokens))
         bound = self._m.validate_tokens(tokens[:stop_at]) if stop_at else 0
         if bound == stop_at < len(tokens):
-            bound += 1  # the stop token, checked against the mask below
+            bound += 1  # the stop token, checked against the row below
         n = consumed = 0
         try:
-            while n < bound and self._mask_allows(tokens[n]):
+            while n < bound and self._allows(tokens[n]):
                 n += 1
                 if n > stop_at:
                     break
-                self._consume(tokens[n - 1])
+                _consume_native(self._m, tokens[n - 1])
                 consumed += 1
         finally:
             if consumed:
@@ -158,14 +201,21 @@ class LLGuidanceMatcher(SpecGrammar):
         return n
 
     def _forced_tokens(self) -> list[int]:
-        # compute_ff_tokens tokenizes the forced bytes; keep only the prefix whose every token
-        # is the single token its state's mask allows (truly forced, never a stop token).
+        # compute_ff_tokens tokenizes the forced bytes. A token is kept only if its row allows
+        # it and no token allowed there is a longer spelling starting with it (then the model
+        # could write more in one token); stop tokens are never forced.
+        vocab = self._backend.vocab_index
+        token_bytes = self.info.token_bytes
         forced: list[int] = []
         try:
             for t in self._m.compute_ff_tokens():
-                if self.is_stop_token(t) or single_allowed_token(self._scratch_row()) != t:
+                if self.is_stop_token(t) or not self._allows(t):
                     break
-                self._consume(t)
+                row = self._scratch
+                longer = (u for u, b in vocab.starting_with(token_bytes[t]) if len(b) > len(token_bytes[t]))
+                if any((int(row[u >> 5]) >> (u & 31)) & 1 for u in longer):
+                    break
+                _consume_native(self._m, t)
                 forced.append(t)
         finally:
             if forced:
@@ -183,14 +233,13 @@ class LLGuidanceMatcher(SpecGrammar):
         next_sibling = tree.next_sibling_list
         n_tok = self.info.tokenizer_vocab_size
         stops = self._stop_ids
+        vocab = self._backend.vocab_index
         m = self._m
-        words = bitmask.numpy()
-        words[row_offset : row_offset + n] = 0
-        base = bitmask.data_ptr() + row_offset * self._row_bytes
-        row_bytes = self._row_bytes
+        words = bitmask.numpy()[row_offset : row_offset + n]
+        words[:] = 0
         valid = [False] * n
         valid[0] = True
-        self._fill_ptr(base)
+        _fill_row(m, words[0], vocab)
         # Stack entries: a node to enter (>= 0) or ~node to leave (roll its token back).
         stack = tree.children(0)[::-1]
         depth = 0
@@ -202,16 +251,16 @@ class LLGuidanceMatcher(SpecGrammar):
                     depth -= 1
                     continue
                 t = tokens[node]
-                prow = row_offset + parents[node]
-                if not (0 <= t < n_tok and (int(words[prow, t >> 5]) >> (t & 31)) & 1):
+                prow = words[parents[node]]
+                if not (0 <= t < n_tok and (int(prow[t >> 5]) >> (t & 31)) & 1):
                     continue
                 valid[node] = True
                 if t in stops:
                     continue  # terminates: zero row, no children
-                self._consume(t)
+                _consume_native(m, t)
                 depth += 1
                 stack.append(~node)
-                self._fill_ptr(base + node * row_bytes)
+                _fill_row(m, words[node], vocab)
                 c = first_child[node]
                 kids = []
                 while c != -1:
@@ -228,8 +277,9 @@ class LLGuidanceBackend(GrammarBackend):
     """llguidance (https://github.com/guidance-ai/llguidance) behind the spec-grammar protocol.
 
     Extra options: ``num_threads`` of the ``LLExecutor`` that fills many requests' tree rows
-    in parallel (default: llguidance's choice, 80 % of the CPUs up to 32); ``slices`` for the
-    tokenizer's mask slicer (``None`` = llguidance's general slices, ``[]`` = off; see G5).
+    in parallel (default: llguidance's rule, 80 % of the CPUs up to 32; with one thread the
+    requests are filled one after another); ``slices`` for the tokenizer's mask slicer
+    (``None`` = llguidance's general slices, ``[]`` = off; see G5).
 
     Raises ``ValueError`` when the tokenizer is not a fast Hugging Face tokenizer or when the
     logits width is smaller than the tokenizer (llguidance needs ``vocab_size >= len(tokenizer)``).
@@ -266,10 +316,12 @@ class LLGuidanceBackend(GrammarBackend):
                 f"llguidance needs a logits width >= the tokenizer's {len(info.hf_tokenizer)} tokens, "
                 f"got vocab_size={info.vocab_size}"
             )
-        self._llg_tokenizer = _llg_tokenizer(info, None if slices is None else list(slices))
-        self._num_threads = num_threads
+        self._llg_tokenizer = llg_tokenizer(info, None if slices is None else list(slices))
+        self._vocab_index: VocabIndex | None = None
+        cpus = os.cpu_count() or 1
+        self.num_threads = int(num_threads) if num_threads else max(1, min(32, cpus * 4 // 5))
         self._executor: Any = None
-        self._executor_lock = threading.Lock()
+        self._lazy_lock = threading.Lock()
 
     @classmethod
     def library_version(cls) -> str:
@@ -320,18 +372,40 @@ class LLGuidanceBackend(GrammarBackend):
             reason = prototype.get_error()
             err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
             raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
+        if isinstance(spec, JsonSchema):
+            ignored = {
+                key
+                for w in prototype.get_grammar_warnings()
+                for key in re.findall(r'"([^"]+)"', w.partition("Unimplemented keys:")[2])
+            } - _IGNORABLE_KEYWORDS
+            if ignored:
+                raise UnsupportedGrammarError(
+                    f"llguidance does not implement the keywords {sorted(ignored)}; ignoring them "
+                    "would accept documents the schema rejects",
+                    reason=f"Unimplemented keys: {sorted(ignored)}",
+                )
         return _Grammar(text, prototype)
 
     def _matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, compiled.native.new_matcher())
 
+    @property
+    def vocab_index(self) -> VocabIndex:
+        """Token bytes sorted for prefix queries (built on first use, under a lock)."""
+        if self._vocab_index is not None:
+            return self._vocab_index
+        with self._lazy_lock:
+            if self._vocab_index is None:
+                self._vocab_index = VocabIndex(self.tokenizer_info)
+            return self._vocab_index
+
     # -- many requests at once ---------------------------------------------------------------
     @property
     def executor(self) -> Any:
         """The ``llguidance.LLExecutor`` used by :meth:`fill_tree_bitmasks` (created lazily)."""
-        with self._executor_lock:
+        with self._lazy_lock:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor(self._num_threads)
+                self._executor = llguidance.LLExecutor(self.num_threads)
             return self._executor
 
     def fill_tree_bitmasks(
@@ -345,8 +419,9 @@ class LLGuidanceBackend(GrammarBackend):
         gets its own native matcher (its parent's, moved on by its token, for the first child;
         a ``deep_copy`` for the other children) and the level's rows are computed in one
         ``LLExecutor`` call, in parallel with the GIL released. Each job's own matcher follows
-        its first branch and is rolled back afterwards. Jobs whose matcher is not this
-        backend's, or that share a matcher, go through the sequential path.
+        its first branch and is rolled back afterwards. With ``num_threads == 1``, and for jobs
+        whose matcher is not this backend's or is shared, each job goes through
+        :meth:`SpecGrammar.fill_tree_bitmask` instead.
 
         Raises :class:`BitmaskError` on a bad buffer or rows that do not fit, and
         :class:`GrammarStateError` when a job's matcher is terminated.
@@ -365,7 +440,7 @@ class LLGuidanceBackend(GrammarBackend):
             if isinstance(m, LLGuidanceMatcher) and m._backend is self and id(m) not in seen:
                 seen.add(id(m))
                 par.append(i)
-        if len(par) > 1:
+        if len(par) > 1 and self.num_threads > 1:
             for i, valid in zip(par, self._fill_trees_par([jobs[i] for i in par], bitmask)):
                 results[i] = valid
         for i, (m, tree, off) in enumerate(jobs):
@@ -378,6 +453,7 @@ class LLGuidanceBackend(GrammarBackend):
     ) -> list[torch.Tensor]:
         words = bitmask.numpy()
         executor = self.executor
+        vocab = self.vocab_index
         n_tok = self.tokenizer_info.tokenizer_vocab_size
         stops = frozenset(self.tokenizer_info.stop_token_ids)
         valids: list[list[bool]] = []
@@ -399,10 +475,10 @@ class LLGuidanceBackend(GrammarBackend):
                 )
                 nxt: list[tuple[int, int, Any]] = []
                 for j, node, nm in level:
-                    if nm.is_error():
-                        raise GrammarStateError(f"llguidance matcher failed: {nm.get_error()}")
+                    _check_native(nm)
                     m, tree, off = jobs[j]
                     prow = words[off + node]
+                    _complete_row(nm, prow, vocab)
                     kids = [
                         c
                         for c in tree.children(node)

@@ -9,7 +9,7 @@ tokens, or a normalizer that rewrites text, would leave it with no allowed token
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any
+from typing import Any, Callable
 
 import llguidance
 import llguidance.hf
@@ -86,26 +86,42 @@ class VocabIndex:
         self._keys = [b for b, _ in pairs]
         self._ids = [t for _, t in pairs]
 
-    def starting_with(self, prefix: bytes) -> list[int]:
-        """Tokens whose bytes start with ``prefix`` (``prefix`` itself included)."""
+    def _end(self, prefix: bytes, lo: int = 0) -> int:
+        """Index past the last key starting with ``prefix`` (keys are sorted)."""
+        stripped = prefix.rstrip(b"\xff")
+        if not stripped:
+            return len(self._keys)
+        return bisect_left(self._keys, stripped[:-1] + bytes([stripped[-1] + 1]), lo)
+
+    def starting_with(self, prefix: bytes) -> list[tuple[int, bytes]]:
+        """``(token, bytes)`` of the tokens whose bytes start with ``prefix``, in byte order."""
+        i = bisect_left(self._keys, prefix)
+        end = self._end(prefix, i)
+        return list(zip(self._ids[i:end], self._keys[i:end]))
+
+    def extensions_accepted(self, prefix: bytes, accepts: Callable[[int], bool]) -> list[int]:
+        """Tokens whose bytes start with ``prefix`` and that ``accepts`` takes, for a prefix-closed
+        ``accepts`` (refusing a token refuses every token extending it): the extensions of a
+        refused token are skipped unchecked, so the cost follows the accepted tokens plus one
+        refused token per pruned block rather than the number of candidates."""
         out = []
         i = bisect_left(self._keys, prefix)
-        while i < len(self._keys) and self._keys[i].startswith(prefix):
-            out.append(self._ids[i])
-            i += 1
+        end = self._end(prefix, i)
+        while i < end:
+            t = self._ids[i]
+            if accepts(t):
+                out.append(t)
+                i += 1
+            else:
+                i = self._end(self._keys[i], i + 1)
         return out
 
-    def exactly(self, text: bytes) -> list[int]:
-        """Tokens whose bytes are exactly ``text``."""
+    def proper_prefixes(self, text: bytes) -> list[int]:
+        """Tokens whose bytes are a non-empty proper prefix of ``text``."""
         out = []
-        i = bisect_left(self._keys, text)
-        while i < len(self._keys) and self._keys[i] == text:
-            out.append(self._ids[i])
-            i += 1
+        for k in range(1, len(text)):
+            i = bisect_left(self._keys, text[:k])
+            while i < len(self._keys) and self._keys[i] == text[:k]:
+                out.append(self._ids[i])
+                i += 1
         return out
-
-    def spellings(self, forced: bytes) -> list[int]:
-        """Tokens consistent with the forced text: their bytes are a prefix of ``forced`` or
-        start with it."""
-        out = [t for k in range(1, len(forced)) for t in self.exactly(forced[:k])]
-        return out + self.starting_with(forced)

@@ -4,19 +4,21 @@ token bitmasks, ours against the naive per-node DFS engines use today.
 Method (``shared/notes/backend-libraries.md`` section 5 and appendix, reproduced):
 
 - **Compile**: every bundled JSONSchemaBench schema and BFCL ``ToolCalls`` spec is compiled
-  once per backend and tokenizer in a worker process (so a hung compile can be killed after
+  once per backend and tokenizer through ``GrammarBackend.compile`` (schema checks included,
+  as users pay them) in a worker process (so a hung compile can be killed after
   ``compile_timeout_s``), compile cache off, after one untimed warm-up compile. Reported:
   median and p90 in ms, failures with the library's reason.
 - **Trees**: draft trees of N nodes are grown along valid instances (:mod:`.trees`), the same
-  trees for every backend of a tokenizer. For each tree three fills are timed on matchers
+  trees for every backend of a tokenizer. For each tree up to four fills are timed on matchers
   advanced to the root: ``ours`` (``GrammarBackend.fill_tree_bitmasks``, the public path, in a
   thread pool of T threads for T > 1), ``hook`` (the adapter's ``_fill_tree_bitmask`` alone,
   to separate protocol overhead), ``naive`` (:mod:`.naive`: SGLang's ``traverse_tree`` against
   the library API, one request after the other) and, where the library has one, ``native``
   (its own one-call tree fill, without our normalization). The first fill on freshly built
-  matchers is the *cold* time; then ``reps`` warm fills give a median. ``gc`` is disabled
-  while timing. One request: medians per root averaged over roots. R requests: one batch of
-  R trees (roots cycled) per repetition.
+  matchers is the *cold* time; then ``reps`` warm rounds, each calling every method once in
+  turn (interleaved: load changes on a shared machine hit all methods alike), give a median
+  per method. ``gc`` is disabled while timing. One request: medians per root averaged over
+  roots. R requests: one batch of R trees (roots cycled) per repetition.
 - **Checks**: every method must report the same valid nodes as the tree builder expected,
   and ours and naive must write identical rows for every valid, non-terminated node.
 
@@ -33,6 +35,7 @@ import platform
 import random
 import statistics
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -43,8 +46,10 @@ from pydantic import BaseModel, Field
 
 from ..bitmask import allocate_token_bitmask, clear_padding_bits
 from ..errors import SpecGrammarError
+from ..models import load_tokenizer
 from ..protocol import GrammarBackend
 from ..registry import get_backend, list_backends
+from ..specs import JsonSchema
 from .instances import Case, load_cases, sample_instance
 from .naive import naive_walker
 from .trees import TreeRoot, grow_tree
@@ -65,9 +70,9 @@ class MaskBenchConfig(BaseModel):
     requests: list[int] = [1, 16, 64]
     threads: list[int] = [1, 2]
     compile_cases_per_source: int | None = None
-    compile_timeout_s: float = 120.0
-    compile_budget_s: float = 300.0
-    tree_cases_per_source: int = 3
+    compile_timeout_s: float = 30.0
+    compile_budget_s: float = 60.0
+    tree_cases_per_source: int = 2
     positions: int = 5
     reps: int = 20
     seed: int = 0
@@ -80,8 +85,8 @@ class MaskBenchConfig(BaseModel):
             requests=[1, 4],
             threads=[1, 2],
             compile_cases_per_source=3,
-            compile_timeout_s=60.0,
-            compile_budget_s=60.0,
+            compile_timeout_s=30.0,
+            compile_budget_s=30.0,
             tree_cases_per_source=1,
             positions=2,
             reps=3,
@@ -95,17 +100,12 @@ class MaskBenchConfig(BaseModel):
 
 def _compile_worker(conn, backend_name: str, tokenizer_name: str, per_source: int | None, start: int) -> None:
     """Child process: compile cases ``start..`` and send one result tuple per case."""
-    import warnings
-
-    from ..models import load_tokenizer
-
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()
     tok = load_tokenizer(tokenizer_name)
-    backend = get_backend(backend_name, tok, compile_cache_size=0)
+    # no in-process timeout thread: the parent kills this process instead
+    backend = get_backend(backend_name, tok, compile_cache_size=0, compile_timeout_s=None)
     init_s = time.perf_counter() - t0
-    from ..specs import JsonSchema
-
     try:
         backend.compile(JsonSchema({"type": "object"}))
     except SpecGrammarError:
@@ -169,6 +169,8 @@ def compile_phase(
                 if not parent.poll(cfg.compile_timeout_s):
                     add(start, "timeout", cfg.compile_timeout_s, "Timeout",
                         f"no result within {cfg.compile_timeout_s:.0f} s (worker killed)")
+                    # the restart it forces is charged to the same source
+                    spent[cases[start].source] += init_s or 0.0
                     start += 1
                     break
                 msg = parent.recv()
@@ -224,15 +226,16 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return (time.perf_counter_ns() - t0) / 1e3, out
 
 
-def _median_us(fn: Callable[[], Any], reps: int) -> float:
-    return statistics.median(_timed(fn)[0] for _ in range(reps))
-
-
 class _Checker:
     """Collects disagreements between methods (valid nodes, rows) for the report."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     def valid(self, label: str, got: list[bool], expected: list[bool]) -> None:
         if got != expected:
@@ -245,16 +248,29 @@ class _Checker:
             self.problems.append(f"{label}: rows differ at nodes {bad[:8]}")
 
 
-def _comparable_rows(rows: torch.Tensor, backend: GrammarBackend) -> np.ndarray:
-    """``(N, W)`` copy of the first ``W`` words of ``rows`` with padding ids and stop tokens
-    cleared: libraries differ only there by design (where EOS is offered, sentinel ids)."""
+def _comparable_rows(rows: torch.Tensor, backend: GrammarBackend, ignored: list[int]) -> np.ndarray:
+    """``(N, W)`` copy of the first ``W`` words of ``rows`` with padding ids, stop tokens and
+    ``ignored`` ids cleared: libraries differ there by design (where EOS is offered, an
+    adapter's workarounds)."""
     info = backend.tokenizer_info
     out = rows[:, : info.bitmask_width].contiguous().clone()
     clear_padding_bits(out, 0, out.shape[0], info.tokenizer_vocab_size)
     words = out.numpy().view(np.uint32)
-    for t in info.stop_token_ids:
+    for t in [*info.stop_token_ids, *ignored]:
         words[:, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
     return words
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, tuple[float, float, Any]]:
+    """Time each callable: its first call (cold), then ``reps`` rounds calling every callable
+    once in turn (interleaved, so load changes on a shared machine hit all methods alike).
+    Returns ``{name: (cold_us, median_warm_us, first_result)}``."""
+    cold = {k: _timed(f) for k, f in fns.items()}
+    warm: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            warm[k].append(_timed(f)[0])
+    return {k: (cold[k][0], statistics.median(warm[k]), cold[k][1]) for k in fns}
 
 
 def _bench_backend_size(
@@ -269,12 +285,13 @@ def _bench_backend_size(
     records: list[dict[str, Any]] = []
     info = backend.tokenizer_info
     walkers: dict[str, Any] = {}
-    naive_error = None
     for case, cg in compiled.items():
         try:
             walkers[case] = naive_walker(backend, cg)
         except LookupError as e:
-            naive_error = str(e)
+            check.problems.append(f"{backend.name}: {e}")
+            break
+
     def ours_matcher(r: TreeRoot):
         m = backend.matcher(compiled[r.case])
         if m.accept_tokens(r.prefix) != len(r.prefix):
@@ -282,38 +299,47 @@ def _bench_backend_size(
         return m
 
     base = dict(backend=backend.name, nodes=n)
+    naive_visited: list[int] = []
     # one request: per-root medians, averaged over roots
     per: dict[str, list[tuple[float, float, int]]] = {"ours": [], "hook": [], "naive": [], "native": []}
     for r in roots:
         bm = allocate_token_bitmask(n, info.vocab_size)
-        m = ours_matcher(r)
-        cold, valid_t = _timed(lambda: backend.fill_tree_bitmasks([(m, r.tree, 0)], bm))
-        valid = valid_t[0].tolist()
-        warm = _median_us(lambda: backend.fill_tree_bitmasks([(m, r.tree, 0)], bm), cfg.reps)
-        visited = sum(valid)
-        per["ours"].append((warm, cold, visited))
-        mh = ours_matcher(r)
         hb = allocate_token_bitmask(n, info.vocab_size)
-        cold_h, _ = _timed(lambda: mh._fill_tree_bitmask(r.tree, hb, 0))
-        per["hook"].append((_median_us(lambda: mh._fill_tree_bitmask(r.tree, hb, 0), cfg.reps), cold_h, visited))
+        m, mh = ours_matcher(r), ours_matcher(r)
+        fns: dict[str, Callable[[], Any]] = {
+            "ours": lambda: backend.fill_tree_bitmasks([(m, r.tree, 0)], bm),
+            "hook": lambda: mh._fill_tree_bitmask(r.tree, hb, 0),
+        }
         w = walkers.get(r.case)
         if w is not None:
-            nb = w.allocate(n)
+            nb, xb = w.allocate(n), allocate_token_bitmask(n, info.vocab_size)
             nm = w.start(r.prefix)
-            cold_n, (nvalid, nfilled) = _timed(lambda: w.walk(nm, r.tree, nb, 0))
-            per["naive"].append((_median_us(lambda: w.walk(nm, r.tree, nb, 0), cfg.reps), cold_n, visited))
-            label = f"{backend.name} {r.case}@{r.position} N={n}"
-            check.valid(f"{label} naive", nvalid, valid)
-            check.rows(f"{label} ours-vs-naive", _comparable_rows(bm, backend), _comparable_rows(nb, backend),
-                       [i for i in range(n) if valid[i] and nfilled[i]])
+            fns["naive"] = lambda: w.walk(nm, r.tree, nb, 0)
             if w.native_tree is not None:
-                nb = allocate_token_bitmask(n, info.vocab_size)
                 xm = w.start(r.prefix)
-                cold_x, _ = _timed(lambda: w.native_tree(xm, r.tree, nb))
-                per["native"].append((_median_us(lambda: w.native_tree(xm, r.tree, nb), cfg.reps), cold_x, visited))
+                fns["native"] = lambda: w.native_tree(xm, r.tree, xb)
+        got = _interleaved(fns, cfg.reps)
+        valid = got["ours"][2][0].tolist()
+        visited = sum(valid)
+        for k, (cold, warm, _) in got.items():
+            per[k].append((warm, cold, visited))
         if visited != r.expected_valid:
             check.problems.append(f"{backend.name} {r.case}@{r.position} N={n}: {visited} valid nodes, "
                                   f"tree builder expected {r.expected_valid}")
+        if "naive" in got:
+            nvalid, nfilled = got["naive"][2]
+            naive_visited.append(sum(nvalid))
+            label = f"{backend.name} {r.case}@{r.position} N={n}"
+            if w.semantics_note is None:
+                check.valid(f"{label} naive", nvalid, valid)
+                ignored = w.ignored_ids()
+                check.rows(f"{label} ours-vs-naive", _comparable_rows(bm, backend, ignored),
+                           _comparable_rows(nb, backend, ignored),
+                           [i for i in range(n) if valid[i] and nfilled[i]])
+            else:
+                check.note(f"{backend.name}: {w.semantics_note}")
+                if any(a and not b for a, b in zip(nvalid, valid)):
+                    check.valid(f"{label} naive (must be a subset of ours)", nvalid, valid)
     for method, vals in per.items():
         if not vals:
             continue
@@ -328,46 +354,44 @@ def _bench_backend_size(
             visited_mean=statistics.fmean(v for _, _, v in vals),
             trees=len(vals), reps=cfg.reps,
         ))
-    # R requests: one batch of R trees per repetition
+        if method == "naive":
+            records[-1]["naive_visited_mean"] = statistics.fmean(naive_visited)
+    # R requests: one batch of R trees (roots cycled) per repetition
     for nreq in [q for q in cfg.requests if q > 1]:
         batch = [roots[j % len(roots)] for j in range(nreq)]
-        reps = max(3, cfg.reps * 4 // nreq)
+        reps = max(5, cfg.reps * 4 // nreq)
         visited = sum(r.expected_valid for r in batch)
         bm = allocate_token_bitmask(nreq * n, info.vocab_size)
+        fns, pools = {}, []
+        for threads in cfg.threads:
+            jobs = [(ours_matcher(r), r.tree, j * n) for j, r in enumerate(batch)]
+            if threads == 1:
+                fns[("ours", 1)] = lambda jobs=jobs: backend.fill_tree_bitmasks(jobs, bm)
+            else:
+                pool = ThreadPoolExecutor(threads)
+                pools.append(pool)
+                chunks = [jobs[i::threads] for i in range(threads)]
+                fns[("ours", threads)] = lambda chunks=chunks, pool=pool: list(
+                    pool.map(lambda js: backend.fill_tree_bitmasks(js, bm), chunks))
+        if all(r.case in walkers for r in batch):
+            starts = [(walkers[r.case], walkers[r.case].start(r.prefix), r.tree, j * n) for j, r in enumerate(batch)]
+            nbm = starts[0][0].allocate(nreq * n)
 
-        def record(method: str, threads: int, warm: float, cold: float) -> None:
+            def walk_all(starts=starts, nbm=nbm):
+                for w, nm, tree, off in starts:
+                    w.walk(nm, tree, nbm, off)
+            fns[("naive", 1)] = walk_all
+        try:
+            got = _interleaved(fns, reps)
+        finally:
+            for pool in pools:
+                pool.shutdown()
+        for (method, threads), (cold, warm, _) in got.items():
             records.append(dict(
                 base, requests=nreq, threads=threads, method=method,
                 us_per_tree=warm / nreq, us_per_node=warm / (nreq * n), us_per_visited=warm / visited,
                 cold_us_per_node=cold / (nreq * n), visited_mean=visited / nreq, trees=nreq, reps=reps,
             ))
-
-        for threads in cfg.threads:
-            jobs = [(ours_matcher(r), r.tree, j * n) for j, r in enumerate(batch)]
-            if threads == 1:
-                def fill(jobs=jobs):
-                    return backend.fill_tree_bitmasks(jobs, bm)
-            else:
-                pool = ThreadPoolExecutor(threads)
-                chunks = [jobs[i::threads] for i in range(threads)]
-
-                def fill(chunks=chunks, pool=pool):
-                    return list(pool.map(lambda js: backend.fill_tree_bitmasks(js, bm), chunks))
-            cold, _ = _timed(fill)
-            record("ours", threads, _median_us(fill, reps), cold)
-            if threads > 1:
-                pool.shutdown()
-        if all(r.case in walkers for r in batch):
-            starts = [(walkers[r.case], walkers[r.case].start(r.prefix), r.tree, j * n) for j, r in enumerate(batch)]
-            nbm = starts[0][0].allocate(nreq * n)
-
-            def walk_all():
-                for w, nm, tree, off in starts:
-                    w.walk(nm, tree, nbm, off)
-            cold, _ = _timed(walk_all)
-            record("naive", 1, _median_us(walk_all, reps), cold)
-    if naive_error:
-        check.problems.append(f"{backend.name}: {naive_error}")
     return records
 
 
@@ -451,7 +475,8 @@ def tree_phase(
             done += 1
             if progress:
                 progress(f"trees {tokenizer_name}", done, total)
-    return {"records": records, "cases": used, "excluded": excluded, "problems": check.problems, "trees": tree_stats}
+    return {"records": records, "cases": used, "excluded": excluded, "problems": check.problems,
+            "notes": check.notes, "trees": tree_stats}
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -503,10 +528,6 @@ def run_masks(cfg: MaskBenchConfig, progress: Progress | None = None) -> dict[st
 
     Raises :class:`ValueError` when no selected backend is available.
     """
-    import warnings
-
-    from ..models import load_tokenizer
-
     chosen, listing = _select_backends(cfg)
     if not chosen:
         raise ValueError(f"no usable backend among {cfg.backends or 'the registered ones'}: {listing}")
@@ -526,6 +547,7 @@ def run_masks(cfg: MaskBenchConfig, progress: Progress | None = None) -> dict[st
         "trees": [],
         "tree_setup": [],
         "problems": [],
+        "notes": [],
     }
     sampled: dict[str, str | None] = {}
     for tname in cfg.tokenizers:
@@ -548,6 +570,7 @@ def run_masks(cfg: MaskBenchConfig, progress: Progress | None = None) -> dict[st
                                      "cases": phase["cases"], "excluded": phase["excluded"],
                                      "trees": phase["trees"]})
         result["problems"].extend(f"{tname}: {p}" for p in phase["problems"])
+        result["notes"].extend(n for n in phase["notes"] if n not in result["notes"])
     result["meta"]["loadavg_end"] = list(os.getloadavg())
     result["meta"]["finished"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return result

@@ -38,6 +38,9 @@ class NaiveWalker:
     """
 
     native_tree: Callable[[Any, DraftTree, torch.Tensor], None] | None = None
+    semantics_note: str | None = None
+    """Set when the library's raw masks differ from the protocol's rows by design: the naive
+    walk then visits a subset of our valid nodes and rows are not compared."""
 
     def __init__(self, backend: GrammarBackend, compiled: CompiledGrammar):
         self.backend = backend
@@ -55,6 +58,11 @@ class NaiveWalker:
             if not self.accept(m, t):
                 raise ValueError(f"{self.backend.name} refused prefix token {t}")
         return m
+
+    def ignored_ids(self) -> list[int]:
+        """Token ids where the library's raw rows differ from the adapter's by design (left
+        out when rows are compared)."""
+        return []
 
     def allocate(self, rows: int) -> torch.Tensor:
         """A bitmask this library can write: ``(rows, W)`` int32 with ``W = ceil(V/32)``
@@ -145,6 +153,12 @@ class _LLGuidanceWalker(NaiveWalker):
     """``LLMatcher`` with ``consume_token`` / ``rollback`` and the ``llguidance.torch`` fill
     wrapper, as SGLang's llguidance grammar object uses them; terminated = ``is_stopped()``."""
 
+    semantics_note = (
+        "llguidance's raw masks allow only the canonical token where the grammar forces text "
+        "(the adapter completes those rows), so the naive walk rejects some valid draft tokens "
+        "and visits fewer nodes"
+    )
+
     def __init__(self, backend: GrammarBackend, compiled: CompiledGrammar):
         super().__init__(backend, compiled)
         import llguidance
@@ -187,6 +201,11 @@ class _OutlinesWalker(NaiveWalker):
 
     def allocate(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self._words), -1, dtype=torch.int32)
+
+    def ignored_ids(self) -> list[int]:
+        # byte tokens that spell part of the sentinel: the raw Index allows them where the
+        # grammar can end, the adapter refuses them
+        return [int(t) for t in self.compiled.native._spelled_ids]
 
     def new_matcher(self) -> Any:
         return self._oc.Guide(self._index)

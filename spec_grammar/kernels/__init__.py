@@ -81,7 +81,9 @@ def _use_triton(logits: torch.Tensor) -> bool:
     return HAS_TRITON and logits.is_cuda and logits.stride(1) == 1
 
 
-def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, *, indices: Indices = None) -> None:
+def apply_token_bitmask_inplace(
+    logits: torch.Tensor, bitmask: torch.Tensor, *, indices: Indices = None
+) -> None:
     """Set disallowed logits to ``-inf`` in place.
 
     Args:
@@ -106,7 +108,9 @@ def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, *, 
         apply_token_bitmask_inplace_torch(logits, bitmask, indices=idx if idx is None else idx.long())
 
 
-def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor, indices: Indices = None) -> torch.Tensor:
+def masked_argmax(
+    logits: torch.Tensor, bitmask: torch.Tensor, indices: Indices = None
+) -> torch.Tensor:
     """Greedy verify: the best allowed token of each row, without writing masked logits.
 
     Args:

@@ -50,14 +50,16 @@ def _argmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, val_ptr, arg_ptr, voca
     mrow = row.to(tl.int64)
     best = tl.full((WORDS, 32), float("-inf"), tl.float32)
     best_i = tl.full((WORDS, 32), _NO_INDEX, tl.int32)
-    w_start = part * words_per_split
-    for w0 in range(w_start, w_start + words_per_split, WORDS):
+    w0 = part * words_per_split
+    w_end = w0 + words_per_split
+    while w0 < w_end:  # a while loop: older Triton interpreters cannot range() over arguments
         x, cols = _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width,
                                 logits_stride, mask_stride, WORDS)
         # Strict '>' keeps the first index per lane; lanes see increasing ids.
         better = x > best
         best = tl.where(better, x, best)
         best_i = tl.where(better, cols, best_i)
+        w0 += WORDS
     m = tl.max(tl.max(best, axis=1), axis=0)
     i = tl.min(tl.min(tl.where(best == m, best_i, _NO_INDEX), axis=1), axis=0)
     if FINAL:
@@ -98,8 +100,9 @@ def _softmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, 
     t = _row_temperature(t_ptr, row, temperature, HAS_T_TENSOR)
     run_m = tl.full((WORDS, 32), float("-inf"), tl.float32)
     run_s = tl.zeros((WORDS, 32), tl.float32)
-    w_start = part * words_per_split
-    for w0 in range(w_start, w_start + words_per_split, WORDS):
+    w0 = part * words_per_split
+    w_end = w0 + words_per_split
+    while w0 < w_end:
         x, cols = _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width,
                                 logits_stride, mask_stride, WORDS)
         z = x / t
@@ -108,6 +111,7 @@ def _softmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, 
         ref = tl.where(new_m == float("-inf"), 0.0, new_m)
         run_s = run_s * tl.exp(run_m - ref) + tl.exp(z - ref)
         run_m = new_m
+        w0 += WORDS
     m = tl.max(tl.max(run_m, axis=1), axis=0)
     ref = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(tl.sum(run_s * tl.exp(run_m - ref), axis=1), axis=0)
@@ -134,14 +138,16 @@ def _softmax_write_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, ou
     total = tl.sum(ps * tl.exp(pm - ref), axis=0)
     # Nothing allowed: lse = +inf makes every output exp(-inf) = 0 / log p = -inf.
     lse = tl.where(m == float("-inf"), float("inf"), m + tl.log(total))
-    w_start = part * words_per_split
-    for w0 in range(w_start, w_start + words_per_split, WORDS):
+    w0 = part * words_per_split
+    w_end = w0 + words_per_split
+    while w0 < w_end:
         x, cols = _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width,
                                 logits_stride, mask_stride, WORDS)
         y = x / t - lse
         if not LOG:
             y = tl.exp(y)
         tl.store(out_ptr + mrow * out_stride + cols, y, mask=cols < vocab)
+        w0 += WORDS
 
 
 def _splits(n: int, vocab: int) -> tuple[int, int]:

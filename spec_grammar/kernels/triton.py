@@ -20,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Tuned on an H200 (benchmarks/bench_kernels.py --sweep): words per program and warps.
-WORDS_PER_PROGRAM = 64
+# 4 KiB of logits per program and 4 warps: the fastest of seven (words, warps) pairs for fp32
+# and bf16 at every swept shape on an H200 (benchmarks/bench_kernels.py --sweep, results in
+# benchmarks/results/kernels-h200-sweep.json).
+BYTES_PER_PROGRAM = 4096
 NUM_WARPS = 4
 
 
@@ -63,10 +65,11 @@ def apply_token_bitmask_inplace_triton(
     bitmask: torch.Tensor,
     *,
     indices: torch.Tensor | None = None,
-    words_per_program: int = WORDS_PER_PROGRAM,
+    words_per_program: int | None = None,
     num_warps: int = NUM_WARPS,
 ) -> None:
-    """Launch :func:`_apply_kernel` over ``(rows, ceil(V / (32 * words_per_program)))`` programs.
+    """Launch :func:`_apply_kernel` over ``(rows, ceil(V / (32 * words_per_program)))`` programs
+    (default: 4 KiB of logits per program).
 
     ``logits``: ``(rows, V)`` CUDA float32/float16/bfloat16 with unit column stride;
     ``bitmask``: ``(n, W)`` int32 with unit column stride, ``n = len(indices)`` or ``rows``;
@@ -74,6 +77,8 @@ def apply_token_bitmask_inplace_triton(
     """
     n = bitmask.shape[0] if indices is not None else logits.shape[0]
     vocab = logits.shape[1]
+    if words_per_program is None:
+        words_per_program = BYTES_PER_PROGRAM // (32 * logits.element_size())
     blocks = triton.cdiv(vocab, 32 * words_per_program)
     if n == 0 or blocks == 0:
         return

@@ -2,3 +2,4 @@
 
 from . import toy_properties  # noqa: F401
 from . import random_properties  # noqa: F401
+from . import json_suite  # noqa: F401

@@ -39,8 +39,8 @@ from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter, make_drafter
 from .request import Request, RequestResult, RequestState, StepStats
 from .runner import ModelRunner
-from .sampling import SamplingParams, process_tree_logits
-from .verify import verify_greedy, verify_stochastic
+from .sampling import SamplingParams, make_generator, process_tree_logits
+from .verify import verify
 
 __all__ = ["SpecWorker", "cut_tree_depth"]
 
@@ -175,12 +175,7 @@ class SpecWorker:
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
                 return st
-        gen_device = self.runner.device if self.runner.device.type == "cuda" else "cpu"
-        st.generator = torch.Generator(device=gen_device)
-        if params.seed is not None:
-            st.generator.manual_seed(int(params.seed))
-        else:
-            st.generator.seed()
+        st.generator = make_generator(params, self.runner.device)
         if params.max_new_tokens <= 0:
             st.finish("length", now)
             return st
@@ -316,7 +311,11 @@ class SpecWorker:
                 st.finish("error", t3, work.errors[st.rid])
                 self._release(st)
                 continue
-            committed += self._accept(st, tree, logits[i, : tree.num_nodes], work)
+            try:
+                committed += self._accept(st, tree, logits[i, : tree.num_nodes], work)
+            except SpecGrammarError as e:  # e.g. a matcher left with no allowed token
+                st.finish("error", time.perf_counter(), str(e))
+                self._release(st)
         t4 = time.perf_counter()
         return StepStats(
             batch_size=len(live),
@@ -345,16 +344,16 @@ class SpecWorker:
             if logits.device.type != "cpu":
                 bitmask = bitmask.to(logits.device, non_blocking=True)
             valid = work.valid[st.rid]
-        processed = process_tree_logits(logits, tree, st.committed_ids, params, bitmask=bitmask)
-        if params.temperature == 0:
-            nodes, bonus = verify_greedy(processed, tree, valid)
-        else:
-            nodes, bonus = verify_stochastic(processed, tree, st.generator, valid)
+        processed = process_tree_logits(
+            logits, tree, st.committed_ids, params, bitmask=bitmask, prompt_len=len(st.prompt_ids)
+        )
+        stops = () if params.ignore_eos and st.matcher is None else self.stop_token_ids
+        nodes, bonus = verify(processed, tree, params, st.generator, valid, stop_token_ids=stops)
         run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
         now = time.perf_counter()
         kept = 0
         for tok in run:
-            if tok in self.stop_token_ids and not (params.ignore_eos and st.matcher is None):
+            if tok in stops:
                 if st.matcher is not None:
                     st.pending.append(tok)  # the matcher sees its own termination
                 st.finish("grammar" if st.matcher is not None else "stop", now)

@@ -47,7 +47,8 @@ class RunnerError(SpecGrammarError, ValueError):
 class _KVStore:
     """Per-layer K/V buffers ``(rows, kv_heads, capacity, head_dim)``, allocated lazily at the
     first ``update`` of each layer (so a model running only its first L layers, such as a
-    self-draft, allocates L layers)."""
+    self-draft, allocates L layers). Buffers are created and changed under
+    ``torch.inference_mode`` (they are inference tensors)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -141,10 +142,20 @@ class ModelRunner:
             model.to(self.device)
         self.model = model
         self.dtype = param.dtype
-        self.vocab_size: int = int(model.config.vocab_size)
+        head = model.get_output_embeddings()
+        self.vocab_size: int = int(getattr(head, "out_features", None) or model.config.vocab_size)
         self.prefill_chunk = int(prefill_chunk)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Sliding-window attention (Gemma-3, Mistral): the window is part of our 4D mask, since
+        # transformers uses a ready 4D mask as-is.
+        config = model.config
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        window = getattr(config, "sliding_window", None)
+        self._per_layer_type = bool(layer_types)
+        self._window: int | None = (
+            int(window) if window and (not layer_types or "sliding_attention" in layer_types) else None
+        )
         self._store = _KVStore(self.device)
         self._rids: list[str] = []  # row -> request id
         self._row: dict[str, int] = {}
@@ -318,12 +329,24 @@ class ModelRunner:
             sel = torch.tensor(rows, dtype=torch.long, device=self.device)
 
         dev = self.device
-        allowed = torch.zeros(b, n, kv_len, dtype=torch.bool)
-        allowed[:, :, :start] = (torch.arange(start)[None] < lens[:, None])[:, None, :]
-        allowed[:, :, start : start + n] = anc
-        mask = torch.zeros(b, 1, n, kv_len, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~allowed.to(dev)[:, None], torch.finfo(self.dtype).min)
-        positions = (lens[:, None] + depth).to(dev)
+        lens_d = lens.to(dev)
+        positions = lens_d[:, None] + depth.to(dev)
+        allowed = torch.zeros(b, n, kv_len, dtype=torch.bool, device=dev)
+        allowed[:, :, :start] = (torch.arange(start, device=dev)[None] < lens_d[:, None])[:, None, :]
+        allowed[:, :, start : start + n] = anc.to(dev)
+        mask = self._additive(allowed)
+        if self._window is not None:
+            key_pos = torch.zeros(b, kv_len, dtype=torch.long, device=dev)
+            key_pos[:, :start] = torch.arange(start, device=dev)
+            key_pos[:, start : start + n] = positions
+            in_window = positions[:, :, None] - key_pos[:, None, :] < self._window
+            window_mask = self._additive(allowed & in_window)
+            # layer_types models take one mask per layer type; others use the window everywhere
+            mask = (
+                {"full_attention": mask, "sliding_attention": window_mask}
+                if self._per_layer_type
+                else window_mask
+            )
 
         cache = _BatchCache(self._store, sel, start, n, kv_len)
         with torch.inference_mode():
@@ -336,3 +359,8 @@ class ModelRunner:
                 **{self._cache_kw: cache},
             )
         return out.logits.float(), start
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """``(b, n, kv)`` bool -> ``(b, 1, n, kv)`` additive mask in the model dtype."""
+        mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)

@@ -72,9 +72,10 @@ def verify_greedy(
     Returns ``(accepted nodes root first, bonus token)``; one device-to-host copy.
     """
     ok = _check(processed, tree, valid)
-    best_val, best = processed.max(dim=-1)
-    best_list = best.tolist()
-    alive = torch.isfinite(best_val).tolist()
+    # argmax/amax rather than max(dim): the latter is a slow path on CPU
+    best = processed.argmax(dim=-1)
+    alive_t = torch.isfinite(processed.amax(dim=-1)).to(best.dtype)
+    best_list, alive = torch.stack([best, alive_t]).tolist()
     vocab = processed.shape[1]
     stops = set(stop_token_ids)
     if not alive[0]:
@@ -93,7 +94,7 @@ def verify_greedy(
 def _probs(processed: torch.Tensor) -> torch.Tensor:
     """Row-wise softmax in float64; rows that allow no token become all zero (never NaN)."""
     x = processed.double()
-    top = x.max(dim=-1, keepdim=True).values
+    top = x.amax(dim=-1, keepdim=True)
     dead = ~torch.isfinite(top)
     e = torch.exp(x - torch.where(dead, 0.0, top))
     s = e.sum(dim=-1, keepdim=True)

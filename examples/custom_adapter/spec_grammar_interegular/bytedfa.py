@@ -73,9 +73,9 @@ class ByteDFA:
 
     def walk(self, state: int, data: bytes) -> int:
         """The state after reading ``data`` from ``state`` (``DEAD`` as soon as it dies)."""
-        table = self.transitions
+        step = self.transitions.item
         for b in data:
-            state = int(table[state, b])
+            state = step(state, b)
             if state == DEAD:
                 return DEAD
         return state
@@ -216,45 +216,53 @@ class TokenTable:
         excluded: ids never walked (special and stop tokens); empty tokens are skipped too.
 
     Attributes:
-        ids: ``(n,)`` int64, the walked token ids.
-        lengths: ``(n,)`` int64, their byte lengths.
+        ids: ``(n,)`` int64, the walked token ids, longest token first.
         columns: ``(L, n)`` uint8, byte ``i`` of every walked token in row ``i`` (0-padded).
+        longer_than: ``(L,)`` int64, ``longer_than[i]`` = how many tokens have more than ``i``
+            bytes (they are the first ones, as ``ids`` is sorted by decreasing length).
     """
 
     token_bytes: Sequence[bytes]
     excluded: frozenset[int]
     ids: np.ndarray = field(init=False)
-    lengths: np.ndarray = field(init=False)
     columns: np.ndarray = field(init=False)
+    longer_than: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         ids = [i for i, b in enumerate(self.token_bytes) if b and i not in self.excluded]
+        ids.sort(key=lambda i: -len(self.token_bytes[i]))
         self.ids = np.asarray(ids, dtype=np.int64)
-        self.lengths = np.asarray([len(self.token_bytes[i]) for i in ids], dtype=np.int64)
-        width = int(self.lengths.max()) if ids else 0
+        lengths = np.asarray([len(self.token_bytes[i]) for i in ids], dtype=np.int64)
+        width = int(lengths[0]) if ids else 0
         columns = np.zeros((len(ids), width), dtype=np.uint8)
         for row, i in enumerate(ids):
             data = self.token_bytes[i]
             columns[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.columns = np.ascontiguousarray(columns.T)
+        self.longer_than = (lengths[None, :] > np.arange(width)[:, None]).sum(axis=1)
 
     def allowed_ids(self, dfa: ByteDFA, state: int) -> np.ndarray:
-        """Sorted ids of the walked tokens that ``dfa`` can read from ``state`` without dying.
+        """Ids of the walked tokens that ``dfa`` can read from ``state`` without dying.
 
-        Vectorized over the vocabulary: step ``i`` advances every token still alive by its
-        ``i``-th byte, so the cost is the total length of the tokens that survive each step.
+        Vectorized over the vocabulary: step ``i`` advances every token longer than ``i`` bytes
+        by its ``i``-th byte (one gather in the flattened transition table). While most tokens
+        are alive it works on contiguous slices; once most have died it follows only the
+        living ones, so a restrictive state costs little more than its first byte.
         """
-        table = dfa.transitions
-        idx = np.arange(self.ids.size)
-        st = np.full(idx.size, state, dtype=np.int32)
-        found = []
-        for i in range(self.columns.shape[0]):
-            st = table[st, self.columns[i, idx]]
-            alive = st != DEAD
-            done = self.lengths[idx] == i + 1
-            found.append(idx[alive & done])
-            keep = alive & ~done
-            idx, st = idx[keep], st[keep]
-            if idx.size == 0:
-                break
-        return np.sort(self.ids[np.concatenate(found)]) if found else self.ids[:0]
+        flat = dfa.transitions.ravel()
+        st = np.full(self.ids.size, state, dtype=np.int64)
+        alive: np.ndarray | None = None  # None: every token of the slice may be alive
+        for i, k in enumerate(self.longer_than.tolist()):
+            if alive is None:
+                nxt = flat[st[:k] * 256 + self.columns[i, :k]]
+                st[:k] = nxt
+                if 2 * np.count_nonzero(nxt) < k:
+                    alive = np.flatnonzero(nxt)
+            else:
+                alive = alive[: np.searchsorted(alive, k)]
+                if alive.size == 0:
+                    break
+                nxt = flat[st[alive] * 256 + self.columns[i, alive]]
+                st[alive] = nxt
+                alive = alive[nxt != DEAD]
+        return self.ids[st != DEAD]

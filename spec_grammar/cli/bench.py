@@ -1,0 +1,123 @@
+"""``spec-grammar bench``: benchmarks, one subcommand each (``masks``, ``report``; later
+``e2e``, ``kernels``, ``gpu`` register the same way through :data:`BENCHMARKS`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _register_masks(sub) -> None:
+    p = sub.add_parser(
+        "masks",
+        help="compile time of real schemas and draft-tree bitmask fill cost, ours vs naive",
+        description="Writes masks.json, masks.md and PNG plots into --out.",
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--quick", action="store_true", help="small smoke run (seconds per backend)")
+    p.add_argument("--tokenizers", type=_csv, default=None, help="comma list (default smollm2,gemma3)")
+    p.add_argument("--backends", type=_csv, default=None, help="comma list (default: every registered backend)")
+    p.add_argument("--sizes", type=_ints, default=None, help="tree sizes N (default 8,16,64)")
+    p.add_argument("--requests", type=_ints, default=None, help="requests per batch (default 1,16,64)")
+    p.add_argument("--threads", type=_ints, default=None, help="thread counts for ours (default 1,2)")
+    p.add_argument("--reps", type=int, default=None, help="warm repetitions per tree (default 20)")
+    p.add_argument("--compile-cases", type=int, default=None, help="cases per source to compile (default all)")
+    p.add_argument("--compile-timeout", type=float, default=None, help="seconds per compile before it is killed")
+    p.add_argument("--compile-budget", type=float, default=None, help="compile seconds per backend, tokenizer and source")
+    p.add_argument("--docs", default=None, help="also regenerate this Markdown page (e.g. docs/benchmarks.md)")
+    p.set_defaults(func=_run_masks)
+
+
+def _run_masks(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..bench.masks import MaskBenchConfig, run_masks
+    from ..bench.report import write_docs, write_masks_report
+
+    overrides = dict(
+        tokenizers=args.tokenizers, backends=args.backends, sizes=args.sizes, requests=args.requests,
+        threads=args.threads, reps=args.reps, compile_cases_per_source=args.compile_cases,
+        compile_timeout_s=args.compile_timeout, compile_budget_s=args.compile_budget,
+    )
+    if args.quick:
+        cfg = MaskBenchConfig.quick(**overrides)
+    else:
+        cfg = MaskBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    console = Console()
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        res = run_masks(cfg, report)
+    paths = write_masks_report(res, args.out)
+    if args.docs:
+        paths["docs"] = write_docs([args.out], args.docs, replot=False)
+    _print_summary(console, res)
+    for kind, path in paths.items():
+        console.print(f"{kind}: {path}")
+    return 1 if res["problems"] else 0
+
+
+def _print_summary(console, res) -> None:
+    from rich.table import Table
+
+    from ..bench.report import summary_rows
+
+    sizes = sorted({r["nodes"] for r in res["trees"]})
+    table = Table(title="tree-mask cost (ours, 1 request, 1 thread)")
+    for col in ["backend", "tokenizer", "compile median ms"] + [f"µs/node N={n}" for n in sizes] + ["speedup vs naive"]:
+        table.add_column(col)
+    for row in summary_rows(res):
+        table.add_row(*row)
+    console.print(table)
+    for p in res["problems"]:
+        console.print(f"[red]check failed:[/red] {p}")
+
+
+def _register_report(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="regenerate reports and docs/benchmarks.md from result JSON files",
+        description="Reads every benchmark JSON in the --from directories; rewrites their Markdown "
+        "reports and plots, and the --docs page.",
+    )
+    p.add_argument("--from", dest="from_dirs", action="append", required=True, help="results directory (repeatable)")
+    p.add_argument("--docs", default="docs/benchmarks.md", help="Markdown page to write (default docs/benchmarks.md)")
+    p.set_defaults(func=_run_report)
+
+
+def _run_report(args) -> int:
+    from ..bench.report import write_docs
+
+    path = write_docs(args.from_dirs, args.docs)
+    print(f"wrote {path}")
+    return 0
+
+
+BENCHMARKS: dict[str, Callable] = {"masks": _register_masks, "report": _register_report}
+"""Subcommand name -> ``register(subparsers)``; a new benchmark adds itself here."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (JSON + Markdown + plots)")
+    bench_sub = p.add_subparsers(dest="benchmark", required=True)
+    for add in BENCHMARKS.values():
+        add(bench_sub)

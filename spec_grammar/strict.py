@@ -1,0 +1,125 @@
+"""Which JSON-Schema keywords of a schema a backend would not enforce (strict mode).
+
+Grammar engines cover only part of JSON Schema and most of them silently drop what they cannot
+express (xgrammar ignores ``uniqueItems``, outlines-core ignores ``minProperties``, ...), so a
+"valid" output may break the schema. Each backend class declares what its library does not
+enforce in a :class:`KeywordSupport`; :func:`unenforced_keywords` walks a schema and lists every
+use of such a keyword. :meth:`GrammarBackend.compile <spec_grammar.protocol.GrammarBackend.compile>`
+then refuses the schema when ``JsonSchema(..., strict=True)``
+(:class:`~spec_grammar.errors.UnsupportedGrammarError`) and otherwise attaches one warning per
+ignored keyword to the :class:`~spec_grammar.protocol.CompiledGrammar`.
+
+The declarations are kept honest by ``tests/test_reliability_strict.py``: every group of the
+JSON-Schema-Test-Suite that a backend compiles in strict mode must reject every instance
+``jsonschema`` rejects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["KeywordSupport", "unenforced_keywords", "TYPE_KEYWORDS", "REMOTE_REF", "REQUIRED_UNDECLARED"]
+
+TYPE_KEYWORDS: Mapping[str, str] = {
+    **dict.fromkeys(("minLength", "maxLength", "pattern"), "string"),
+    **dict.fromkeys(("multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum"), "number"),
+    **dict.fromkeys(
+        ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
+         "minContains", "maxContains", "unevaluatedItems"),
+        "array",
+    ),
+    **dict.fromkeys(
+        ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
+         "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
+         "unevaluatedProperties"),
+        "object",
+    ),
+}
+"""Keywords that constrain one JSON type only (instances of other types pass them)."""
+
+_OTHER_KEYWORDS = frozenset(
+    {"type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef"}
+)
+
+REMOTE_REF = "$ref:uri"
+"""Pseudo-keyword reported for a ``$ref`` / ``$dynamicRef`` that is not a local JSON pointer
+(``#`` or ``#/...``): an anchor, a relative or absolute URI, resolved against ``$id``."""
+
+REQUIRED_UNDECLARED = "required:undeclared"
+"""Pseudo-keyword reported for a ``required`` name that the same subschema's ``properties``
+does not define."""
+
+# Keywords whose value is one subschema, a list of subschemas, or a name -> subschema map.
+_ONE = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not", "if",
+        "then", "else", "unevaluatedItems", "unevaluatedProperties")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+@dataclass(frozen=True)
+class KeywordSupport:
+    """What a backend's library leaves unenforced in JSON schemas.
+
+    Attributes:
+        unenforced: keyword (or :data:`REMOTE_REF`) -> why the library does not enforce it.
+            A keyword listed here may still be partly enforced; listing it means "not always".
+        untyped: why type-specific keywords (:data:`TYPE_KEYWORDS`) are ignored in a subschema
+            that has no ``type``; ``None`` when the library enforces them there too.
+    """
+
+    unenforced: Mapping[str, str] = field(default_factory=dict)
+    untyped: str | None = None
+
+
+def unenforced_keywords(schema: Any, support: KeywordSupport) -> list[str]:
+    """One line per use of a keyword ``support`` says is not enforced, as
+    ``"<keyword> at <JSON pointer>: <reason>"``, in document order (at most one line per
+    keyword and location). ``schema``: a JSON schema (dict or bool); unknown keywords and
+    annotations are not reported (they constrain nothing)."""
+    out: list[str] = []
+    _walk(schema, "", support, out)
+    return list(dict.fromkeys(out))
+
+
+def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> None:
+    if not isinstance(schema, dict):
+        return
+    at = where or "/"
+    typed = "type" in schema or "enum" in schema or "const" in schema
+    for key, value in schema.items():
+        if key in ("$ref", "$dynamicRef"):
+            local = isinstance(value, str) and (value == "#" or value.startswith("#/"))
+            name = key if local else REMOTE_REF
+        elif key in TYPE_KEYWORDS or key in _OTHER_KEYWORDS:
+            name = key
+        else:
+            name = None
+        if key == "required" and isinstance(value, list):
+            props = schema.get("properties")
+            if any(not isinstance(props, dict) or n not in props for n in value):
+                name = REQUIRED_UNDECLARED if REQUIRED_UNDECLARED in support.unenforced else name
+        if name is not None:
+            if name in support.unenforced:
+                out.append(f"{name} at {at}: {support.unenforced[name]}")
+            elif support.untyped and key in TYPE_KEYWORDS and not typed:
+                out.append(f"{name} at {at} (no `type` next to it): {support.untyped}")
+        _recurse(key, value, f"{where}/{key}", support, out)
+
+
+def _recurse(key: str, value: Any, where: str, support: KeywordSupport, out: list[str]) -> None:
+    if key in _ONE:
+        _walk(value, where, support, out)
+    elif key in _LIST and isinstance(value, list):
+        for i, sub in enumerate(value):
+            _walk(sub, f"{where}/{i}", support, out)
+    elif key in _MAP and isinstance(value, dict):
+        for name, sub in value.items():
+            _walk(sub, f"{where}/{_escape(name)}", support, out)
+    elif key == "dependencies" and isinstance(value, dict):
+        for name, sub in value.items():
+            _walk(sub, f"{where}/{_escape(name)}", support, out)
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")

@@ -1,0 +1,159 @@
+"""Strict mode (``JsonSchema(..., strict=True)``) and the ignored-keyword warnings, on every
+backend, with the declarations of :attr:`GrammarBackend.json_schema_support` kept honest.
+
+Honesty oracle: the JSON-Schema-Test-Suite (draft 2020-12) and ``jsonschema``. Every group a
+backend compiles in strict mode must reject every instance ``jsonschema`` rejects (each
+instance ``json.dumps``-ed, tokenized with SmolLM2 and fed with EOS). The suite's schemas
+mostly omit ``type``; each group whose top-level keywords all constrain one JSON type is also
+run with that ``type`` added (``jsonschema`` re-judges every instance), so a keyword a backend
+ignores only without ``type`` cannot hide behind the other declaration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from functools import lru_cache
+
+import jsonschema
+import pytest
+
+from spec_grammar import get_backend
+from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.datasets import json_schema_test_suite
+from spec_grammar.specs import JsonSchema
+from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, TYPE_KEYWORDS, KeywordSupport, unenforced_keywords
+from spec_grammar.testing.fixtures import fixture_tokenizer
+
+BACKENDS = ("xgrammar", "llguidance", "outlines")
+LONG = bool(os.environ.get("SPEC_GRAMMAR_LONG"))
+
+# outlines-core builds an index over the whole vocabulary per schema (0.3-1 s each): the quick
+# run takes these files only (the long run, SPEC_GRAMMAR_LONG=1 or --run-slow, takes all).
+OUTLINES_QUICK_FILES = frozenset(
+    {"type.json", "enum.json", "const.json", "required.json", "properties.json", "minLength.json",
+     "maxLength.json", "minimum.json", "maximum.json", "minItems.json", "maxItems.json", "pattern.json",
+     "anyOf.json", "prefixItems.json", "exclusiveMinimum.json", "exclusiveMaximum.json"}
+)
+
+KNOWN_UNSOUND: dict[str, dict[str, str]] = {}
+"""backend -> {test-suite key -> why an instance jsonschema rejects is accepted although the
+strict compile passed}. Each entry is a library fault found by this test, reported upstream."""
+
+
+@lru_cache(maxsize=None)
+def backend(name: str):
+    tok, width = fixture_tokenizer("smollm2")
+    return get_backend(name, tok, vocab_size=width)
+
+
+def _single_type(schema: dict) -> str | None:
+    types = {TYPE_KEYWORDS[k] for k in schema if k in TYPE_KEYWORDS}
+    return types.pop() if len(types) == 1 and "type" not in schema else None
+
+
+def suite_groups(files: frozenset[str] | None = None) -> list[tuple[str, object, list[tuple[object, bool]]]]:
+    """``(key, schema, [(instance, jsonschema_valid)])`` per suite group and typed variant."""
+    out = []
+    for g in json_schema_test_suite():
+        if files is not None and g["file"] not in files:
+            continue
+        key = f"{g['file']}#{g['group_index']}"
+        variants = [(key, g["schema"])]
+        t = _single_type(g["schema"]) if isinstance(g["schema"], dict) else None
+        if t is not None:
+            variants.append((f"{key}+type:{t}", {**g["schema"], "type": t}))
+        for k, schema in variants:
+            try:
+                check = jsonschema.Draft202012Validator(schema)
+                cases = [(t["data"], check.is_valid(t["data"])) for t in g["tests"]]
+            except Exception:  # Python's `re` lacks \p{..}: keep the suite's own labels
+                if k != key:
+                    continue
+                cases = [(t["data"], bool(t["valid"])) for t in g["tests"]]
+            out.append((k, schema, cases))
+    return out
+
+
+def accepts(b, compiled, instance) -> bool:
+    tok = b.tokenizer_info.hf_tokenizer
+    ids = tok.encode(json.dumps(instance), add_special_tokens=False) + [b.tokenizer_info.stop_token_ids[0]]
+    m = b.matcher(compiled)
+    return m.accept_tokens(ids) == len(ids) and m.is_terminated()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_strict_compiles_are_sound(name):
+    """Strict compile passed => no instance jsonschema rejects is accepted; reports per file
+    how many groups strict mode let through, so a declaration that refuses everything shows."""
+    b = backend(name)
+    files = None if LONG or name != "outlines" else OUTLINES_QUICK_FILES
+    unsound, passed, refused = [], defaultdict(int), defaultdict(int)
+    for key, schema, cases in suite_groups(files):
+        try:
+            compiled = b.compile(JsonSchema(schema, strict=True))
+        except UnsupportedGrammarError:
+            refused[key.split("#")[0]] += 1
+            continue
+        except GrammarCompileError:
+            continue  # the library refuses the schema: nothing can be accepted
+        passed[key.split("#")[0]] += 1
+        for i, (instance, valid) in enumerate(cases):
+            k = f"{key}/{i}"
+            if not valid and accepts(b, compiled, instance) and k not in KNOWN_UNSOUND.get(name, {}):
+                unsound.append(f"{k}: schema {json.dumps(schema)[:160]} accepted {json.dumps(instance)[:80]}")
+    assert not unsound, f"{name}: strict mode passed schemas it does not enforce:\n" + "\n".join(unsound)
+    # strict mode must stay usable: typed, core-keyword schemas compile
+    for f in ("type.json", "enum.json", "const.json"):
+        assert passed[f] > 0, f"{name}: strict mode refused every group of {f}"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_strict_refuses_and_lenient_warns(name):
+    b = backend(name)
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                         "uniqueItems": True}}, "required": ["tags"]}
+    with pytest.raises(UnsupportedGrammarError) as err:
+        b.compile(JsonSchema(schema, strict=True))
+    msg = str(err.value)
+    assert msg.startswith(f"[{name}] strict mode: 1 keyword use(s) would not be enforced: uniqueItems at /properties/tags")
+    compiled = b.compile(JsonSchema(schema))
+    assert len(compiled.warnings) == 1 and compiled.warnings[0].startswith("uniqueItems at /properties/tags: ")
+    # a schema every backend enforces in full compiles in strict mode with no warning
+    clean = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                              "age": {"type": "integer", "minimum": 0}},
+             "required": ["name", "age"], "additionalProperties": False}
+    strict = b.compile(JsonSchema(clean, strict=True))
+    assert strict.warnings == () and b.compile(JsonSchema(clean)).warnings == ()
+    assert accepts(b, strict, {"name": "Ann", "age": 3}) and not accepts(b, strict, {"name": "Ann", "age": -3})
+
+
+def test_declarations_name_known_keywords():
+    known = set(TYPE_KEYWORDS) | {"type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then",
+                                  "else", "$ref", "$dynamicRef", REMOTE_REF, REQUIRED_UNDECLARED}
+    for name in BACKENDS:
+        support = type(backend(name)).json_schema_support
+        assert isinstance(support, KeywordSupport)
+        assert set(support.unenforced) <= known, f"{name}: unknown keywords {set(support.unenforced) - known}"
+        assert all(reason.strip() for reason in support.unenforced.values())
+
+
+def test_walker_paths_and_pseudo_keywords():
+    support = KeywordSupport(
+        unenforced={"uniqueItems": "u", REMOTE_REF: "r", REQUIRED_UNDECLARED: "q"}, untyped="t"
+    )
+    schema = {
+        "type": "object",
+        "properties": {"a/b": {"type": "array", "uniqueItems": True}, "uniqueItems": {"minLength": 2}},
+        "required": ["a/b", "zz"],
+        "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "other.json"}},
+        "anyOf": [{"maxItems": 3, "type": "array"}, True],
+    }
+    assert unenforced_keywords(schema, support) == [
+        "uniqueItems at /properties/a~1b: u",
+        "minLength at /properties/uniqueItems (no `type` next to it): t",
+        "required:undeclared at /: q",
+        "$ref:uri at /$defs/y: r",
+    ]
+    assert unenforced_keywords(True, support) == [] and unenforced_keywords({}, support) == []

@@ -1,0 +1,296 @@
+"""The speculative worker end to end on the real SmolLM2 (float64, so near-tie argmax flips
+between batch shapes cannot happen) with every installed grammar backend.
+
+Oracles: plain constrained decoding (``no_spec``) through the same worker, ``jsonschema``
+(Draft 2020-12) and ``re.fullmatch`` on finished outputs, fresh-matcher replay of every output.
+One worker run holds a whole mixed batch (real JSONSchemaBench schemas, regexes, EBNF, a plain
+prompt, two grammars that fail to compile) to stay inside the CI budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+from spec_grammar import Ebnf, JsonSchema, Regex, get_backend, list_backends
+from spec_grammar.datasets import jsonschemabench_sample
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker import Request, SpecWorker, build_prompt
+from spec_grammar.worker.drafters import Drafter
+from spec_grammar.worker.sampling import SamplingParams
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 24
+BACKENDS = [b.name for b in list_backends() if b.error is None]
+# The 26 smallest sample schemas but one (o6167: an 11 s outlines-core index build).
+SCHEMA_IDS = [
+    "o27841", "o27834", "o89088", "o79447", "o12240", "wp_69_Normalized", "wp_36_Normalized",
+    "o56137", "o25983", "o17626", "wp_88_Normalized", "o13683", "wp_52_Normalized", "o17637",
+    "o12214", "o31092", "o83692", "o60145", "o68625", "o19071", "o58618", "wp_91_Normalized",
+    "calculate_body_fat_percentage_b191ff41", "generate_invoice_2138db6b", "calculate_gpa_4efe441d",
+]
+REGEXES = [
+    r"(yes|no|maybe)",
+    r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,10}",
+    r"\d{3}-\d{3}-\d{4}",
+]
+EBNF = [
+    'root ::= "The answer is " num "."\nnum ::= [0-9]+',
+    'root ::= item (", " item)*\nitem ::= "red" | "green" | "blue"',
+]
+BAD = [JsonSchema({"type": "object", "properties": {"a": {"type": "strin"}}}), Regex("([a-z]")]
+
+# config name -> SpecWorker options; chain and tree drafts, topk 1 and 3, overlap on and off
+CONFIGS = {
+    "ngram-tree-overlap": dict(draft="ngram", num_draft_tokens=6, overlap=True),
+    "ngram-tree-sync": dict(draft="ngram", num_draft_tokens=6, overlap=False),
+    "self-chain-overlap": dict(draft="self:2", topk=1, num_steps=4, num_draft_tokens=5, overlap=True),
+    "self-tree-sync": dict(draft="self:2", topk=3, num_steps=3, num_draft_tokens=6, overlap=False),
+}
+# xgrammar gets every config; the other backends one n-gram and one model-tree config (budget)
+CASES = [
+    (b, c) for b in BACKENDS for c in (CONFIGS if b == "xgrammar" else ("ngram-tree-overlap", "self-tree-sync"))
+]
+
+
+@functools.cache
+def model_and_tokenizer():
+    from spec_grammar.models import load_model, load_tokenizer
+
+    return load_model("smollm2", dtype=torch.float64), load_tokenizer("smollm2")
+
+
+@functools.cache
+def backend(name: str):
+    model, tok = model_and_tokenizer()
+    return get_backend(name, tok, vocab_size=model.config.vocab_size)
+
+
+def _schemas() -> list[dict]:
+    by_id = {r["id"]: r for r in jsonschemabench_sample()}
+    return [by_id[i] for i in SCHEMA_IDS]
+
+
+@functools.cache
+def batch(name: str) -> tuple[list[tuple[str, object]], list[Request]]:
+    """(kind, oracle) per request and the requests: schemas, regexes, EBNF (if supported), a
+    plain prompt, and the two grammars that fail to compile."""
+    _, tok = model_and_tokenizer()
+    caps = backend(name).capabilities
+    kinds: list[tuple[str, object]] = []
+    reqs: list[Request] = []
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+
+    def add(kind, oracle, text, spec):
+        kinds.append((kind, oracle))
+        reqs.append(Request(prompt=build_prompt(tok, text), grammar=spec, sampling=params, rid=f"{kind}-{len(reqs)}"))
+
+    for r in _schemas():
+        add("json", r["schema"], f"Give a short JSON example of a {r['subset']} record.", JsonSchema(r["schema"]))
+    for pattern in REGEXES:
+        add("regex", pattern, "Answer briefly.", Regex(pattern))
+    if caps.ebnf:
+        for text in EBNF:
+            add("ebnf", None, "Answer briefly.", Ebnf(text))
+    add("plain", None, "Name three colors.", None)
+    for spec in BAD:
+        add("bad", None, "Answer briefly.", spec)
+    return kinds, reqs
+
+
+def run(name: str, **options) -> list:
+    model, tok = model_and_tokenizer()
+    _, reqs = batch(name)
+    with SpecWorker(model, tok, backend=backend(name), **options) as worker:
+        return worker.run(reqs)
+
+
+@functools.cache
+def reference(name: str) -> list:
+    return run(name, no_spec=True)
+
+
+def _replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
+    """A fresh matcher accepts the output (and the stop token when the grammar finished)."""
+    b = backend(name)
+    m = b.matcher(b.compile(spec))
+    ids = token_ids + ([b.tokenizer_info.stop_token_ids[0]] if finished else [])
+    return m.accept_tokens(ids) == len(ids) and m.is_terminated() == finished
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_no_spec_outputs_are_valid(name):
+    kinds, reqs = batch(name)
+    results = reference(name)
+    finished = 0
+    for (kind, oracle), req, res in zip(kinds, reqs, results):
+        if kind == "bad":
+            assert res.finish_reason == "error" and res.error and res.num_tokens == 0, res
+            continue
+        assert res.finish_reason in ("grammar", "length", "stop"), res
+        if kind == "plain":
+            continue
+        assert _replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
+        if res.finish_reason != "grammar":
+            assert res.num_tokens == MAX_NEW
+            continue
+        finished += 1
+        if kind == "json":
+            jsonschema.Draft202012Validator(oracle).validate(json.loads(res.text))
+        elif kind == "regex":
+            assert re.fullmatch(oracle, res.text), res.text
+    assert finished >= 8, f"only {finished} outputs completed their grammar: the check is too weak"
+
+
+@pytest.mark.parametrize("name,config", CASES)
+def test_speculative_output_equals_no_spec(name, config):
+    kinds, _ = batch(name)
+    ref = reference(name)
+    got = run(name, **CONFIGS[config])
+    for (kind, _), r, g in zip(kinds, ref, got):
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (kind, r.rid, r.text, g.text)
+        if kind == "bad":
+            assert g.error == r.error
+    spec_steps = sum(g.steps for g in got)
+    assert spec_steps < sum(r.steps for r in ref), "speculation never accepted a draft token"
+
+
+class OracleDrafter(Drafter):
+    """Drafts a fixed continuation per request (the no-spec output, then the stop token, then
+    junk), so whole runs past EOS / grammar completion / the token budget are accepted at once."""
+
+    def __init__(self, continuations: dict[str, list[int]], num_draft_tokens: int):
+        super().__init__(num_draft_tokens=num_draft_tokens)
+        self.continuations = continuations
+
+    def propose(self, batch):
+        out = []
+        for s in batch:
+            rest = self.continuations[s.rid][len(s.output_ids) :]
+            out.append(DraftTree.chain(s.root_token, rest[: self.num_draft_tokens - 1]))
+        return out
+
+
+def test_truncation_inside_accepted_run():
+    """EOS / grammar completion / max_new_tokens / a stop string inside an accepted draft run
+    end the request there; the tokens drafted after it are dropped."""
+    name = "xgrammar"
+    model, tok = model_and_tokenizer()
+    kinds, reqs = batch(name)
+    ref = reference(name)
+    eos = tok.eos_token_id
+    picks = [i for i, (k, _) in enumerate(kinds) if k != "bad"]
+    grammar_done = [i for i in picks if ref[i].finish_reason == "grammar"][:3]
+    eos_plain = [i for i in picks if ref[i].finish_reason == "stop"][:1]
+    length_cut = [i for i in picks if ref[i].finish_reason == "length"][:2]
+    chosen = grammar_done + eos_plain + length_cut
+    assert grammar_done and length_cut
+    junk = tok.encode(' {"x": 1} more text')
+    conts = {reqs[i].rid: ref[i].token_ids + [eos] + junk for i in chosen}
+    sub = [reqs[i] for i in chosen]
+    # a stop string that first appears inside the first length-cut output
+    plain_ids = ref[length_cut[0]].token_ids
+    stop_at = max(2, len(plain_ids) // 2)
+    stop_str = tok.decode(plain_ids[stop_at - 1 : stop_at]).strip() or tok.decode(plain_ids[:stop_at])
+    text_so_far = tok.decode(plain_ids)
+    first = min(k for k in range(1, len(plain_ids) + 1) if stop_str in tok.decode(plain_ids[:k]))
+    stop_req = Request(
+        prompt=reqs[length_cut[0]].prompt,
+        grammar=reqs[length_cut[0]].grammar,
+        sampling=SamplingParams(max_new_tokens=MAX_NEW, stop=[stop_str]),
+        rid="stop-string",
+    )
+    conts["stop-string"] = plain_ids + junk
+    drafter = OracleDrafter(conts, num_draft_tokens=64)
+    with SpecWorker(model, tok, backend=backend(name), draft=drafter) as worker:
+        got = worker.run(sub + [stop_req])
+    for i, g in zip(chosen, got):
+        assert (g.token_ids, g.finish_reason) == (ref[i].token_ids, ref[i].finish_reason), g
+        assert g.steps == 1, "the whole run was drafted: one verify step must commit it"
+    s = got[-1]
+    assert s.finish_reason == "stop" and s.token_ids == plain_ids[:first], (stop_str, s)
+    assert stop_str not in s.text and text_so_far.startswith(s.text)
+
+
+def test_mixed_batch_sampling_and_failures():
+    """Grammar + plain + sampled requests with two failing grammars in one batch: the failures
+    end alone with their error, the rest complete; sampled grammar outputs stay valid and a
+    fixed seed reproduces them."""
+    name = "xgrammar"
+    model, tok = model_and_tokenizer()
+    schema = _schemas()[12]["schema"]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=MAX_NEW)
+    reqs = [
+        Request(build_prompt(tok, "A JSON record."), JsonSchema(schema), sampled, rid="json-sampled"),
+        Request(build_prompt(tok, "Pick one."), Regex(REGEXES[0]), sampled, rid="regex-sampled"),
+        Request(build_prompt(tok, "Say hi."), None, SamplingParams(max_new_tokens=8), rid="plain-short"),
+        Request(build_prompt(tok, "Answer."), BAD[0], SamplingParams(max_new_tokens=8), rid="bad-schema"),
+        Request([], None, SamplingParams(max_new_tokens=8), rid="empty-prompt"),
+    ]
+    outs = []
+    for _ in range(2):
+        with SpecWorker(model, tok, backend=backend(name), draft="ngram") as worker:
+            outs.append(worker.run(reqs))
+    a, b = outs
+    assert [r.token_ids for r in a] == [r.token_ids for r in b], "a fixed seed must reproduce the run"
+    assert a[3].finish_reason == "error" and "strin" in a[3].error
+    assert a[4].finish_reason == "error" and "empty" in a[4].error
+    assert a[2].finish_reason in ("stop", "length") and a[2].num_tokens > 0
+    for req, res in zip(reqs[:2], a[:2]):
+        assert res.finish_reason in ("grammar", "length") and res.num_tokens > 0
+        assert _replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar")
+        if res.finish_reason == "grammar" and isinstance(req.grammar, JsonSchema):
+            jsonschema.Draft202012Validator(schema).validate(json.loads(res.text))
+
+
+def test_cli_generate_json(tmp_path):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+    f = tmp_path / "f.json"
+    f.write_text(json.dumps(schema))
+    cmd = [sys.executable, "-m", "spec_grammar", "generate", "--json-schema", str(f), "Invent a person.",
+           "--max-new-tokens", "16", "--json", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    [res] = out["results"]
+    assert res["finish_reason"] in ("grammar", "length") and res["num_tokens"] > 0
+    if res["finish_reason"] == "grammar":
+        jsonschema.Draft202012Validator(schema).validate(json.loads(res["text"]))
+    assert out["summary"]["requests"] == 1 and out["summary"]["errors"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["generate", "--json-schema", "/nonexistent/s.json", "hi"], "not found"),
+        (["generate", "--grammar-backend", "no-such-backend", "--regex", "a", "hi"], "unknown grammar backend"),
+        (["generate", "--json-schema", "{bad}", "hi"], "not found"),
+        (["generate", "--ebnf", "/nonexistent/g.ebnf", "hi"], "not found"),
+    ],
+)
+def test_cli_errors(argv, needle, capsys):
+    from spec_grammar.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_cli_bad_schema_file(tmp_path, capsys):
+    from spec_grammar.cli import main
+
+    f = tmp_path / "s.json"
+    f.write_text("[1, 2")
+    assert main(["generate", "--json-schema", str(f), "hi"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    f.write_text("[1, 2]")
+    assert main(["generate", "--json-schema", str(f), "hi"]) == 2
+    assert "JSON schema must be an object" in capsys.readouterr().err
