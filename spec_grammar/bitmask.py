@@ -71,10 +71,16 @@ _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Dense bool view: ``(rows, W)`` int32 -> ``(rows, vocab_size or 32*W)`` bool, True = allowed."""
-    shifts = _BIT_SHIFTS.to(bitmask.device)
-    dense = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
-    return dense if vocab_size is None else dense[..., :vocab_size]
+    """Dense bool view: ``(rows, W)`` int32 -> ``(rows, vocab_size or 32*W)`` bool, True = allowed.
+    Returned on the bitmask's device."""
+    if bitmask.device.type == "cpu":
+        words = np.ascontiguousarray(bitmask.numpy()).astype("<i4", copy=False)
+        dense = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little").astype(bool)
+        out = torch.from_numpy(dense)
+    else:
+        shifts = _BIT_SHIFTS.to(bitmask.device)
+        out = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)
+    return out if vocab_size is None else out[..., :vocab_size]
 
 
 def pack_bool_mask(allowed: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from .errors import BackendNotFoundError
 from .protocol import Capabilities, GrammarBackend
 
 ENTRY_POINT_GROUP = "spec_grammar.backends"
+_BUILT_IN = ("xgrammar", "llguidance", "outlines")
 
 __all__ = ["get_backend", "load_backend_class", "list_backends", "BackendInfo", "ENTRY_POINT_GROUP"]
 
@@ -44,9 +45,9 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         try:
             cls = eps[name].load()
         except (ImportError, AttributeError) as e:
+            hint = f"; install it with: pip install 'spec-grammar[{name}]'" if name in _BUILT_IN else ""
             raise BackendNotFoundError(
-                f"backend {name!r} is registered but its library is not installed ({e}); "
-                f"install it with: pip install 'spec-grammar[{name}]'"
+                f"backend {name!r} is registered but cannot be loaded ({e}){hint}"
             ) from e
     elif ":" in name:
         module, _, attr = name.partition(":")

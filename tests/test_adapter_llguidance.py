@@ -99,6 +99,7 @@ def bit(row: torch.Tensor, t: int) -> bool:
 
 def test_registered_with_honest_capabilities(backend):
     assert isinstance(backend, LLGuidanceBackend)
+    assert isinstance(backend.matcher(backend.compile(Regex("a+"))), LLGuidanceMatcher)
     caps = backend.capabilities
     assert caps.ebnf and caps.lark and caps.native_rollback and caps.native_fork and caps.parallel_fill
     assert backend.library_version().startswith("1.")
@@ -133,14 +134,18 @@ def test_accept_rollback_fork_exact_across_eos(backend, compiled, ids, eos):
 
 def test_refused_token_is_a_no_op(tok, backend, compiled, ids, eos):
     m = backend.matcher(compiled)
-    pos = ids.index(tok.encode(",", add_special_tokens=False)[0])  # inside the first event object
+    pos = ids.index(tok.encode(",", add_special_tokens=False)[0])  # right after the first value
     m.accept_tokens(ids[:pos])
     before = row_of(m)
     allowed = set(allowed_token_ids(before))
     first_bytes = {m.info.token_bytes[t][:1] for t in allowed}
     # Refused tokens whose first byte is legal here (only the rest is illegal), plus EOS
-    # mid-document and llguidance's non-canonical spellings that its parser alone would take.
-    near = [t for t in range(m.info.tokenizer_vocab_size) if t not in allowed and m.info.token_bytes[t][:1] in first_bytes]
+    # mid-document.
+    near = [
+        t
+        for t in range(m.info.tokenizer_vocab_size)
+        if t not in allowed and m.info.token_bytes[t][:1] in first_bytes
+    ]
     assert near
     refused = near[:50] + [eos, tok.encode("x", add_special_tokens=False)[0]]
     for t in refused:
@@ -191,30 +196,43 @@ def test_validate_does_not_mutate(backend, compiled, ids, eos):
     assert m.validate_tokens([eos]) == 0
 
 
-def test_forced_tokens_are_truly_forced(backend, compiled, ids, eos):
-    """Forced tokens spell text every continuation starts with, each is allowed at its state
-    and no token allowed there extends it (the model could not write more in one token)."""
-    m = backend.matcher(compiled)
+def check_forced(m, eos) -> list[int]:
+    """Forced tokens at ``m``'s state spell text every continuation starts with, each is allowed
+    at its state and no token allowed there extends it (the model could not write more in one
+    token), EOS is never one of them, and ``m`` is unchanged. Returns them."""
     tb = m.info.token_bytes
+    before, n_before = row_of(m), m.num_accepted
+    forced = m.forced_tokens()
+    text = b"".join(tb[t] for t in forced)
+    assert eos not in forced
+    for t in allowed_token_ids(before) if forced else []:
+        assert t != eos and (text.startswith(tb[t]) or tb[t].startswith(text))
+    f = m.fork()
+    for t in forced:
+        row = row_of(f)
+        assert bit(row, t)
+        assert not [u for u in allowed_token_ids(row) if len(tb[u]) > len(tb[t]) and tb[u].startswith(tb[t])]
+        assert f.accept_token(t)
+    assert torch.equal(row_of(m), before) and m.num_accepted == n_before
+    return forced
+
+
+def test_forced_tokens_along_a_document(backend, compiled, ids, eos):
+    m = backend.matcher(compiled)
     seen_forced = 0
     for p in range(len(ids) + 1):
-        before = row_of(m)
-        forced = m.forced_tokens()
-        text = b"".join(tb[t] for t in forced)
-        assert eos not in forced
-        for t in allowed_token_ids(before) if forced else []:
-            assert t != eos and (text.startswith(tb[t]) or tb[t].startswith(text))
-        f = m.fork()
-        for t in forced:
-            row = row_of(f)
-            assert bit(row, t)
-            assert not [u for u in allowed_token_ids(row) if len(tb[u]) > len(tb[t]) and tb[u].startswith(tb[t])]
-            assert f.accept_token(t)
-        assert torch.equal(row_of(m), before) and m.num_accepted == p
-        seen_forced += len(forced)
+        seen_forced += len(check_forced(m, eos))
         if p < len(ids):
             m.accept_token(ids[p])
     assert seen_forced >= 10  # keys of required properties are forced
+
+
+@pytest.mark.parametrize("phrase", ["Alignment", "Browser Webview", "Audio Codec", "Company name"])
+def test_forced_tokens_stop_before_a_token_a_longer_one_extends(backend, eos, phrase):
+    # llguidance's canonical spelling of "Alignment" starts with "Al", yet "Align" is allowed too.
+    m = backend.matcher(backend.compile(Regex(phrase + "[0-9]")))
+    forced = check_forced(m, eos)
+    assert phrase.encode().startswith(b"".join(m.info.token_bytes[t] for t in forced))
 
 
 def test_padding_ids_never_allowed(tok, backend):
@@ -350,23 +368,33 @@ def test_tree_with_shared_matcher_and_terminated_job(par_backend, schema, ids, e
 @pytest.mark.parametrize(
     "spec, sample, wrong",
     [
-        (Regex(r"[A-Z]{3}-[0-9]{4} (active|inactive) [a-z]+@[a-z]+\.com"), "ABC-1234 active bob@mail.com", "ABC-123 active"),
-        (Lark('start: expr\nexpr: term (("+"|"-") term)*\nterm: NUMBER | "(" expr ")"\n%import common.NUMBER'), "(1+22)-3", "1++"),
+        (
+            Regex(r"[A-Z]{3}-[0-9]{4} (active|inactive) [a-z]+@[a-z]+\.com"),
+            "ABC-1234 active bob@mail.com",
+            "ABC-123 active",
+        ),
+        (
+            Lark('start: expr\nexpr: term (("+"|"-") term)*\nterm: NUMBER | "(" expr ")"\n%import common.NUMBER'),
+            "(1+22)-3",
+            "1++",
+        ),
         (Ebnf('root ::= "{" pair ("," pair)* "}"\npair ::= [a-z]+ "=" [0-9]+'), "{ab=1,c=23}", "{ab=}"),
         (Ebnf('expr ::= "x" digit+\ndigit ::= [0-9]', root="expr"), "x42", "xx"),
     ],
     ids=["regex", "lark", "gbnf", "gbnf-root"],
 )
 def test_grammar_kinds_accept_a_sample(tok, backend, eos, spec, sample, wrong):
-    m = backend.matcher(backend.compile(spec))
+    compiled = backend.compile(spec)
+    m = backend.matcher(compiled)
     toks = tok.encode(sample, add_special_tokens=False)
     assert m.accept_tokens(toks + [eos]) == len(toks) + 1 and m.is_terminated()
-    compiled = backend.compile(spec)
-    for k in (1, 2):  # EOS may end an accepting state that could still go on (llguidance
-        m.rollback(1)  # records EOS in its history there, but not after is_stopped())
+    # EOS here ends a state that could still go on, where llguidance itself would record EOS
+    # in its history (it does not after is_stopped()): rollback must be exact either way.
+    for k in (1, 2):
+        m.rollback(1)
         assert torch.equal(row_of(m), fresh_row(backend, compiled, toks[: len(toks) + 1 - k]))
     bad = tok.encode(wrong, add_special_tokens=False) + [eos]
-    assert backend.matcher(backend.compile(spec)).validate_tokens(bad) < len(bad)
+    assert backend.matcher(compiled).validate_tokens(bad) < len(bad)
 
 
 @pytest.mark.parametrize(
@@ -379,7 +407,12 @@ def test_grammar_kinds_accept_a_sample(tok, backend, eos, spec, sample, wrong):
 )
 def test_json_whitespace_policies(tok, backend, eos, whitespace, accepted, refused):
     # The schema's own x-guidance options must not override the spec's whitespace policy.
-    schema = {"type": "object", "x-guidance": {"whitespace_pattern": "[ ]*"}, "properties": {"a": {"type": "integer"}, "b": {"type": "array"}}, "required": ["a", "b"]}
+    schema = {
+        "type": "object",
+        "x-guidance": {"whitespace_pattern": "[ ]*"},
+        "properties": {"a": {"type": "integer"}, "b": {"type": "array"}},
+        "required": ["a", "b"],
+    }
     compiled = backend.compile(JsonSchema(schema, whitespace=whitespace))
     for text in accepted + refused:
         toks = tok.encode(text, add_special_tokens=False) + [eos]

@@ -1,9 +1,10 @@
 """llguidance adapter for spec-grammar.
 
-Native paths used: ``LLMatcher.rollback`` / ``deep_copy``, ``validate_tokens`` (as a cheap upper
-bound, see below), ``compute_ff_tokens`` for forced tokens, ``unsafe_compute_mask_ptr`` for
-rows, and ``LLExecutor`` for filling the draft trees of many requests in parallel (the mask
-computation releases the GIL).
+Native paths used: ``LLMatcher.rollback`` / ``deep_copy``, ``validate_tokens`` (a cheap upper
+bound and refusal test, see below), ``compute_ff_tokens`` for forced tokens,
+``unsafe_compute_mask_ptr`` for rows, and ``LLExecutor`` for filling the draft trees of many
+requests in parallel (the mask computation releases the GIL). Tree rows come from a
+depth-first consume/rollback walk on the native matcher.
 
 Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llguidance 1.9.1):
 
@@ -294,7 +295,7 @@ class LLGuidanceBackend(GrammarBackend):
         tool_calls=True,
         native_rollback=True,
         native_fork=True,
-        native_validate=True,
+        native_validate=False,  # llguidance's validate_tokens only bounds the row-checked walk
         native_tree_fill=False,
         native_forced_tokens=True,
         parallel_fill=True,

@@ -13,7 +13,9 @@ attends with a 4D additive mask ``(B, 1, N_max, L + N_max)``: node ``n`` of requ
 the request's ``len_b`` cached positions, its ancestors and itself (SpecInfer's tree attention,
 Miao et al. 2024); cache padding ``[len_b, L)`` and other branches are masked. Its position is
 ``len_b + depth[n]``. :meth:`ModelRunner.commit` then moves the KV of the accepted path to
-``[len_b, len_b + k + 1)`` and drops the rest (the scratch region is simply overwritten later).
+``[len_b, len_b + k + 1)`` and drops the rest (the scratch region is simply overwritten later);
+the moves of all requests' commits are applied together, one gather + scatter per buffer,
+before the next forward.
 
 transformers (5.x) hands a ready 4D mask to the attention function unchanged
 (``masking_utils._preprocess_mask_arguments``), and its attention layers only call
@@ -92,13 +94,14 @@ class _KVStore:
                 buf[dst].copy_(buf[src])
 
     @torch.inference_mode()
-    def move_positions(self, row: int, src: torch.Tensor, dst_start: int) -> None:
-        """Copy positions ``src`` (1-D long, on device) of ``row`` to ``dst_start..``."""
-        n = src.numel()
+    def move_positions(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """For each i, copy position ``src[i]`` of row ``rows[i]`` to position ``dst[i]`` (1-D
+        long tensors on the device; destinations distinct). One gather + one scatter per
+        buffer, whatever the number of requests."""
         for bufs in (self.k, self.v):
             for buf in bufs.values():
-                # index_select copies first, so overlapping source/destination is safe
-                buf[row, :, dst_start : dst_start + n] = buf[row].index_select(1, src)
+                # the gather copies first, so sources overlapping destinations are safe
+                buf[rows, :, dst] = buf[rows, :, src]
 
 
 class _BatchCache:
@@ -161,6 +164,7 @@ class ModelRunner:
         self._row: dict[str, int] = {}
         self._len: list[int] = []  # row -> committed KV length
         self._pending: dict[str, tuple[int, DraftTree]] = {}  # rid -> (scratch start, tree)
+        self._moves: list[tuple[int, int, int]] = []  # committed KV to move: (row, src, dst)
 
     # -- requests ---------------------------------------------------------------------------
     @property
@@ -191,6 +195,7 @@ class ModelRunner:
     def remove(self, rid: str) -> None:
         """Drop request ``rid`` and its KV. Raises :class:`RunnerError` for an unknown id."""
         row = self._row_of(rid)
+        self._flush_moves()
         last = len(self._rids) - 1
         if row != last:
             self._store.move_row(last, row)
@@ -289,11 +294,17 @@ class ModelRunner:
                 raise RunnerError(f"accepted nodes {nodes} are not a root path of {tree}")
         del self._pending[rid]
         length = self._len[row]
-        self._store.reserve(len(self._rids), length + len(nodes))
-        src = torch.tensor(nodes, dtype=torch.long, device=self.device) + start
         if start != length or nodes != list(range(len(nodes))):
-            self._store.move_positions(row, src, length)
+            # batched with the other commits of this step at the next forward/remove
+            self._moves.extend((row, start + node, length + i) for i, node in enumerate(nodes))
         self._len[row] = length + len(nodes)
+
+    def _flush_moves(self) -> None:
+        """Apply the KV moves of every commit since the last forward, all requests at once."""
+        if self._moves:
+            moves = torch.tensor(self._moves, dtype=torch.long).to(self.device)
+            self._store.move_positions(moves[:, 0], moves[:, 1], moves[:, 2])
+            self._moves.clear()
 
     # -- internals --------------------------------------------------------------------------
     def _row_of(self, rid: str) -> int:
@@ -318,6 +329,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, int]:
         """Run ``tokens (b, n)`` for ascending ``rows`` with tree mask ``anc (b, n, n)`` and
         ``depth (b, n)`` (CPU tensors); returns (float32 logits, scratch start)."""
+        self._flush_moves()
         b, n = tokens.shape
         lens = torch.tensor([self._len[r] for r in rows], dtype=torch.long)
         start = int(lens.max())

@@ -239,7 +239,7 @@ class TokenTable:
             data = self.token_bytes[i]
             columns[row, : len(data)] = np.frombuffer(data, dtype=np.uint8)
         self.columns = np.ascontiguousarray(columns.T)
-        self.longer_than = (lengths[None, :] > np.arange(width)[:, None]).sum(axis=1)
+        self.longer_than = len(ids) - np.cumsum(np.bincount(lengths, minlength=width + 1))[:width]
 
     def allowed_ids(self, dfa: ByteDFA, state: int) -> np.ndarray:
         """Ids of the walked tokens that ``dfa`` can read from ``state`` without dying.
