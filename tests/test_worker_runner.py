@@ -194,7 +194,8 @@ def test_sliding_window_models(arch):
     shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, sliding_window=3)
     if arch == "gemma3":
-        config = Gemma3TextConfig(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"], **shape)
+        types = ["sliding_attention", "full_attention", "sliding_attention"]
+        config = Gemma3TextConfig(num_hidden_layers=3, layer_types=types, **shape)
         model = Gemma3ForCausalLM(config).eval()
     else:
         model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, **shape)).eval()

@@ -66,16 +66,16 @@ def test_rows_equal_plain_processing_of_their_own_prefix(device):
         torch.testing.assert_close(out[node], expected, atol=1e-5, rtol=1e-5)
         # the plain (root-only) call on the same prefix gives the same row: spec == no-spec
         root_only = DraftTree.chain(prefix[-1], [])
-        plain = process_tree_logits(
-            logits[node : node + 1].to(device), root_only, prefix, params, bitmask[node : node + 1], prompt_len=3
-        ).cpu()
+        row, row_mask = logits[node : node + 1].to(device), bitmask[node : node + 1]
+        plain = process_tree_logits(row, root_only, prefix, params, row_mask, prompt_len=3).cpu()
         torch.testing.assert_close(plain[0], out[node], atol=0, rtol=0)
 
 
 def test_greedy_processing_is_masked_penalized_logits():
     logits = torch.tensor([[1.0, -2.0, 3.0, 0.5]])
     params = SamplingParams(repetition_penalty=2.0, top_k=1, top_p=0.1)
-    out = process_tree_logits(logits, DraftTree.chain(1, []), [1], params, pack_bool_mask(torch.tensor([[1, 1, 1, 0]]).bool()))
+    mask = pack_bool_mask(torch.tensor([[True, True, True, False]]))
+    out = process_tree_logits(logits, DraftTree.chain(1, []), [1], params, mask)
     torch.testing.assert_close(out, torch.tensor([[1.0, -4.0, 3.0, NEG]]))
 
 
@@ -88,7 +88,8 @@ def test_processing_errors():
     with pytest.raises(InvalidTokenError, match="context"):
         process_tree_logits(torch.zeros(2, 8), tree, [9], SamplingParams(repetition_penalty=1.1))
     with pytest.raises(BitmaskError, match="rows"):
-        process_tree_logits(torch.zeros(2, 8), tree, [1], SamplingParams(), torch.zeros(1, 1, dtype=torch.int32))
+        one_row = torch.zeros(1, 1, dtype=torch.int32)
+        process_tree_logits(torch.zeros(2, 8), tree, [1], SamplingParams(), one_row)
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
 
@@ -209,8 +210,10 @@ def test_verify_stochastic_is_lossless(device):
         child = next((c for c in tree.children(0) if valid[c] and tokens[c] == t), None)
         if t == stop:
             cond[t, vocab] = 1.0
+        elif child is not None:
+            cond[t, :vocab] = probs[child]
         else:
-            cond[t, :vocab] = probs[child] if child is not None else torch.softmax(nxt[t][0].cpu().double(), -1)
+            cond[t, :vocab] = torch.softmax(nxt[t][0].cpu().double(), -1)
     joint = probs[0][:, None] * cond
 
     gen = make_generator(SamplingParams(seed=3), device)
@@ -218,7 +221,8 @@ def test_verify_stochastic_is_lossless(device):
     counts = torch.zeros(vocab, vocab + 1, dtype=torch.float64)
     for _ in range(m):
         accepted, bonus = verify_stochastic(processed, tree, gen, valid.to(device), stop_token_ids={stop})
-        assert 4 not in accepted and 5 not in accepted and 7 not in accepted and 8 not in accepted
+        # never accepted: the stop node 3, invalid 4, out-of-range 5, dead-row 7, below-stop 8
+        assert not {3, 4, 5, 7, 8}.intersection(accepted)
         committed = [tokens[a] for a in accepted[1:]] + [bonus]
         t1 = committed[0]
         if len(committed) > 1:
@@ -244,14 +248,14 @@ def test_stochastic_never_samples_masked_tokens():
     allowed[2, [62]] = True
     allowed[3, [63, 5]] = True
     params = SamplingParams(temperature=1.5, top_p=0.95)
-    processed = process_tree_logits(torch.randn(4, vocab, generator=g), tree, [0], params, pack_bool_mask(allowed))
+    logits = torch.randn(4, vocab, generator=g)
+    processed = process_tree_logits(logits, tree, [0], params, pack_bool_mask(allowed))
     gen = make_generator(SamplingParams(seed=0))
     for _ in range(500):
         accepted, bonus = verify_stochastic(processed, tree, gen)
-        rows_ = accepted
-        toks = [tree.token_list[a] for a in accepted[1:]] + [bonus]
-        for r, t in zip(rows_, toks):
-            assert allowed[r, t]
+        committed = [tree.token_list[a] for a in accepted[1:]] + [bonus]
+        for row, tok in zip(accepted, committed):  # token i is sampled from row accepted[i]
+            assert allowed[row, tok]
 
 
 def test_token_logprobs_and_dispatch():

@@ -86,7 +86,9 @@ class PropertySkipped(Exception):
 
 
 def _is_id_set(value: Any) -> bool:
-    return isinstance(value, (set, frozenset, list, tuple)) and all(isinstance(v, int) for v in value)
+    return isinstance(value, (set, frozenset, list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    )
 
 
 def describe_ids(ids: Sequence[int], decode: Callable[[Sequence[int]], str], limit: int = 24) -> str:

@@ -388,3 +388,57 @@ def random_mask_accept_agree(session: Session, fixture: str) -> None:
                          allowed & ids, accepted)
 
     run()
+
+
+REGEX_SAMPLES = ("ABC-1234 active foo@bar.com 12.5", "XYZ-0000 pending a@b.com 7")
+
+
+@conformance_property(
+    "smollm2_eos_exactly_at_end",
+    "along real documents (BFCL tool calls, regex samples): EOS is allowed exactly where the text "
+    "is a complete document (json.loads / re.fullmatch), only EOS once nothing can follow, and "
+    "accepting EOS terminates",
+    "smollm2",
+)
+def eos_exactly_at_end(session: Session) -> None:
+    import re
+
+    backend = session.backend("smollm2")
+    info = backend.tokenizer_info
+    tok = info.hf_tokenizer
+    stops = frozenset(info.stop_token_ids)
+    docs: list[tuple[GrammarSpec, str, Callable[[str], bool]]] = []
+    for case in bfcl_cases() if session.slow else bfcl_cases()[:3]:
+        if case["example_output_valid"]:
+            docs.append((ToolCalls(case["tools"]), json.dumps(case["example_output"]), _parses_as_json))
+    docs += [(Regex(REGEX), text, lambda t: re.fullmatch(REGEX, t) is not None) for text in REGEX_SAMPLES]
+    contract = "EOS allowed exactly where the document can end"
+    for spec, compiled in session.supported("smollm2", [d[0] for d in docs], must_compile=False):
+        for dspec, text, complete in docs:
+            if dspec != spec:
+                continue
+            ids = tok.encode(text, add_special_tokens=False)
+            m = backend.matcher(compiled)
+            for i in range(len(ids) + 1):
+                prefix = info.decode(ids[:i])
+                allowed = allowed_set(m)
+                where = f"{spec.kind} after {prefix!r}"
+                can_end = complete(prefix)
+                check(bool(allowed & stops) == can_end, contract, where, can_end, bool(allowed & stops))
+                if i == len(ids):
+                    break
+                check(m.accept_token(ids[i]), "a valid document's tokens are accepted", where + f", token {ids[i]}",
+                      True, False)
+            if isinstance(spec, ToolCalls):
+                check_equal_sets(m, "only EOS once the document is complete", f"{spec.kind} after {text!r}",
+                                 stops, allowed_set(m))
+            check(m.accept_token(min(stops)) and m.is_terminated(), "accepting EOS terminates", f"{spec.kind} after {text!r}",
+                  True, False)
+
+
+def _parses_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

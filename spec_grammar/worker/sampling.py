@@ -141,7 +141,9 @@ def process_tree_logits(
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise InvalidTokenError(f"logit_bias ids must lie in [0, {vocab}), got {sorted(params.logit_bias)}")
+            raise InvalidTokenError(
+                f"logit_bias ids must lie in [0, {vocab}), got {sorted(params.logit_bias)}"
+            )
         bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
         out[:, ids.to(dev)] += bias.to(dev)
 
