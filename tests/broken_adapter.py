@@ -14,7 +14,6 @@ from typing import Any, Iterable
 import torch
 
 from spec_grammar.protocol import CompiledGrammar
-from spec_grammar.traverse import fill_tree_bitmask_dfs
 from spec_grammar.tree import DraftTree
 from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 

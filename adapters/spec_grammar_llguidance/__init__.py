@@ -40,6 +40,7 @@ from spec_grammar.bitmask import check_bitmask, clear_padding_bits
 from spec_grammar.errors import BitmaskError, GrammarCompileError, GrammarStateError, UnsupportedGrammarError
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
+from spec_grammar.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:
@@ -300,6 +301,20 @@ class LLGuidanceBackend(GrammarBackend):
         native_forced_tokens=True,
         parallel_fill=True,
         releases_gil=True,
+    )
+    # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
+    json_schema_support = KeywordSupport(
+        unenforced={
+            **dict.fromkeys(
+                ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+             "dependentSchemas", "dependencies", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+             "$dynamicRef"),
+                "not enforced by llguidance 1.9 (refused when not lenient, ignored when lenient)",
+            ),
+            "uniqueItems": "llguidance 1.9 ignores uniqueItems (not context-free)",
+            "oneOf": "llguidance 1.9 treats oneOf as anyOf unless the branches are provably disjoint",
+            REMOTE_REF: "llguidance 1.9 resolves only local '#/...' references",
+        },
     )
 
     def __init__(

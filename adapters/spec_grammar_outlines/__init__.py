@@ -50,6 +50,7 @@ from spec_grammar.protocol import (
     TokenizerInfo,
 )
 from spec_grammar.specs import GrammarSpec, JsonSchema, Regex
+from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:
@@ -393,6 +394,30 @@ class OutlinesBackend(GrammarBackend):
         native_forced_tokens=False,
         parallel_fill=False,
         releases_gil=False,
+    )
+    # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
+    json_schema_support = KeywordSupport(
+        unenforced={
+            **dict.fromkeys(
+                ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+             "dependentSchemas", "dependencies", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+             "$dynamicRef"),
+                "not translated by outlines-core 0.2.14's schema-to-regex (ignored)",
+            ),
+            **dict.fromkeys(
+                ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+                "outlines-core 0.2.14 ignores numeric bounds (integers and numbers)",
+            ),
+            "uniqueItems": "outlines-core 0.2.14 ignores uniqueItems (not regular)",
+            "multipleOf": "outlines-core 0.2.14 ignores multipleOf",
+            "allOf": "outlines-core 0.2.14 supports a single allOf branch only",
+            "oneOf": "outlines-core 0.2.14 translates oneOf as an alternation (anyOf)",
+            "patternProperties": "outlines-core 0.2.14 ignores patternProperties",
+            "minProperties": "outlines-core 0.2.14 ignores minProperties",
+            "maxProperties": "outlines-core 0.2.14 ignores maxProperties",
+            REQUIRED_UNDECLARED: "outlines-core 0.2.14 ignores required names that properties does not define",
+            REMOTE_REF: "outlines-core 0.2.14 resolves only local '#/...' references",
+        },
     )
 
     def __init__(self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any):

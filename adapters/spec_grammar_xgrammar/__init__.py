@@ -17,6 +17,7 @@ import torch
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
+from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:
@@ -111,6 +112,27 @@ class XGrammarBackend(GrammarBackend):
         native_forced_tokens=True,
         parallel_fill=True,
         releases_gil=True,
+    )
+    # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
+    json_schema_support = KeywordSupport(
+        unenforced={
+            **dict.fromkeys(
+                ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+             "dependentSchemas", "dependencies", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
+             "$dynamicRef"),
+                "not converted by xgrammar 0.2.9's JSON-schema converter (ignored)",
+            ),
+            "uniqueItems": "xgrammar 0.2.9 ignores uniqueItems (not context-free)",
+            "multipleOf": "xgrammar 0.2.9 ignores multipleOf for numbers and non-integer multipleOf",
+            "allOf": "xgrammar 0.2.9 merges only simple allOf branches",
+            "oneOf": "xgrammar 0.2.9 treats oneOf as anyOf",
+            "patternProperties": "xgrammar 0.2.9 does not apply patternProperties to every matching key",
+            "minProperties": "xgrammar 0.2.9 ignores minProperties on objects with additional properties",
+            "maxProperties": "xgrammar 0.2.9 ignores maxProperties on objects with additional properties",
+            REQUIRED_UNDECLARED: "xgrammar 0.2.9 ignores required names that properties does not define",
+            REMOTE_REF: "xgrammar 0.2.9 resolves only local '#/...' references (others match anything)",
+        },
+        untyped="xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type`",
     )
 
     def __init__(self, tokenizer: Any, *, max_threads: int = 1, **kwargs: Any):

@@ -1,9 +1,9 @@
 """Real grammar cases for the benchmarks: bundled JSONSchemaBench schemas and BFCL tool calls,
 each with a valid instance to grow draft trees along.
 
-BFCL cases carry a valid ``example_output``. JSONSchemaBench schemas have none, so one is
-sampled from the compiled grammar itself with a fixed seed (:func:`sample_instance`) and kept
-only if ``jsonschema`` validates it (the oracle).
+BFCL cases carry an ``example_output`` (used when the dataset marks it valid). JSONSchemaBench
+schemas have none, so one is sampled from the compiled grammar itself with a fixed seed
+(:func:`sample_instance`) and kept only if ``jsonschema`` validates it (the oracle).
 """
 
 from __future__ import annotations
@@ -46,37 +46,28 @@ class Case:
 
 
 def load_cases(max_per_source: int | None = None) -> list[Case]:
-    """JSONSchemaBench then BFCL cases, at most ``max_per_source`` of each (spread over the
-    JSONSchemaBench subsets, in file order)."""
-    jsb = jsonschemabench_sample()
-    if max_per_source is not None and max_per_source < len(jsb):
-        # round-robin over subsets so a small sample still covers every kind of schema
-        by_subset: dict[str, list[dict]] = {}
-        for r in jsb:
-            by_subset.setdefault(r["subset"], []).append(r)
-        jsb, i = [], 0
-        while len(jsb) < max_per_source:
-            for rows in by_subset.values():
-                if i < len(rows) and len(jsb) < max_per_source:
-                    jsb.append(rows[i])
-            i += 1
+    """JSONSchemaBench then BFCL cases, at most ``max_per_source`` of each. JSONSchemaBench
+    schemas come round-robin over its subsets, so any prefix of the list (a small sample, or
+    what a time budget allows) covers every kind of schema."""
+    by_subset: dict[str, list[dict]] = {}
+    for r in jsonschemabench_sample():
+        by_subset.setdefault(r["subset"], []).append(r)
+    limit = sum(map(len, by_subset.values())) if max_per_source is None else max_per_source
+    jsb: list[dict] = []
+    for i in range(max(map(len, by_subset.values()), default=0)):
+        jsb.extend(rows[i] for rows in by_subset.values() if i < len(rows))
+    jsb = jsb[:limit]
     cases = [
         Case(f"jsonschemabench/{r['subset']}/{r['id']}", "jsonschemabench", JsonSchema(r["schema"]), r["schema"])
         for r in jsb
     ]
-    bfcl = [c for c in bfcl_cases() if c.get("example_output_valid")]
+    bfcl = bfcl_cases()
     if max_per_source is not None:
         bfcl = bfcl[:max_per_source]
     for c in bfcl:
-        cases.append(
-            Case(
-                f"bfcl/{c['id']}",
-                "bfcl",
-                ToolCalls(c["tools"]),
-                c["required_schema"],
-                json.dumps(c["example_output"]),
-            )
-        )
+        # an example output the dataset marks invalid is not used; one is sampled instead
+        instance = json.dumps(c["example_output"]) if c.get("example_output_valid") else None
+        cases.append(Case(f"bfcl/{c['id']}", "bfcl", ToolCalls(c["tools"]), c["required_schema"], instance))
     return cases
 
 

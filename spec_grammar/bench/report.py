@@ -325,8 +325,30 @@ def write_masks_report(res: dict[str, Any], out_dir: str | os.PathLike) -> dict[
     return paths
 
 
-RENDERERS: dict[str, Callable[[dict[str, Any], str | None], str]] = {"masks": render_masks_markdown}
+def _render_e2e(res: dict[str, Any], image_dir: str | None = None) -> str:
+    from .e2e_report import render_e2e_markdown  # imports this module: load it on use
+
+    return render_e2e_markdown(res, image_dir)
+
+
+def _write_e2e(res: dict[str, Any], out_dir: Path) -> None:
+    from .e2e_report import write_e2e_report
+
+    write_e2e_report(res, out_dir)
+
+
+def _headline_e2e(res: dict[str, Any]) -> list[str]:
+    from .e2e_report import headline_e2e
+
+    return headline_e2e(res)
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any], str | None], str]] = {"masks": render_masks_markdown, "e2e": _render_e2e}
 """Result kind -> Markdown renderer ``(result, image_dir) -> str``."""
+WRITERS: dict[str, Callable[[dict[str, Any], Path], Any]] = {"masks": write_masks_report, "e2e": _write_e2e}
+"""Result kind -> writer of its own report and plots ``(result, directory)`` (``replot``)."""
+HEADLINES: dict[str, Callable[[dict[str, Any]], list[str]]] = {"e2e": _headline_e2e}
+"""Result kind -> Markdown lines of a headline table for the top of the docs page."""
 
 
 def load_results(dirs: list[str | os.PathLike]) -> list[tuple[Path, dict[str, Any]]]:
@@ -366,9 +388,13 @@ def write_docs(dirs: list[str | os.PathLike], docs_path: str | os.PathLike, *, r
         "rerun the benchmark and this command to update it.",
         "",
     ]
-    for path, res in load_results(dirs):
-        if replot and res["kind"] == "masks":
-            write_masks_report(res, path.parent)
+    results = load_results(dirs)
+    for _, res in results:
+        if res["kind"] in HEADLINES:
+            parts += HEADLINES[res["kind"]](res) + [""]
+    for path, res in results:
+        if replot and res["kind"] in WRITERS:
+            WRITERS[res["kind"]](res, path.parent)
         image_dir = os.path.relpath(path.parent, docs.parent)
         parts.append(f"Source: `{os.path.relpath(path, docs.parent)}`")
         parts.append("")

@@ -66,7 +66,8 @@ def _run_masks(args) -> int:
                 tasks[stage] = progress.add_task(stage, total=total)
             progress.update(tasks[stage], completed=done, total=total)
 
-        res = run_masks(cfg, report)
+        # a crash in a later tokenizer keeps the finished ones on disk
+        res = run_masks(cfg, report, on_partial=lambda partial: write_masks_report(partial, args.out))
     paths = write_masks_report(res, args.out)
     if args.docs:
         paths["docs"] = write_docs([args.out], args.docs, replot=False)
@@ -112,7 +113,9 @@ def _run_report(args) -> int:
     return 0
 
 
-BENCHMARKS: dict[str, Callable] = {"masks": _register_masks, "report": _register_report}
+from .bench_e2e import register_e2e  # noqa: E402  (it reuses this module's helpers)
+
+BENCHMARKS: dict[str, Callable] = {"masks": _register_masks, "e2e": register_e2e, "report": _register_report}
 """Subcommand name -> ``register(subparsers)``; a new benchmark adds itself here."""
 
 

@@ -55,7 +55,8 @@ def run(args) -> int:
     results = run_conformance(factory, fixtures=fixtures, names=args.property, slow=args.slow, seed=args.seed)
     failed = [r for r in results if r.status in ("FAIL", "ERROR")]
     if args.json:
-        print(json.dumps({"backend": args.backend, "passed": not failed, "results": [r.to_dict() for r in results]}, indent=2))
+        report = {"backend": args.backend, "passed": not failed, "results": [r.to_dict() for r in results]}
+        print(json.dumps(report, indent=2))
         return 1 if failed else 0
     _print_results(args.backend, results)
     return 1 if failed else 0

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
-from ..bitmask import allocate_token_bitmask, unpack_bitmask
+from ..bitmask import allocate_token_bitmask
 from ..errors import GrammarCompileError
 from ..protocol import GrammarBackend, SpecGrammar
 from ..specs import GrammarSpec
@@ -178,7 +179,10 @@ class Session:
             except GrammarCompileError as e:
                 if must_compile:
                     raise ConformanceFailure(
-                        "a grammar of a kind the capabilities claim compiles", spec.cache_key()[:300], "compiled", str(e)
+                        "a grammar of a kind the capabilities claim compiles",
+                        spec.cache_key()[:300],
+                        "compiled",
+                        str(e),
                     ) from None
         if not out:
             raise PropertySkipped(f"{backend.name} supports none of the grammars this property uses")
@@ -198,8 +202,8 @@ def allowed_set(matcher: SpecGrammar, bitmask: torch.Tensor | None = None, row: 
         bitmask.zero_()
         matcher.fill_next_token_bitmask(bitmask, 0)
         row = 0
-    dense = unpack_bitmask(bitmask[row : row + 1], matcher.info.vocab_size)[0]
-    return frozenset(dense.nonzero().flatten().tolist())
+    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")[: matcher.info.vocab_size]
+    return frozenset(np.flatnonzero(bits).tolist())
 
 
 def check_equal_sets(

@@ -8,7 +8,8 @@ by side; only rows where they differ from each other or from ``jsonschema`` are 
 
 What must hold (the property ``smollm2_json_suite_sound``): a backend never accepts an
 instance ``jsonschema`` rejects, except in the groups
-:data:`~spec_grammar.testing.known_differences.KNOWN_UNSOUND` lists for that library. Rejecting a valid instance is reported, not failed:
+:data:`~spec_grammar.testing.known_differences.KNOWN_UNSOUND` lists for that library.
+Rejecting a valid instance is reported, not failed:
 grammar engines legitimately cover only part of JSON Schema.
 """
 
@@ -174,6 +175,9 @@ def json_suite_sound(session: Session) -> None:
 def unsound_cases(backend_name: str, outcomes: dict[str, Outcome], cases: Iterable[Case]) -> list[Case]:
     """Cases accepted although ``jsonschema`` rejects them, known library semantics excepted."""
     return [
-        c for c in cases
-        if outcomes.get(c.key) == "accept" and not jsonschema_valid(c) and not known_unsound(backend_name, c.file, c.group)
+        c
+        for c in cases
+        if outcomes.get(c.key) == "accept"
+        and not jsonschema_valid(c)
+        and not known_unsound(backend_name, c.file, c.group)
     ]

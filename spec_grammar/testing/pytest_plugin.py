@@ -43,8 +43,8 @@ class ConformanceItem(pytest.Item):
         self.prop = prop
 
     def runtest(self) -> None:
-        from .runner import resolve_factory, run_property
         from .core import Session
+        from .runner import resolve_factory, run_property
 
         sessions = self.config.stash.setdefault(_SESSIONS_KEY, {})
         if self.backend_name not in sessions:
@@ -89,6 +89,15 @@ class ConformanceSuite(pytest.Collector):
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     backends = config.getoption("--spec-grammar-backend")
     fixtures = config.getoption("--spec-grammar-tokenizer") or ["toy", "smollm2"]
+    if backends:
+        from ..errors import BackendNotFoundError
+        from .runner import resolve_factory
+
+        for name in backends:
+            try:
+                resolve_factory(name)
+            except BackendNotFoundError as e:
+                raise pytest.UsageError(f"--spec-grammar-backend {name}: {e}") from None
     for name in backends:
         suite = ConformanceSuite.from_parent(
             session, name=f"spec-grammar-conformance[{name}]", backend=name, fixtures=fixtures

@@ -67,7 +67,8 @@ class Oracle:
         self._memo: dict[tuple[int, ...], tuple[frozenset[int], bool]] = {}
 
     def describe(self, path: Sequence[int]) -> str:
-        return f"{self.compiled.spec.kind} {self.compiled.spec.cache_key()[:120]}... after {list(path)} {self.info.decode(path)!r}"
+        spec = self.compiled.spec
+        return f"{spec.kind} {spec.cache_key()[:120]}... after {list(path)} {self.info.decode(path)!r}"
 
     def fresh(self, path: Sequence[int]) -> SpecGrammar:
         m = self.backend.matcher(self.compiled)
@@ -106,7 +107,7 @@ class Oracle:
 
 
 def _settings(session: Session, fixture: str) -> Callable:
-    examples = {"toy": 40, "smollm2": 12}[fixture] * (8 if session.slow else 1)
+    examples = {"toy": 60, "smollm2": 25}[fixture] * (8 if session.slow else 1)
     cfg = settings(
         max_examples=examples,
         deadline=None,
@@ -238,7 +239,8 @@ def random_tree_rows(session: Session, fixture: str) -> None:
             if tree.first_child_list[leaf] != -1:
                 continue
             chain = tree.path(leaf)
-            n_valid = next((i for i, node in enumerate(tree.path_nodes(leaf)[1:]) if not expected_valid[node]), len(chain))
+            below_root = tree.path_nodes(leaf)[1:]
+            n_valid = next((i for i, node in enumerate(below_root) if not expected_valid[node]), len(chain))
             n = m.validate_tokens(chain)
             check(n == n_valid, "validate_tokens counts the leading valid drafts", f"{where}: validate_tokens({chain})",
                   n_valid, n)
@@ -380,12 +382,13 @@ def random_mask_accept_agree(session: Session, fixture: str) -> None:
         if done:
             return
         m = oracle.fresh(path)
-        pool = sorted(allowed)[:64] + list(info.stop_token_ids) + list(range(info.tokenizer_vocab_size, info.vocab_size))
+        padding = list(range(info.tokenizer_vocab_size, info.vocab_size))
+        pool = sorted(allowed)[:64] + list(info.stop_token_ids) + padding
         ids = set(data.draw(st.lists(st.integers(0, info.vocab_size - 1), min_size=8, max_size=32)))
         ids |= set(pool if len(pool) <= 96 else data.draw(st.lists(st.sampled_from(pool), max_size=48)))
         accepted = {t for t in ids if m.fork().accept_token(t)}
-        check_equal_sets(m, "mask allows id <=> accept(id) on a fork", oracle.describe(path) + f" over {len(ids)} sampled ids",
-                         allowed & ids, accepted)
+        where = oracle.describe(path) + f" over {len(ids)} sampled ids"
+        check_equal_sets(m, "mask allows id <=> accept(id) on a fork", where, allowed & ids, accepted)
 
     run()
 
@@ -432,8 +435,8 @@ def eos_exactly_at_end(session: Session) -> None:
             if isinstance(spec, ToolCalls):
                 check_equal_sets(m, "only EOS once the document is complete", f"{spec.kind} after {text!r}",
                                  stops, allowed_set(m))
-            check(m.accept_token(min(stops)) and m.is_terminated(), "accepting EOS terminates", f"{spec.kind} after {text!r}",
-                  True, False)
+            where = f"{spec.kind} after {text!r}"
+            check(m.accept_token(min(stops)) and m.is_terminated(), "accepting EOS terminates", where, True, False)
 
 
 def _parses_as_json(text: str) -> bool:

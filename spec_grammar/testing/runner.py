@@ -38,7 +38,9 @@ def resolve_factory(name: str) -> BackendFactory:
     return load_backend_class(name)
 
 
-def select_properties(fixtures: Iterable[str] = ("toy", "smollm2"), names: Iterable[str] | None = None) -> list[Property]:
+def select_properties(
+    fixtures: Iterable[str] = ("toy", "smollm2"), names: Iterable[str] | None = None
+) -> list[Property]:
     """Registered properties on the given fixture tokenizers (optionally only ``names``)."""
     from . import properties  # noqa: F401  (registers every property)
 

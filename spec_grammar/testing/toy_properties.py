@@ -43,7 +43,8 @@ PADDING = frozenset(range(len(TOY_TOKEN_BYTES), TOY_WIDTH))
 
 
 def _text(tokens: Sequence[int]) -> str:
-    return repr(b"".join(TOY_TOKEN_BYTES[t] if 0 <= t < len(TOY_TOKEN_BYTES) else b"?" for t in tokens).decode("utf-8", "replace"))
+    raw = b"".join(TOY_TOKEN_BYTES[t] if 0 <= t < len(TOY_TOKEN_BYTES) else b"?" for t in tokens)
+    return repr(raw.decode("utf-8", "replace"))
 
 
 def _at(session: Session, compiled: CompiledGrammar, path: Sequence[int]) -> SpecGrammar:
@@ -190,8 +191,9 @@ def toy_t3(session: Session) -> None:
         check(valid.dtype == torch.bool and valid.tolist() == T3_VALID, contract, _input(c, f"valid of {tree}"),
               T3_VALID, valid.tolist())
         for node, expected in enumerate(T3_ROWS):
-            check_equal_sets(m, contract, _input(c, f"row of node {node}, path {tree.path(node)} {_text(tree.path(node))}"),
-                             expected, allowed_set(m, bm, 1 + node))
+            path = tree.path(node)
+            where = _input(c, f"row of node {node}, path {path} {_text(path)}")
+            check_equal_sets(m, contract, where, expected, allowed_set(m, bm, 1 + node))
         for node in range(tree.num_nodes):
             if T3_VALID[node] and tree.token_list[node] != EOS:
                 replay = _at(session, c, [11] + tree.path(node))
@@ -282,7 +284,8 @@ def toy_t9(session: Session) -> None:
         check(n == 4, contract, _input(c, f"validate_tokens({seq})"), 4, n)
         check(fresh.num_accepted == 0 and not fresh.is_terminated(), contract, _input(c, "state after validate"),
               "num_accepted 0, live", f"num_accepted {fresh.num_accepted}, terminated={fresh.is_terminated()}")
-        check_equal_sets(fresh, contract, _input(c, f"start state after validate_tokens({seq})"), {1, 11}, allowed_set(fresh))
+        where = _input(c, f"start state after validate_tokens({seq})")
+        check_equal_sets(fresh, contract, where, {1, 11}, allowed_set(fresh))
         alt = backend.matcher(c)
         n = alt.accept_tokens([1, 3, 5, 7, 2, EOS])
         check(n == 6 and alt.is_terminated(), contract, _input(c, "non-canonical [1, 3, 5, 7, 2, 0]"),
@@ -360,8 +363,8 @@ def toy_after_termination(session: Session) -> None:
         for t in (EOS, 2, 10):
             check(not m.accept_token(t), contract, _input(c, f"accept({t}) after termination"), False, True)
         got = (m.accept_tokens([EOS]), m.validate_tokens([EOS]), m.forced_tokens(), m.num_accepted)
-        check(got == (0, 0, [], 4), contract, _input(c, "accept_tokens([0]), validate_tokens([0]), forced_tokens(), num_accepted"),
-              (0, 0, [], 4), got)
+        where = _input(c, "accept_tokens([0]), validate_tokens([0]), forced_tokens(), num_accepted")
+        check(got == (0, 0, [], 4), contract, where, (0, 0, [], 4), got)
         bm = allocate_token_bitmask(3, TOY_WIDTH)
         for what, call in (("fill_next_token_bitmask", lambda: m.fill_next_token_bitmask(bm, 0)),
                            ("fill_tree_bitmask", lambda: m.fill_tree_bitmask(DraftTree.chain(EOS, [2]), bm))):
@@ -390,7 +393,8 @@ def toy_fork_independent(session: Session) -> None:
         check(f.accept_token(7), contract, _input(c, "fork.accept(7)"), True, False)
         check_equal_sets(m, contract, _input(c, "origin after fork.accept(7)"), {7, 8}, allowed_set(m))
         check(m.accept_tokens([8, 6]) == 2, contract, _input(c, "origin.accept_tokens([8, 6])"), 2, "fewer")
-        check_equal_sets(f, contract, _input(c, "fork after origin.accept_tokens([8, 6])"), {7, 8, 6, 2}, allowed_set(f))
+        where = _input(c, "fork after origin.accept_tokens([8, 6])")
+        check_equal_sets(f, contract, where, {7, 8, 6, 2}, allowed_set(f))
         f.rollback(1)
         check_equal_sets(m, contract, _input(c, "origin after fork.rollback(1)"), {4}, allowed_set(m))
         check((m.num_accepted, f.num_accepted) == (3, 1), contract, _input(c, "num_accepted of origin, fork"),
@@ -418,9 +422,30 @@ def toy_forced_tokens(session: Session) -> None:
             before = allowed_set(m)
             forced = m.forced_tokens()
             spelled = b"".join(TOY_TOKEN_BYTES[t] for t in forced if 0 <= t < len(TOY_TOKEN_BYTES))
-            check(EOS not in forced and text.startswith(spelled), contract, _input(c, f"forced_tokens() after {list(path)}"),
+            where = _input(c, f"forced_tokens() after {list(path)}")
+            check(EOS not in forced and text.startswith(spelled), contract, where,
                   f"a tokenization of a prefix of {text!r}", forced)
             check(m.num_accepted == len(path) and allowed_set(m) == before, contract,
                   _input(c, f"state after forced_tokens() at {list(path)}"), "unchanged", "changed")
             check(m.fork().accept_tokens(forced) == len(forced), contract,
                   _input(c, f"accept the forced tokens {forced}"), len(forced), "fewer")
+
+
+@conformance_property(
+    "toy_root_token_ignored",
+    "the tree root is the last committed token, already accepted: its id (even a stop token's, "
+    "e.g. a prompt ending in EOS) does not change any row",
+    "toy",
+)
+def toy_root_token_ignored(session: Session) -> None:
+    contract = "the root's token does not affect the tree fill"
+    for c in _g(session):
+        m = _at(session, c, [])
+        for root in (EOS, 10, 19):
+            tree = DraftTree.from_parents([root, 1, 3, 11], [-1, 0, 1, 0])
+            bm = allocate_token_bitmask(tree.num_nodes, TOY_WIDTH)
+            valid = m.fill_tree_bitmask(tree, bm)
+            check(valid.tolist() == [True] * 4, contract, _input(c, f"start state, {tree}"), [True] * 4, valid.tolist())
+            for node, expected in enumerate([{1, 11}, {3}, {5}, {7, 8}]):
+                check_equal_sets(m, contract, _input(c, f"root token {root}: row of node {node}"), expected,
+                                 allowed_set(m, bm, node))

@@ -1,0 +1,613 @@
+"""End-to-end benchmark: our speculative worker against what a user would run today,
+Hugging Face ``transformers`` ``generate`` with a grammar logits processor (with and without
+HF's own speculative decoding), on the real SmolLM2 model and real schemas.
+
+Method:
+
+- **Prompts**: a fixed sample of the bundled real inputs (JSONSchemaBench schemas spread over
+  the subsets, BFCL tool-calling cases as :class:`~spec_grammar.specs.ToolCalls`), each asked
+  through the chat template with the schema or tool list written into the message
+  (:func:`~spec_grammar.worker.schema_prompt`). Every row gets the same prompt token ids.
+- **Rows**: ours constrained speculative (one row per grammar backend, the n-gram drafter),
+  ours constrained non-speculative (``no_spec``), ours unconstrained speculative; HF
+  ``generate`` + a grammar processor (xgrammar's ``xgrammar.contrib.hf.LogitsProcessor``;
+  for llguidance, which ships no HF processor, :class:`LLGuidanceLogitsProcessor`, the small
+  processor a user writes from llguidance's own ``llguidance.hf`` / ``llguidance.torch``
+  helpers) without speculation, with prompt lookup (``prompt_lookup_num_tokens``) and with an
+  assistant model (the target's first layers, sharing weights). Greedy decoding everywhere.
+- **Timing**: one request at a time (HF assisted generation only takes batch 1). For every
+  prompt all rows run one after the other (interleaved: load changes on a shared machine hit
+  all rows alike), after one untimed warm-up generation per row. The grammar is compiled
+  before generation and timed apart (*compile ms*, a fresh compile without cache); *tokens/s*
+  = output tokens (stop token excluded) over generation wall time (prefill included);
+  *accept length* = output tokens per target forward (our verify steps; HF: calls of the
+  target model's ``forward``, prefill included); *TTFT* = wall time until the first output
+  token is known (our ``on_step`` callback, HF's ``streamer``).
+- **Checks**: each finished output (stop token reached) is validated with ``jsonschema``
+  (Draft 2020-12) against the case's schema (BFCL: the case's ``required_schema``); outputs
+  cut by ``max_new_tokens`` are counted apart. A row that raises is recorded with the error
+  text, never dropped. Constrained rows are compared token by token with the reference row
+  (HF ``generate`` + xgrammar, no speculation); at the first differing token the target
+  model's logits and the reference grammar's mask at the common prefix tell why
+  (:func:`explain_divergence`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import jsonschema
+import torch
+from pydantic import BaseModel, Field
+
+from ..datasets import bfcl_cases
+from ..specs import GrammarSpec, JsonSchema, ToolCalls
+from .instances import load_cases
+
+__all__ = [
+    "E2EBenchConfig",
+    "E2EPrompt",
+    "LLGuidanceLogitsProcessor",
+    "load_prompts",
+    "row_specs",
+    "run_e2e",
+    "summarize_rows",
+    "explain_divergence",
+    "RESULT_KIND",
+    "REFERENCE_ROW",
+]
+
+RESULT_KIND = "e2e"
+REFERENCE_ROW = "hf/xgrammar"
+"""The row every constrained row is compared with token by token."""
+Progress = Callable[[str, int, int], None]
+_JSB_TASK = "Produce a realistic example document."
+
+
+class E2EBenchConfig(BaseModel):
+    """What :func:`run_e2e` measures. Defaults are the full run; :meth:`quick` the smoke one."""
+
+    model: str = "smollm2"
+    jsb_cases: int = Field(12, description="JSONSchemaBench schemas (round-robin over subsets)")
+    bfcl_cases: int = 8
+    max_new_tokens: int = 128
+    backends: list[str] | None = Field(None, description="our backends (None: every registered one)")
+    hf_processors: list[str] = ["xgrammar", "llguidance"]
+    hf_speculation: list[str] = ["none", "prompt_lookup", "assistant"]
+    draft: str = "ngram"
+    num_draft_tokens: int = 8
+    prompt_lookup_num_tokens: int = 10
+    assistant_layers: int = 8
+    nospec_backend: str = "xgrammar"
+    warmup: bool = True
+    torch_threads: int | None = None
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> "E2EBenchConfig":
+        """A smoke run: 1 schema + 1 BFCL case, 8 new tokens, xgrammar only."""
+        base = dict(jsb_cases=1, bfcl_cases=1, max_new_tokens=8, backends=["xgrammar"], warmup=False)
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+
+@dataclass
+class E2EPrompt:
+    """One benchmark input: ``spec`` constrains the output, ``schema`` validates it,
+    ``prompt_ids`` is the chat prompt every row gets."""
+
+    name: str
+    source: str
+    spec: GrammarSpec
+    schema: Any
+    prompt_ids: list[int]
+
+
+@dataclass
+class RowSpec:
+    """One row of the report. ``family``: ``ours`` or ``hf``; ``lib``: grammar library (None:
+    unconstrained); ``speculation``: ``none``, ``ngram``/drafter name, ``prompt_lookup``,
+    ``assistant``."""
+
+    id: str
+    label: str
+    family: str
+    lib: str | None
+    speculation: str
+
+    @property
+    def constrained(self) -> bool:
+        return self.lib is not None
+
+
+def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
+    """The fixed prompt sample: the first ``jsb_cases`` JSONSchemaBench cases (round-robin
+    over subsets) and the first ``bfcl_cases`` BFCL cases with their user question."""
+    from ..worker import build_prompt, schema_prompt
+
+    cases = load_cases(max(cfg.jsb_cases, cfg.bfcl_cases, 1))
+    questions = {f"bfcl/{c['id']}": c["messages"][0][-1]["content"] for c in bfcl_cases()}
+    jsb = [c for c in cases if c.source == "jsonschemabench"][: cfg.jsb_cases]
+    bfcl = [c for c in cases if c.source == "bfcl"][: cfg.bfcl_cases]
+    out = []
+    for c in jsb + bfcl:
+        task = questions.get(c.name, _JSB_TASK)
+        ids = build_prompt(tokenizer, schema_prompt(c.spec, task))
+        out.append(E2EPrompt(c.name, c.source, c.spec, c.schema, ids))
+    return out
+
+
+def row_specs(cfg: E2EBenchConfig, backends: list[str]) -> list[RowSpec]:
+    """The rows of a run, ours first; ids are stable keys of the JSON result."""
+    rows = [RowSpec(f"ours-spec/{b}", f"ours, spec ({cfg.draft}), {b}", "ours", b, cfg.draft) for b in backends]
+    if cfg.nospec_backend in backends:
+        b = cfg.nospec_backend
+        rows.append(RowSpec(f"ours-nospec/{b}", f"ours, no spec, {b}", "ours", b, "none"))
+    rows.append(RowSpec("ours-spec/unconstrained", f"ours, spec ({cfg.draft}), no grammar", "ours", None, cfg.draft))
+    names = {"none": "", "prompt_lookup": f" + prompt lookup ({cfg.prompt_lookup_num_tokens})",
+             "assistant": f" + assistant (first {cfg.assistant_layers} layers)"}
+    for lib in cfg.hf_processors:
+        for spec in cfg.hf_speculation:
+            suffix = {"none": "", "prompt_lookup": "+pld", "assistant": "+assist"}[spec]
+            rows.append(RowSpec(f"hf/{lib}{suffix}", f"HF generate + {lib} processor{names[spec]}", "hf", lib, spec))
+    return rows
+
+
+# -- HF side -------------------------------------------------------------------------------------
+
+
+class LLGuidanceLogitsProcessor:
+    """A ``transformers`` logits processor over ``llguidance.LLMatcher`` (llguidance ships the
+    tokenizer bridge ``llguidance.hf.from_tokenizer`` and the mask helpers in
+    ``llguidance.torch`` but no processor; this is the one a user writes from them).
+
+    Unlike xgrammar's, it does not assume one new token per call: it keeps the tokens it has
+    consumed and, on each call, rolls back to the common prefix with ``input_ids`` and
+    consumes the rest, so it also follows HF's assisted generation (which calls processors on
+    candidate prefixes). One sequence only (batch 1). ``scores`` (1, V) float32 -> masked in
+    place (-inf where the grammar forbids the token).
+    """
+
+    def __init__(self, ll_tokenizer: Any, grammar: str, prompt_len: int):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(self.matcher.get_error())
+        self.prompt_len = prompt_len
+        self.consumed: list[int] = []
+        self.vocab = ll_tokenizer.vocab_size
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+
+        if input_ids.shape[0] != 1:
+            raise ValueError("LLGuidanceLogitsProcessor handles one sequence")
+        new = input_ids[0, self.prompt_len:].tolist()
+        common = 0
+        while common < min(len(new), len(self.consumed)) and new[common] == self.consumed[common]:
+            common += 1
+        if common < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+        for tok in new[common:]:
+            if not self.matcher.consume_token(tok):
+                raise RuntimeError(f"llguidance refused token {tok}: {self.matcher.get_error()}")
+            self.consumed.append(tok)
+        mask = allocate_token_bitmask(1, self.vocab)
+        fill_next_token_bitmask(self.matcher, mask)
+        apply_token_bitmask_inplace(scores, mask.to(scores.device))
+        return scores
+
+
+class _FirstToken:
+    """``streamer`` for ``generate``: records when the first output token arrives (the first
+    ``put`` is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.t_first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class _HFRow:
+    """Runs one HF row: compiles the grammar with the library's own API, then ``generate``."""
+
+    def __init__(self, row: RowSpec, cfg: E2EBenchConfig, model: Any, tokenizer: Any, stop_ids: list[int]):
+        self.row, self.cfg, self.model, self.tok = row, cfg, model, tokenizer
+        self.vocab = int(model.config.vocab_size)
+        self.stop_ids = stop_ids
+        self.compiled: dict[str, Any] = {}
+        self.assistant = None
+        if row.speculation == "assistant":
+            from ..worker.drafters import truncated_model
+
+            self.assistant = truncated_model(model, cfg.assistant_layers)
+        if row.lib == "xgrammar":
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab, stop_token_ids=stop_ids)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        elif row.lib == "llguidance":
+            import llguidance.hf
+
+            self._ll_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab, eos_token=stop_ids[0])
+        else:
+            raise ValueError(f"no HF grammar processor for {row.lib!r}: use xgrammar or llguidance")
+
+    def compile(self, p: E2EPrompt) -> float:
+        """Compile ``p``'s grammar (same whitespace as our adapters: ``", "`` and ``": "``);
+        returns milliseconds."""
+        spec = p.spec.to_json_schema() if isinstance(p.spec, ToolCalls) else p.spec
+        assert isinstance(spec, JsonSchema)
+        t0 = time.perf_counter()
+        if self.row.lib == "xgrammar":
+            self.compiled[p.name] = self._compiler.compile_json_schema(
+                spec.schema_json(), any_whitespace=False, separators=(", ", ": "), strict_mode=False)
+        else:
+            import llguidance
+
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                spec.schema_json(), overrides={"whitespace_flexible": False, "item_separator": ", ",
+                                               "key_separator": ": ", "lenient": True})
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tok)
+            if is_error:
+                raise ValueError(messages[0])
+            self.compiled[p.name] = grammar
+        return (time.perf_counter() - t0) * 1e3
+
+    def processor(self, p: E2EPrompt) -> Any:
+        if self.row.lib == "xgrammar":
+            from xgrammar.contrib.hf import LogitsProcessor
+
+            return LogitsProcessor(self.compiled[p.name])
+        return LLGuidanceLogitsProcessor(self._ll_tok, self.compiled[p.name], len(p.prompt_ids))
+
+    def generate(self, p: E2EPrompt, max_new_tokens: int) -> dict[str, Any]:
+        from transformers import LogitsProcessorList
+
+        ids = torch.tensor([p.prompt_ids])
+        extra: dict[str, Any] = {}
+        if self.row.speculation == "prompt_lookup":
+            extra["prompt_lookup_num_tokens"] = self.cfg.prompt_lookup_num_tokens
+        elif self.row.speculation == "assistant":
+            extra["assistant_model"] = self.assistant
+        forwards = [0]
+        hook = self.model.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+        streamer = _FirstToken()
+        try:
+            t0 = time.perf_counter()
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                logits_processor=LogitsProcessorList([self.processor(p)]), eos_token_id=self.stop_ids,
+                pad_token_id=self.stop_ids[0], streamer=streamer, **extra)
+            wall = time.perf_counter() - t0
+        finally:
+            hook.remove()
+        gen = out[0, len(p.prompt_ids):].tolist()
+        stops = [i for i, t in enumerate(gen) if t in self.stop_ids]
+        complete = bool(stops)
+        gen = gen[: stops[0]] if stops else gen
+        return {"token_ids": gen, "wall_s": wall, "forwards": forwards[0],
+                "ttft_s": (streamer.t_first - t0) if streamer.t_first else None,
+                "finish": "complete" if complete else ("length" if len(gen) >= max_new_tokens else "stopped")}
+
+
+# -- our side ------------------------------------------------------------------------------------
+
+
+class _OursRow:
+    """Runs one of our rows through the public worker API (``build_worker`` + ``run``)."""
+
+    def __init__(self, row: RowSpec, cfg: E2EBenchConfig):
+        from ..worker import build_worker
+
+        self.row, self.cfg = row, cfg
+        self.worker = build_worker(
+            model=cfg.model, grammar_backend=row.lib, draft=None if row.speculation == "none" else cfg.draft,
+            num_draft_tokens=cfg.num_draft_tokens, no_spec=row.speculation == "none", device="cpu")
+        self._fresh = None
+        if row.lib is not None:
+            from ..registry import get_backend
+
+            # timed compiles go to a backend without compile cache; the worker's own backend
+            # then compiles once, untimed, so generation never includes a compile
+            self._fresh = get_backend(row.lib, self.worker.tokenizer, vocab_size=self.worker.runner.vocab_size,
+                                      compile_cache_size=0)
+
+    def compile(self, p: E2EPrompt) -> float:
+        if self._fresh is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._fresh.compile(p.spec)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.worker.backend.compile(p.spec)
+        return ms
+
+    def generate(self, p: E2EPrompt, max_new_tokens: int) -> dict[str, Any]:
+        from ..worker import Request
+        from ..worker.sampling import SamplingParams
+
+        req = Request(prompt=list(p.prompt_ids), grammar=p.spec if self.row.constrained else None,
+                      sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+        first: list[float] = []
+
+        def on_step(_stats: Any, states: Any) -> None:
+            if not first and (states[0].output_ids or states[0].finished):
+                first.append(time.perf_counter())
+
+        t0 = time.perf_counter()
+        [res] = self.worker.run([req], on_step=on_step)
+        wall = time.perf_counter() - t0
+        if res.finish_reason == "error":
+            raise RuntimeError(res.error or "the worker reported an error")
+        finish = {"grammar": "complete", "stop": "complete", "length": "length"}[res.finish_reason]
+        return {"token_ids": list(res.token_ids), "wall_s": wall, "forwards": res.steps,
+                "ttft_s": (first[0] - t0) if first else None, "finish": finish}
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+
+def _validate(text: str, schema: Any) -> tuple[bool, str | None]:
+    """(valid, reason) of ``text`` as a JSON document under ``schema`` (Draft 2020-12)."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        return False, f"not JSON: {e.msg} at {e.pos}"
+    err = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(doc))
+    return (err is None), (None if err is None else err.message[:200])
+
+
+def explain_divergence(model: Any, tokenizer: Any, compiled_xgr: Any, prompt_ids: list[int],
+                       ref: list[int], other: list[int], stop_id: int) -> dict[str, Any]:
+    """Why two greedy outputs differ: at the first differing position, the target's logits
+    (one plain HF forward over prompt + common prefix, float32) and the reference grammar's
+    mask (xgrammar, fed the prefix).
+
+    Returns ``{"pos", "ref_token", "token", "ref_allowed", "token_allowed", "logit_gap",
+    "cause"}``; ``logit_gap`` = logit(ref_token) - logit(token); ``cause`` is ``mask`` when
+    the reference mask forbids the other token (the libraries' masks differ), ``near-tie``
+    when ``|gap| < 0.01`` (float noise decides between two almost equal logits), else
+    ``other``. A missing token past the end of an output is the stop token.
+    """
+    import xgrammar as xgr
+
+    pos = 0
+    while pos < min(len(ref), len(other)) and ref[pos] == other[pos]:
+        pos += 1
+    a = ref[pos] if pos < len(ref) else stop_id
+    b = other[pos] if pos < len(other) else stop_id
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ref[:pos]])).logits[0, -1].float()
+    matcher = xgr.GrammarMatcher(compiled_xgr)
+    for t in ref[:pos]:
+        matcher.accept_token(t)
+    mask = xgr.allocate_token_bitmask(1, logits.shape[0])
+    matcher.fill_next_token_bitmask(mask)
+    bits = mask[0]
+
+    def allowed(t: int) -> bool:
+        return bool((int(bits[t // 32]) >> (t % 32)) & 1) if t < logits.shape[0] else False
+
+    gap = float(logits[a] - logits[b]) if max(a, b) < logits.shape[0] else float("nan")
+    cause = "mask" if not (allowed(a) and allowed(b)) else ("near-tie" if abs(gap) < 0.01 else "other")
+    return {"pos": pos, "ref_token": tokenizer.decode([a]), "token": tokenizer.decode([b]),
+            "ref_allowed": allowed(a), "token_allowed": allowed(b), "logit_gap": gap, "cause": cause}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def _select_backends(cfg: E2EBenchConfig) -> tuple[list[str], list[dict[str, Any]]]:
+    from ..registry import list_backends
+
+    infos = list_backends()
+    available = [i.name for i in infos if i.error is None]
+    wanted = cfg.backends or available
+    unknown = [n for n in wanted if n not in available]
+    if unknown:
+        raise ValueError(f"unknown or unusable backend(s) {unknown}; available: {available}")
+    return wanted, [{"name": i.name, "version": i.version, "error": i.error} for i in infos]
+
+
+def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the whole benchmark; returns the JSON-serializable result (``kind: "e2e"``; see
+    :mod:`.e2e_report`). Raises ``ValueError`` for an unknown backend or HF processor."""
+    import importlib.metadata
+
+    import transformers
+
+    from ..models import load_model, load_tokenizer
+
+    warnings.simplefilter("ignore")
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    backends, listing = _select_backends(cfg)
+    bad = [p for p in cfg.hf_processors if p not in ("xgrammar", "llguidance")]
+    if bad:
+        raise ValueError(f"unknown HF grammar processor(s) {bad}: use xgrammar, llguidance")
+    model, tok = load_model(cfg.model), load_tokenizer(cfg.model)
+    model.eval()
+    prompts = load_prompts(cfg, tok)
+    rows = row_specs(cfg, backends)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    load0 = list(os.getloadavg())
+    runners: dict[str, Any] = {}
+    samples: list[dict[str, Any]] = []
+    try:
+        ours_stop: list[int] | None = None
+        for r in rows:
+            if r.family == "ours":
+                runners[r.id] = _OursRow(r, cfg)
+                if ours_stop is None and runners[r.id].worker.backend is not None:
+                    ours_stop = sorted(runners[r.id].worker.stop_token_ids)
+        stop_ids = ours_stop or [int(tok.eos_token_id)]
+        for r in rows:
+            if r.family == "hf":
+                runners[r.id] = _HFRow(r, cfg, model, tok, stop_ids)
+        total = len(prompts) * len(rows)
+        if cfg.warmup and prompts:
+            for i, r in enumerate(rows):
+                try:
+                    runners[r.id].compile(prompts[0])
+                    runners[r.id].generate(prompts[0], min(4, cfg.max_new_tokens))
+                except Exception:  # the timed run records the failure
+                    pass
+                if progress:
+                    progress("warm-up", i + 1, len(rows))
+        done = 0
+        for p in prompts:
+            for r in rows:
+                samples.append(_one(runners[r.id], r, p, cfg, tok))
+                done += 1
+                if progress:
+                    progress("generate", done, total)
+    finally:
+        for run in runners.values():
+            if isinstance(run, _OursRow):
+                run.close()
+    ref = runners.get(REFERENCE_ROW)
+    if isinstance(ref, _HFRow):
+        _compare(samples, prompts, rows, model, tok, ref, stop_ids, progress)
+    result = {
+        "kind": RESULT_KIND,
+        "config": cfg.model_dump(),
+        "meta": {
+            "started": started,
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "xgrammar": importlib.metadata.version("xgrammar"),
+            "llguidance": importlib.metadata.version("llguidance"),
+            "loadavg_start": load0,
+            "loadavg_end": list(os.getloadavg()),
+            "vocab_size": int(model.config.vocab_size),
+            "stop_token_ids": stop_ids,
+        },
+        "backends": listing,
+        "prompts": [{"name": p.name, "source": p.source, "prompt_tokens": len(p.prompt_ids)} for p in prompts],
+        "rows": [r.__dict__ | {"constrained": r.constrained} for r in rows],
+        "samples": samples,
+    }
+    result["summary"] = summarize_rows(result)
+    return result
+
+
+def _one(runner: Any, row: RowSpec, p: E2EPrompt, cfg: E2EBenchConfig, tok: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {"row": row.id, "prompt": p.name, "source": p.source, "status": "ok", "error": None}
+    try:
+        rec["compile_ms"] = runner.compile(p) if row.constrained else None
+    except Exception as e:
+        return rec | {"status": "compile_error", "error": _error_text(e)}
+    try:
+        out = runner.generate(p, cfg.max_new_tokens)
+    except Exception as e:
+        return rec | {"status": "error", "error": _error_text(e)}
+    text = tok.decode(out["token_ids"], skip_special_tokens=True)
+    rec |= out | {"tokens": len(out["token_ids"]), "text": text}
+    if out["finish"] == "complete":
+        rec["valid"], rec["invalid_reason"] = _validate(text, p.schema)
+    else:
+        rec["valid"], rec["invalid_reason"] = None, None
+    return rec
+
+
+def _error_text(e: BaseException) -> str:
+    """``Type: message`` plus where it was raised (a bare ``assert`` has no message)."""
+    frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    where = ""
+    if frame is not None:
+        parts = frame.filename.split(os.sep)
+        short = os.sep.join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else parts[-1]
+        where = f" at {short}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
+    return (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:240] + where
+
+
+def _compare(samples: list[dict[str, Any]], prompts: list[E2EPrompt], rows: list[RowSpec], model: Any,
+             tok: Any, ref: _HFRow, stop_ids: list[int], progress: Progress | None) -> None:
+    """Add ``identical`` (token-identical to the reference row) and, where not, ``divergence``."""
+    by = {(s["row"], s["prompt"]): s for s in samples}
+    todo = [(r, p) for p in prompts for r in rows if r.constrained and r.id != REFERENCE_ROW]
+    for i, (r, p) in enumerate(todo):
+        s, base = by[(r.id, p.name)], by[(REFERENCE_ROW, p.name)]
+        if s["status"] == "ok" and base["status"] == "ok":
+            s["identical"] = s["token_ids"] == base["token_ids"]
+            if not s["identical"] and p.name in ref.compiled:
+                s["divergence"] = explain_divergence(model, tok, ref.compiled[p.name], p.prompt_ids,
+                                                     base["token_ids"], s["token_ids"], stop_ids[0])
+        if progress:
+            progress("compare", i + 1, len(todo))
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per row: prompts, errors (with counts per message), tokens, tokens/s (sum of tokens over
+    sum of wall seconds), accept length (tokens per target forward), completed / valid / cut,
+    median compile ms and TTFT ms, and the identical fraction vs :data:`REFERENCE_ROW`."""
+    out = []
+    for row in res["rows"]:
+        mine = [s for s in res["samples"] if s["row"] == row["id"]]
+        ok = [s for s in mine if s["status"] == "ok"]
+        errors: dict[str, int] = {}
+        for s in mine:
+            if s["status"] != "ok":
+                errors[s["error"]] = errors.get(s["error"], 0) + 1
+        tokens = sum(s["tokens"] for s in ok)
+        wall = sum(s["wall_s"] for s in ok)
+        fwd = sum(s["forwards"] for s in ok)
+        completed = [s for s in ok if s["finish"] == "complete"]
+        compared = [s for s in mine if "identical" in s]
+        causes: dict[str, int] = {}
+        for s in compared:
+            if "divergence" in s:
+                c = s["divergence"]["cause"]
+                causes[c] = causes.get(c, 0) + 1
+        out.append({
+            "row": row["id"],
+            "label": row["label"],
+            "prompts": len(mine),
+            "ok": len(ok),
+            "errors": sum(errors.values()),
+            "error_counts": errors,
+            "tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else None,
+            "forwards": fwd,
+            "accept_length": tokens / fwd if fwd else None,
+            "completed": len(completed),
+            "valid": sum(bool(s["valid"]) for s in completed),
+            "cut": sum(s["finish"] == "length" for s in ok),
+            "compile_ms_median": _median([s["compile_ms"] for s in mine if s.get("compile_ms") is not None]),
+            "ttft_ms_median": _median([1e3 * s["ttft_s"] for s in ok if s.get("ttft_s") is not None]),
+            "compared": len(compared),
+            "identical": sum(s["identical"] for s in compared),
+            "divergence_causes": causes,
+        })
+    return out

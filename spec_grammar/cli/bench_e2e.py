@@ -1,0 +1,96 @@
+"""``spec-grammar bench e2e``: end to end, ours against HF ``generate`` + a grammar processor
+(registered into :data:`spec_grammar.cli.bench.BENCHMARKS`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .bench import _csv
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def register_e2e(sub) -> None:
+    """Add the ``e2e`` parser to the ``bench`` subparsers."""
+    p = sub.add_parser(
+        "e2e",
+        help="end to end on a real model: ours (spec / no spec / unconstrained) vs HF generate + grammar processor",
+        description="Writes e2e.json, e2e.md and PNG plots into --out. Greedy, CPU, the same prompts for every row.",
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 schema + 1 BFCL case, 8 new tokens, xgrammar")
+    p.add_argument("--backends", type=_csv, default=None, help="our backends, comma list (default: every registered one)")
+    p.add_argument("--max-new-tokens", type=_positive, default=None, help="token limit per output (default 128)")
+    p.add_argument("--schemas", type=int, default=None, help="JSONSchemaBench schemas (default 12, spread over subsets)")
+    p.add_argument("--bfcl", type=int, default=None, help="BFCL tool-call cases (default 8)")
+    p.add_argument("--hf-processors", type=_csv, default=None, help="xgrammar,llguidance (default both)")
+    p.add_argument("--hf-speculation", type=_csv, default=None,
+                   help="HF rows: none,prompt_lookup,assistant (default all three)")
+    p.add_argument("--model", default=None, help="model name or path (default smollm2)")
+    p.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--docs", default=None, help="also regenerate this Markdown page from --out (e.g. docs/benchmarks.md)")
+    p.set_defaults(func=_run_e2e)
+
+
+def _run_e2e(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..bench.e2e import E2EBenchConfig, run_e2e
+    from ..bench.e2e_report import goal_ratios, write_e2e_report
+    from ..bench.report import write_docs
+
+    overrides = dict(backends=args.backends, max_new_tokens=args.max_new_tokens, jsb_cases=args.schemas,
+                     bfcl_cases=args.bfcl, hf_processors=args.hf_processors, hf_speculation=args.hf_speculation,
+                     model=args.model, torch_threads=args.threads)
+    bad = [s for s in args.hf_speculation or [] if s not in ("none", "prompt_lookup", "assistant")]
+    if bad:
+        raise ValueError(f"unknown --hf-speculation {bad}: use none, prompt_lookup, assistant")
+    if args.quick:
+        cfg = E2EBenchConfig.quick(**overrides)
+    else:
+        cfg = E2EBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    console = Console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        tasks: dict[str, int] = {}
+
+        def report(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = progress.add_task(stage, total=total)
+            progress.update(tasks[stage], completed=done, total=total)
+
+        res = run_e2e(cfg, report)
+    paths = write_e2e_report(res, args.out)
+    if args.docs:
+        paths["docs"] = write_docs([args.out], args.docs, replot=False)
+    _print_summary(console, res, goal_ratios(res))
+    for kind, path in paths.items():
+        console.print(f"{kind}: {path}")
+    return 0
+
+
+def _print_summary(console, res, goals) -> None:
+    from rich.table import Table
+
+    table = Table(title="end to end (sums over prompts)")
+    for col in ("row", "tokens/s", "accept length", "valid / completed", "cut", "failed", "same as HF + xgrammar"):
+        table.add_column(col)
+    for s in res["summary"]:
+        table.add_row(s["label"], f"{s['tokens_per_s']:.2f}" if s["tokens_per_s"] else "–",
+                      f"{s['accept_length']:.2f}" if s["accept_length"] else "–", f"{s['valid']}/{s['completed']}",
+                      str(s["cut"]), f"{s['errors']}/{s['prompts']}",
+                      f"{s['identical']}/{s['compared']}" if s["compared"] else "–")
+    console.print(table)
+    for g in goals:
+        vs_hf = f"{g['vs_hf']:.2f}x" if g["vs_hf"] else "–"
+        vs_free = f"{g['vs_unconstrained']:.2f}x" if g["vs_unconstrained"] else "–"
+        console.print(f"{g['row']}: {vs_hf} HF + xgrammar, {vs_free} unconstrained spec")
