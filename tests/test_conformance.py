@@ -52,22 +52,10 @@ def test_toy_tokenizer_bytes_in_every_library():
 
 
 # -- every registered backend passes ---------------------------------------------------------
-# Known adapter bugs the suite found, listed so CI stays green while they are open; strict, so
-# a fix turns the entry into a failure that asks for its removal.
-KNOWN_FAILURES = {
-    ("xgrammar", "toy_root_token_ignored"): (
-        "spec_grammar_xgrammar._fill_tree_bitmask treats a root whose token is a stop id as "
-        "terminated (`not self.is_stop_token(toks[p])` also for p == 0): every child is marked invalid"
-    ),
-}
-
-
 def _conformance_params():
     for backend in AVAILABLE:
         for prop in SUITE_PROPERTIES:
-            reason = KNOWN_FAILURES.get((backend, prop))
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            yield pytest.param(backend, prop, marks=marks, id=f"{backend}-{prop}")
+            yield pytest.param(backend, prop, id=f"{backend}-{prop}")
 
 
 @pytest.mark.parametrize("backend,prop", list(_conformance_params()))
@@ -104,7 +92,6 @@ def test_every_bug_has_a_catching_property():
 
 def test_broken_adapter_without_bugs_passes_toy_suite():
     results = run_conformance(broken_adapter.BrokenBackend, fixtures=["toy"])
-    results = [r for r in results if ("xgrammar", r.name) not in KNOWN_FAILURES]
     assert all(r.status == "PASS" for r in results), [r.detail for r in results if r.status != "PASS"]
 
 
@@ -120,7 +107,11 @@ def test_suite_catches_bug(bug):
 
 @pytest.mark.parametrize(
     "bug,prop",
-    [("tree_stale_rows", "smollm2_random_tree_rows"), ("validate_mutates", "smollm2_random_split_validate")],
+    [
+        ("tree_stale_rows", "smollm2_random_tree_rows"),
+        ("validate_mutates", "smollm2_random_split_validate"),
+        ("refused_partial", "smollm2_random_rollback_fork"),
+    ],
 )
 def test_random_properties_catch_bug_on_real_tokenizer(bug, prop):
     (result,) = run_conformance(broken_adapter.backend_with(bug), names=[prop])
@@ -130,7 +121,7 @@ def test_random_properties_catch_bug_on_real_tokenizer(bug, prop):
 # -- runners: CLI and pytest plugin ------------------------------------------------------------
 def test_cli_passes_on_xgrammar_quick(capsys):
     pytest.importorskip("xgrammar")
-    names = [p.name for p in select_properties(["toy"]) if ("xgrammar", p.name) not in KNOWN_FAILURES]
+    names = [p.name for p in select_properties(["toy"])]
     args = ["conformance", "--backend", "xgrammar", "--quick", "--json"]
     assert main(args + [a for n in names for a in ("--property", n)]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -187,5 +178,5 @@ def test_json_suite_differences(capsys):
 @pytest.mark.parametrize("backend", AVAILABLE)
 def test_backend_conforms_long_mode(backend):
     results = run_conformance(resolve_factory(backend), slow=True)
-    bad = [r for r in results if r.status in ("FAIL", "ERROR") and (backend, r.name) not in KNOWN_FAILURES]
+    bad = [r for r in results if r.status in ("FAIL", "ERROR")]
     assert not bad, "\n\n".join(r.detail for r in bad)

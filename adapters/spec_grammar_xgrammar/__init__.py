@@ -84,7 +84,7 @@ class XGrammarMatcher(SpecGrammar):
         for i in range(1, n):
             p = parents[i]
             t = toks[i]
-            ok = valid[p] and not self.is_stop_token(toks[p]) and (int(words[p, t >> 5]) >> (t & 31)) & 1
+            ok = valid[p] and (p == 0 or not self.is_stop_token(toks[p])) and (int(words[p, t >> 5]) >> (t & 31)) & 1
             valid[i] = bool(ok)
             if not ok or self.is_stop_token(t):
                 words[i] = 0

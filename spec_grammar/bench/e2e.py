@@ -170,21 +170,37 @@ class LLGuidanceLogitsProcessor:
     ``llguidance.torch`` but no processor; this is the one a user writes from them).
 
     Unlike xgrammar's, it does not assume one new token per call: it keeps the tokens it has
-    consumed and, on each call, rolls back to the common prefix with ``input_ids`` and
-    consumes the rest, so it also follows HF's assisted generation (which calls processors on
-    candidate prefixes). One sequence only (batch 1). ``scores`` (1, V) float32 -> masked in
-    place (-inf where the grammar forbids the token).
+    consumed and, on each call, goes back to the common prefix with ``input_ids`` and consumes
+    the rest, so it also follows HF's assisted generation (which calls processors on candidate
+    prefixes, candidates the grammar may forbid). Going back uses ``rollback`` unless the
+    matcher had stopped in between: llguidance 1.9.1 rolled back from a stop accepts tokens
+    the grammar forbids (seen here: ``{"a": 1}`` + EOS, ``rollback(1)``, then ``}`` is
+    accepted), so it replays from a fresh copy instead. Forbidden candidates are not consumed
+    (``try_consume_tokens``; the position is rejected by the verifier anyway). One sequence
+    (batch 1). ``scores`` (1, V) float32 is masked in place (-inf where forbidden).
     """
 
     def __init__(self, ll_tokenizer: Any, grammar: str, prompt_len: int):
         import llguidance
 
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(self.matcher.get_error())
+        self._prototype = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        if self._prototype.is_error():
+            raise ValueError(self._prototype.get_error())
+        self.matcher = self._prototype.deep_copy()
         self.prompt_len = prompt_len
         self.consumed: list[int] = []
+        self.stop_len: int | None = None  # len(consumed) when the matcher first stopped
         self.vocab = ll_tokenizer.vocab_size
+
+    def _consume(self, tokens: list[int]) -> bool:
+        """Consume the grammar-valid prefix of ``tokens``; False if one was refused."""
+        for tok in tokens:
+            if self.matcher.try_consume_tokens([tok]) != 1:
+                return False
+            self.consumed.append(tok)
+            if self.stop_len is None and self.matcher.is_stopped():
+                self.stop_len = len(self.consumed)
+        return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
@@ -196,12 +212,13 @@ class LLGuidanceLogitsProcessor:
         while common < min(len(new), len(self.consumed)) and new[common] == self.consumed[common]:
             common += 1
         if common < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - common)
-            del self.consumed[common:]
-        for tok in new[common:]:
-            if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"llguidance refused token {tok}: {self.matcher.get_error()}")
-            self.consumed.append(tok)
+            if self.stop_len is None:
+                self.matcher.rollback(len(self.consumed) - common)
+                del self.consumed[common:]
+            else:
+                self.matcher, self.consumed, self.stop_len = self._prototype.deep_copy(), [], None
+                self._consume(new[:common])
+        self._consume(new[len(self.consumed):])
         mask = allocate_token_bitmask(1, self.vocab)
         fill_next_token_bitmask(self.matcher, mask)
         apply_token_bitmask_inplace(scores, mask.to(scores.device))
@@ -384,10 +401,17 @@ def explain_divergence(model: Any, tokenizer: Any, compiled_xgr: Any, prompt_ids
     mask (xgrammar, fed the prefix).
 
     Returns ``{"pos", "ref_token", "token", "ref_allowed", "token_allowed", "logit_gap",
-    "cause"}``; ``logit_gap`` = logit(ref_token) - logit(token); ``cause`` is ``mask`` when
-    the reference mask forbids the other token (the libraries' masks differ), ``near-tie``
-    when ``|gap| < 0.01`` (float noise decides between two almost equal logits), else
-    ``other``. A missing token past the end of an output is the stop token.
+    "cause"}``; ``logit_gap`` = logit(ref_token) - logit(token); ``cause``:
+
+    - ``mask-ref``: the reference mask forbids the other row's token;
+    - ``near-tie``: both allowed and ``|gap| < 0.01`` (float noise picks between two almost
+      equal logits);
+    - ``mask-row``: both allowed by the reference and the reference token scores clearly
+      higher, so a greedy row passed it over only because its own mask forbade it;
+    - ``other``: anything else (the other token scores clearly higher yet the reference,
+      greedy, did not pick it).
+
+    A missing token past the end of an output is the stop token ``stop_id``.
     """
     import xgrammar as xgr
 
@@ -409,7 +433,12 @@ def explain_divergence(model: Any, tokenizer: Any, compiled_xgr: Any, prompt_ids
         return bool((int(bits[t // 32]) >> (t % 32)) & 1) if t < logits.shape[0] else False
 
     gap = float(logits[a] - logits[b]) if max(a, b) < logits.shape[0] else float("nan")
-    cause = "mask" if not (allowed(a) and allowed(b)) else ("near-tie" if abs(gap) < 0.01 else "other")
+    if not allowed(b):
+        cause = "mask-ref"
+    elif abs(gap) < 0.01:
+        cause = "near-tie"
+    else:
+        cause = "mask-row" if gap > 0 else "other"
     return {"pos": pos, "ref_token": tokenizer.decode([a]), "token": tokenizer.decode([b]),
             "ref_allowed": allowed(a), "token_allowed": allowed(b), "logit_gap": gap, "cause": cause}
 

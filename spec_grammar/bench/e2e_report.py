@@ -23,11 +23,14 @@ PLOTS = (("e2e_tokens_per_s.png", "tokens/s per row"), ("e2e_accept_length.png",
          ("e2e_outcomes.png", "outcome of every generation per row"))
 _CAUSES = {
     "near-tie": "the two tokens' logits are within 0.01 of each other at the first difference: float "
-                "noise of a different kernel/shape (a tree-attention verify forward vs HF's one-token "
+                "noise of a different kernel or shape (a tree-attention verify forward vs HF's one-token "
                 "decode) decides the argmax",
-    "mask": "the reference grammar (xgrammar) forbids one of the two tokens there: the libraries' masks "
-            "differ (e.g. number or string spellings, whitespace, key order rules)",
-    "other": "neither a near tie nor a mask difference: worth a look (see the token pair)",
+    "mask-ref": "the reference grammar (xgrammar) forbids the row's token there: the row's mask let "
+                "through a token xgrammar does not",
+    "mask-row": "xgrammar allows both tokens and the reference token has the clearly higher logit, so the "
+                "row's own mask must have forbidden it: the libraries' masks differ (token spellings such "
+                "as ` {` vs ` {\"`, whitespace, number forms)",
+    "other": "the row's token has the clearly higher logit yet the reference did not pick it: worth a look",
 }
 
 

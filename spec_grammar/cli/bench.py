@@ -114,8 +114,11 @@ def _run_report(args) -> int:
 
 
 from .bench_e2e import register_e2e  # noqa: E402  (it reuses this module's helpers)
+from .bench_gpu import register_gpu  # noqa: E402
 
-BENCHMARKS: dict[str, Callable] = {"masks": _register_masks, "e2e": register_e2e, "report": _register_report}
+BENCHMARKS: dict[str, Callable] = {
+    "masks": _register_masks, "e2e": register_e2e, "gpu": register_gpu, "report": _register_report
+}
 """Subcommand name -> ``register(subparsers)``; a new benchmark adds itself here."""
 
 

@@ -28,9 +28,19 @@ from ..specs import JsonSchema
 from .core import ConformanceFailure, Session, conformance_property
 from .known_differences import known_unsound
 
-__all__ = ["Case", "suite_cases", "acceptance", "compare_backends", "format_table", "jsonschema_valid", "unsound_cases"]
+__all__ = [
+    "Case",
+    "closed_schema",
+    "suite_cases",
+    "acceptance",
+    "compare_backends",
+    "format_table",
+    "jsonschema_valid",
+    "unsound_cases",
+]
 
 Outcome = Literal["accept", "reject", "unsupported"]
+
 
 def closed_schema(schema: Any) -> bool:
     """True when no part of ``schema`` admits an arbitrary JSON value (every subschema has a
@@ -100,7 +110,7 @@ def jsonschema_valid(case: Case) -> bool:
     where ``jsonschema`` cannot evaluate the schema (Python's ``re`` lacks ``\\p{...}``)."""
     try:
         return jsonschema.Draft202012Validator(case.schema).is_valid(case.data)
-    except Exception:
+    except Exception:  # jsonschema raises re.error, RefResolutionError, ... on what it cannot run
         return case.valid
 
 

@@ -116,6 +116,7 @@ def _settings(session: Session, fixture: str) -> Callable:
         phases=[Phase.explicit, Phase.generate] + ([Phase.shrink] if session.slow else []),
         suppress_health_check=list(HealthCheck),
         print_blob=False,
+        report_multiple_bugs=False,
     )
 
     def apply(fn: Callable) -> Callable:
@@ -287,13 +288,30 @@ def random_rollback_fork(session: Session, fixture: str) -> None:
 
         allowed, done = oracle.state(short)
         if not done:
-            bad = _draw_token(data, oracle, frozenset(), invalid_rate=10)
+            near = _near_misses(oracle, allowed)
+            if near and data.draw(st.booleans()):
+                bad = data.draw(st.sampled_from(near))
+            else:
+                bad = _draw_token(data, oracle, frozenset(), invalid_rate=10)
             if 0 <= bad < backend.vocab_size and bad not in allowed:
                 check(not m.accept_token(bad), "a refused token is refused", oracle.describe(short) + f", token {bad}",
                       False, True)
                 _same_as(m, oracle, short, f"after the refused token {bad}")
 
     run()
+
+
+def _near_misses(oracle: Oracle, allowed: frozenset[int], limit: int = 256) -> list[int]:
+    """Refused tokens whose first byte is a legal next byte (a partial accept would show)."""
+    table = oracle.info.token_bytes
+    firsts = {table[t][:1] for t in allowed if table[t]}
+    out = []
+    for t, raw in enumerate(table):
+        if raw[:1] in firsts and t not in allowed and t not in oracle.info.special_token_ids:
+            out.append(t)
+            if len(out) == limit:
+                break
+    return out
 
 
 def _draw_walk_from(data: Any, oracle: Oracle, start: list[int], max_len: int) -> list[int]:

@@ -38,6 +38,7 @@ from ..protocol import GrammarBackend
 from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter, make_drafter
 from .request import Request, RequestResult, RequestState, StepStats
+from .batch_verify import batch_greedy_eligible, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
@@ -304,6 +305,7 @@ class SpecWorker:
             st.grammar_ms += ms
             st.grammar_exposed_ms += ms * frac
         self._apply_errors(work, draining, t3)
+        verified = self._verify_batch(live, trees, logits, work)
         committed = 0
         for i, (st, tree) in enumerate(zip(live, trees)):
             st.steps += 1
@@ -312,7 +314,7 @@ class SpecWorker:
                 self._release(st)
                 continue
             try:
-                committed += self._accept(st, tree, logits[i, : tree.num_nodes], work)
+                committed += self._accept(st, tree, logits[i, : tree.num_nodes], work, verified.get(i))
             except SpecGrammarError as e:  # e.g. a matcher left with no allowed token
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
@@ -334,21 +336,54 @@ class SpecWorker:
             if st.rid in work.errors:
                 st.finish("error", st.end_s or now, work.errors[st.rid])
 
-    def _accept(self, st: RequestState, tree: DraftTree, logits: torch.Tensor, work: _GrammarWork) -> int:
-        """Mask, verify, truncate and commit one request; returns the tokens committed."""
+    def _verify_batch(
+        self, live: Sequence[RequestState], trees: Sequence[DraftTree], logits: torch.Tensor, work: _GrammarWork
+    ) -> dict:
+        """Greedy verification of every eligible request at once (one non-blocking mask upload,
+        masked argmax on the forward's stream, one read-back; :mod:`.batch_verify`)."""
+        selected = [
+            i for i, st in enumerate(live) if st.rid not in work.errors and batch_greedy_eligible(st.sampling)
+        ]
+        return verify_greedy_batch(
+            logits,
+            trees,
+            selected,
+            bitmask=work.bitmask,
+            offsets=[work.offsets.get(st.rid) for st in live],
+            valids=[work.valid.get(st.rid) for st in live],
+            stop_token_ids=[
+                () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids for st in live
+            ],
+        )
+
+    def _accept(
+        self,
+        st: RequestState,
+        tree: DraftTree,
+        logits: torch.Tensor,
+        work: _GrammarWork,
+        verified: Any = None,
+    ) -> int:
+        """Mask, verify, truncate and commit one request; returns the tokens committed.
+        ``verified``: this request's result from :meth:`_verify_batch`, if it took part."""
         params = st.sampling
+        if isinstance(verified, SpecGrammarError):
+            raise verified
         bitmask = valid = None
-        if st.matcher is not None:
+        if verified is None and st.matcher is not None:
             off = work.offsets[st.rid]
             bitmask = work.bitmask[off : off + tree.num_nodes]
             if logits.device.type != "cpu":
                 bitmask = bitmask.to(logits.device, non_blocking=True)
             valid = work.valid[st.rid]
-        processed = process_tree_logits(
-            logits, tree, st.committed_ids, params, bitmask=bitmask, prompt_len=len(st.prompt_ids)
-        )
         stops = () if params.ignore_eos and st.matcher is None else self.stop_token_ids
-        nodes, bonus = verify(processed, tree, params, st.generator, valid, stop_token_ids=stops)
+        if verified is not None:
+            nodes, bonus = verified
+        else:
+            processed = process_tree_logits(
+                logits, tree, st.committed_ids, params, bitmask=bitmask, prompt_len=len(st.prompt_ids)
+            )
+            nodes, bonus = verify(processed, tree, params, st.generator, valid, stop_token_ids=stops)
         run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
         now = time.perf_counter()
         kept = 0

@@ -25,7 +25,7 @@ from ..errors import BitmaskError, GrammarStateError
 from ..tree import DraftTree
 from .sampling import SamplingParams
 
-__all__ = ["verify", "verify_greedy", "verify_stochastic", "token_logprobs"]
+__all__ = ["verify", "verify_greedy", "verify_stochastic", "token_logprobs", "greedy_walk"]
 
 
 def _check(processed: torch.Tensor, tree: DraftTree, valid: torch.Tensor | None) -> list[bool]:
@@ -76,14 +76,36 @@ def verify_greedy(
     best = processed.argmax(dim=-1)
     alive_t = torch.isfinite(processed.amax(dim=-1)).to(best.dtype)
     best_list, alive = torch.stack([best, alive_t]).tolist()
-    vocab = processed.shape[1]
+    return greedy_walk(tree, best_list, alive, ok, processed.shape[1], stop_token_ids)
+
+
+def greedy_walk(
+    tree: DraftTree,
+    best: list[int],
+    alive: list[bool] | list[int],
+    ok: list[bool],
+    vocab: int,
+    stop_token_ids: Collection[int] = (),
+) -> tuple[list[int], int]:
+    """The host half of greedy verification: walk ``tree`` from the root following the child
+    whose token is ``best[node]`` (the row's argmax).
+
+    Args:
+        best: per node, the argmax token of its processed row.
+        alive: per node, whether its processed row allows any token.
+        ok: per node, grammar validity (``valid``; all True without a grammar).
+        vocab: the logits width (draft tokens outside ``[0, vocab)`` are never followed).
+
+    Returns ``(accepted nodes root first, bonus token)``; raises :class:`GrammarStateError`
+    when the root row allows no token.
+    """
     stops = set(stop_token_ids)
     if not alive[0]:
         raise _dead_root(0)
     accepted = [0]
     node = 0
     while True:
-        target = best_list[node]
+        target = best[node]
         nxt = next((c for c in _candidates(tree, node, ok, vocab) if tree.token_list[c] == target), None)
         if nxt is None or target in stops or not alive[nxt]:
             return accepted, target

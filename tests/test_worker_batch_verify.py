@@ -1,0 +1,93 @@
+"""Batched greedy verification (one mask upload, one read-back) against the per-request oracle
+``process_tree_logits`` + ``verify_greedy``, on random trees, logits and grammar rows that
+include invalid nodes, fully masked (terminated) rows, stop tokens and mixed batches."""
+
+import random
+
+import pytest
+import torch
+
+from spec_grammar.bitmask import allocate_token_bitmask
+from spec_grammar.errors import GrammarStateError
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker.batch_verify import batch_greedy_eligible, verify_greedy_batch
+from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
+from spec_grammar.worker.verify import verify_greedy
+
+VOCAB = 70  # not a multiple of 32: the last mask word is partial
+
+
+def _random_tree(rng: random.Random, n: int) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    # a small token range makes the argmax often match a child, so walks go deep
+    tokens = [rng.randrange(8)] + [rng.randrange(8) for _ in range(n - 1)]
+    return DraftTree(tokens, parents)
+
+
+def _random_rows(rng: random.Random, n: int, dead_root: bool) -> torch.Tensor:
+    mask = allocate_token_bitmask(n, VOCAB)
+    for r in range(n):
+        allowed = [t for t in range(VOCAB) if rng.random() < 0.5 or t < 4]
+        if rng.random() < 0.15 or (r == 0 and dead_root):
+            allowed = []  # a terminated node: its row allows nothing
+        mask[r] = 0
+        for t in allowed:
+            mask[r, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -(1 << 31)
+    return mask
+
+
+def _oracle(logits, tree, bitmask, valid, stops):
+    processed = process_tree_logits(logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=bitmask)
+    try:
+        return verify_greedy(processed, tree, valid, stop_token_ids=stops)
+    except GrammarStateError as e:
+        return type(e)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_equals_per_request_oracle(seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    b = rng.randint(1, 5)
+    trees = [_random_tree(rng, rng.randint(1, 9)) for _ in range(b)]
+    n_max = max(t.num_nodes for t in trees)
+    # low-resolution logits: ties are frequent, so first-index tie-breaking is exercised
+    logits = torch.randint(-3, 4, (b, n_max, VOCAB)).float()
+    grammar = [rng.random() < 0.7 for _ in range(b)]
+    selected = [i for i in range(b) if rng.random() < 0.8]
+    stops = [frozenset({rng.randrange(8)}) for _ in range(b)]
+    parts, offsets, valids, rows = [], [], [], 0
+    for i, tree in enumerate(trees):
+        if grammar[i]:
+            part = _random_rows(rng, tree.num_nodes, dead_root=rng.random() < 0.1)
+            parts.append(part)
+            offsets.append(rows)
+            valids.append(torch.tensor([rng.random() < 0.8 for _ in range(tree.num_nodes)]))
+            rows += tree.num_nodes
+        else:
+            offsets.append(None)
+            valids.append(None)
+    bitmask = torch.cat(parts) if parts else None
+    got = verify_greedy_batch(
+        logits, trees, selected, bitmask=bitmask, offsets=offsets, valids=valids, stop_token_ids=stops
+    )
+    assert sorted(got) == selected
+    for i in selected:
+        tree = trees[i]
+        rows_i = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + tree.num_nodes]
+        want = _oracle(logits[i, : tree.num_nodes], tree, rows_i, valids[i], stops[i])
+        have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
+        assert have == want, (i, tree, have, want)
+
+
+def test_eligibility():
+    assert batch_greedy_eligible(SamplingParams())
+    for change in (
+        dict(temperature=0.7),
+        dict(repetition_penalty=1.1),
+        dict(frequency_penalty=0.5),
+        dict(presence_penalty=0.5),
+        dict(logit_bias={3: 1.0}),
+        dict(logprobs=True),
+    ):
+        assert not batch_greedy_eligible(SamplingParams(**change)), change
