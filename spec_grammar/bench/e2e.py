@@ -79,6 +79,7 @@ class E2EBenchConfig(BaseModel):
     model: str = "smollm2"
     jsb_cases: int = Field(12, description="JSONSchemaBench schemas (round-robin over subsets)")
     bfcl_cases: int = 8
+    shortest_prompts: bool = Field(False, description="take each source's shortest prompts instead of a spread")
     max_new_tokens: int = 128
     backends: list[str] | None = Field(None, description="our backends (None: every registered one)")
     hf_processors: list[str] = ["xgrammar", "llguidance"]
@@ -89,12 +90,15 @@ class E2EBenchConfig(BaseModel):
     assistant_layers: int = 8
     nospec_backend: str = "xgrammar"
     warmup: bool = True
-    torch_threads: int | None = None
+    torch_threads: int | None = Field(
+        1, description="torch intra-op threads (None: torch's default). 1 by default: on a shared 2-core machine "
+        "2 threads made a 62-token forward 17x slower (0.6 s -> 10 s, OpenMP threads waiting on each other)")
 
     @classmethod
     def quick(cls, **overrides: Any) -> "E2EBenchConfig":
-        """A smoke run: 1 schema + 1 BFCL case, 8 new tokens, xgrammar only."""
-        base = dict(jsb_cases=1, bfcl_cases=1, max_new_tokens=8, backends=["xgrammar"], warmup=False)
+        """A smoke run: the shortest schema + BFCL prompt, 8 new tokens, xgrammar only."""
+        base = dict(jsb_cases=1, bfcl_cases=1, shortest_prompts=True, max_new_tokens=8, backends=["xgrammar"],
+                    warmup=False)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -130,18 +134,22 @@ class RowSpec:
 
 def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
     """The fixed prompt sample: the first ``jsb_cases`` JSONSchemaBench cases (round-robin
-    over subsets) and the first ``bfcl_cases`` BFCL cases with their user question."""
+    over subsets) and the first ``bfcl_cases`` BFCL cases with their user question; with
+    ``shortest_prompts``, each source's shortest prompts instead (for smoke runs)."""
     from ..worker import build_prompt, schema_prompt
 
-    cases = load_cases(max(cfg.jsb_cases, cfg.bfcl_cases, 1))
+    cases = load_cases(None if cfg.shortest_prompts else max(cfg.jsb_cases, cfg.bfcl_cases, 1))
     questions = {f"bfcl/{c['id']}": c["messages"][0][-1]["content"] for c in bfcl_cases()}
-    jsb = [c for c in cases if c.source == "jsonschemabench"][: cfg.jsb_cases]
-    bfcl = [c for c in cases if c.source == "bfcl"][: cfg.bfcl_cases]
     out = []
-    for c in jsb + bfcl:
-        task = questions.get(c.name, _JSB_TASK)
-        ids = build_prompt(tokenizer, schema_prompt(c.spec, task))
-        out.append(E2EPrompt(c.name, c.source, c.spec, c.schema, ids))
+    for source, count in (("jsonschemabench", cfg.jsb_cases), ("bfcl", cfg.bfcl_cases)):
+        mine = []
+        for c in cases:
+            if c.source == source:
+                ids = build_prompt(tokenizer, schema_prompt(c.spec, questions.get(c.name, _JSB_TASK)))
+                mine.append(E2EPrompt(c.name, c.source, c.spec, c.schema, ids))
+        if cfg.shortest_prompts:
+            mine.sort(key=lambda p: len(p.prompt_ids))
+        out += mine[:count]
     return out
 
 
@@ -305,7 +313,14 @@ class _HFRow:
         elif self.row.speculation == "assistant":
             extra["assistant_model"] = self.assistant
         forwards = [0]
-        hook = self.model.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
+        target = self.model
+
+        def count(module: Any, *_: Any) -> None:
+            # the assistant is a shallow copy of the target and shares its hook dict
+            if module is target:
+                forwards[0] += 1
+
+        hook = self.model.register_forward_hook(count)
         streamer = _FirstToken()
         try:
             t0 = time.perf_counter()
@@ -465,7 +480,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
 
     import transformers
 
-    from ..models import load_model, load_tokenizer
+    from ..models import load_tokenizer
 
     warnings.simplefilter("ignore")
     if cfg.torch_threads:
@@ -474,8 +489,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
     bad = [p for p in cfg.hf_processors if p not in ("xgrammar", "llguidance")]
     if bad:
         raise ValueError(f"unknown HF grammar processor(s) {bad}: use xgrammar, llguidance")
-    model, tok = load_model(cfg.model), load_tokenizer(cfg.model)
-    model.eval()
+    tok = load_tokenizer(cfg.model)
     prompts = load_prompts(cfg, tok)
     rows = row_specs(cfg, backends)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -487,6 +501,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
         for r in rows:
             if r.family == "ours":
                 runners[r.id] = _OursRow(r, cfg)
+                model = runners[r.id].worker.runner.model  # the one model every row uses
                 if ours_stop is None and runners[r.id].worker.backend is not None:
                     ours_stop = sorted(runners[r.id].worker.stop_token_ids)
         stop_ids = ours_stop or [int(tok.eos_token_id)]
@@ -598,7 +613,8 @@ def _median(xs: list[float]) -> float | None:
 
 def summarize_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Per row: prompts, errors (with counts per message), tokens, tokens/s (sum of tokens over
-    sum of wall seconds), accept length (tokens per target forward), completed / valid / cut,
+    sum of wall seconds), decode tokens/s (tokens after the first over the seconds after the
+    first token, i.e. without prefill), accept length (tokens per target forward), completed / valid / cut,
     median compile ms and TTFT ms, and the identical fraction vs :data:`REFERENCE_ROW`."""
     out = []
     for row in res["rows"]:
@@ -610,6 +626,8 @@ def summarize_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
                 errors[s["error"]] = errors.get(s["error"], 0) + 1
         tokens = sum(s["tokens"] for s in ok)
         wall = sum(s["wall_s"] for s in ok)
+        timed = [s for s in ok if s.get("ttft_s") is not None and s["tokens"] > 1]
+        decode_wall = sum(s["wall_s"] - s["ttft_s"] for s in timed)
         fwd = sum(s["forwards"] for s in ok)
         completed = [s for s in ok if s["finish"] == "complete"]
         compared = [s for s in mine if "identical" in s]
@@ -628,6 +646,7 @@ def summarize_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             "tokens": tokens,
             "wall_s": wall,
             "tokens_per_s": tokens / wall if wall > 0 else None,
+            "decode_tokens_per_s": sum(s["tokens"] - 1 for s in timed) / decode_wall if decode_wall > 0 else None,
             "forwards": fwd,
             "accept_length": tokens / fwd if fwd else None,
             "completed": len(completed),

@@ -314,9 +314,10 @@ def _run_mode(runner: Any, tokenizer: Any, backend: Any, drafter: ReplayDrafter,
 
 def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
                   on_partial: Callable[[dict], None] | None = None) -> dict:
-    """Run every configuration of ``cfg`` (models outermost) until ``cfg.budget_s``; returns the
-    result dict :func:`write_gpu_report` writes. Raises ``RuntimeError`` when ``cfg.device`` is
-    CUDA but no GPU is visible."""
+    """Run every configuration of ``cfg`` until ``cfg.budget_s``; returns the result dict
+    :func:`write_gpu_report` writes. All models stay loaded and the loop is case-major (case,
+    model, batch, nodes), so a cut-off run still covers every model and batch size. Raises
+    ``RuntimeError`` when ``cfg.device`` is CUDA but no GPU is visible."""
     from ..models import load_tokenizer
     from ..registry import get_backend
     from ..worker.runner import ModelRunner
@@ -327,23 +328,22 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
     dtype = getattr(torch, cfg.dtype)
     t_start = time.perf_counter()
     tokenizer = load_tokenizer("smollm2")
+    stop = tokenizer.eos_token_id
+    bw = _copy_bandwidth(device) / 1e9 if device.type == "cuda" else None
     res: dict[str, Any] = dict(
         config=cfg.model_dump(),
         env=dict(
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            torch=torch.__version__, python=platform.python_version(),
+            torch=torch.__version__, python=platform.python_version(), copy_bandwidth_gbs=bw,
         ),
         rows=[], forward=[], problems=[], skipped=[],
     )
-    res["env"]["copy_bandwidth_gbs"] = _copy_bandwidth(device) / 1e9 if device.type == "cuda" else None
+    setups = []
     for shape in cfg.models:
         model = build_model(shape, device, dtype)
         runner = ModelRunner(model)
         backend = get_backend(cfg.backend, tokenizer, vocab_size=runner.vocab_size)
-        stop = tokenizer.eos_token_id
-        docs = _documents(cfg, tokenizer, backend, stop)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        bw = res["env"]["copy_bandwidth_gbs"]
         for n in (1, *cfg.nodes):
             ms = _forward_ms(runner, n, cfg.prompt_tokens, device)
             res["forward"].append(dict(
@@ -351,8 +351,13 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
                 weight_read_ms=weight_bytes / (bw * 1e9) * 1e3 if bw else None,
             ))
             progress(f"{shape}: verify forward batch 1, {n} nodes: {ms:.2f} ms")
-        prompt = [(1000 + 37 * i) % 40000 + 10 for i in range(cfg.prompt_tokens)]
-        for doc in docs:
+        setups.append((shape, model, runner, backend))
+    # the documents depend on the tokenizer only: the first backend checks them
+    docs = _documents(cfg, tokenizer, setups[0][3], stop)
+    prompt = [(1000 + 37 * i) % 40000 + 10 for i in range(cfg.prompt_tokens)]
+    warm: set[tuple] = set()
+    for doc in docs:
+        for shape, model, runner, backend in setups:
             agree = _Agreement(model, cfg.prompt_tokens, doc["ids"], device)
             wrong = _wrong_tokens(doc["ids"], frozenset(backend.tokenizer_info.stop_token_ids))
             try:
@@ -365,10 +370,11 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
                         for mode in MODES:
                             drafter = ReplayDrafter(doc["ids"], num_draft_tokens=n, chain_depth=cfg.chain_depth,
                                                     accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
-                            kw = dict(overlap=mode == "overlap", grammar=mode != "plain")
-                            if mode == MODES[0]:  # warm-up: allocator, Triton and grammar caches
+                            if (shape, batch, n) not in warm:  # allocator, Triton and grammar caches
+                                warm.add((shape, batch, n))
                                 _run_mode(runner, tokenizer, backend, drafter, doc, batch, prompt, True, True)
-                            r = _run_mode(runner, tokenizer, backend, drafter, doc, batch, prompt, **kw)
+                            r = _run_mode(runner, tokenizer, backend, drafter, doc, batch, prompt,
+                                          overlap=mode == "overlap", grammar=mode != "plain")
                             if r.pop("mismatched"):
                                 res["problems"].append(f"{shape} {doc['name']} B={batch} N={n} {mode}: output != document")
                             row[mode] = r
@@ -384,9 +390,6 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
                             on_partial(res)
             finally:
                 agree.remove()
-        del runner, model, backend
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     res["wall_s"] = time.perf_counter() - t_start
     return res
 

@@ -35,7 +35,7 @@ def register_e2e(sub) -> None:
     p.add_argument("--hf-speculation", type=_csv, default=None,
                    help="HF rows: none,prompt_lookup,assistant (default all three)")
     p.add_argument("--model", default=None, help="model name or path (default smollm2)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (default 1)")
     p.add_argument("--docs", default=None, help="also regenerate this Markdown page from --out (e.g. docs/benchmarks.md)")
     p.set_defaults(func=_run_e2e)
 
@@ -91,6 +91,6 @@ def _print_summary(console, res, goals) -> None:
                       f"{s['identical']}/{s['compared']}" if s["compared"] else "–")
     console.print(table)
     for g in goals:
-        vs_hf = f"{g['vs_hf']:.2f}x" if g["vs_hf"] else "–"
-        vs_free = f"{g['vs_unconstrained']:.2f}x" if g["vs_unconstrained"] else "–"
-        console.print(f"{g['row']}: {vs_hf} HF + xgrammar, {vs_free} unconstrained spec")
+        x = {k: f"{v:.2f}x" if v else "–" for k, v in g.items() if k.startswith("vs_")}
+        console.print(f"{g['row']}: {x['vs_hf']} HF + xgrammar ({x['vs_hf_decode']} decode only), "
+                      f"{x['vs_unconstrained']} unconstrained spec ({x['vs_unconstrained_decode']} decode only)")

@@ -36,14 +36,19 @@ from ..bitmask import allocate_token_bitmask
 from ..errors import SpecGrammarError
 from ..protocol import GrammarBackend
 from ..tree import DraftTree
-from .drafters import Drafter, NoDrafter, make_drafter
+from .drafters import Drafter, NoDrafter
+from .drafters.constrained import make_grammar_drafter
 from .request import Request, RequestResult, RequestState, StepStats
 from .batch_verify import batch_greedy_eligible, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
 
-__all__ = ["SpecWorker", "cut_tree_depth"]
+__all__ = ["SpecWorker", "cut_tree_depth", "DEFAULT_FORCED_TOKENS"]
+
+DEFAULT_FORCED_TOKENS = False
+"""Whether grammar-forced tokens extend the drafts by default (chosen by
+``benchmarks/bench_drafting.py``)."""
 
 
 def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -90,6 +95,12 @@ class SpecWorker:
             n-gram drafter uses ``num_draft_tokens``, the node cap root included).
         no_spec: plain constrained decoding (root-only trees) through the same code path.
         overlap: run the grammar work in a worker thread under the verify forward.
+        constrain_draft: grammar-constrained drafting: only legal tokens enter the tree and
+            the rows computed while drafting are reused for verification
+            (:mod:`~spec_grammar.worker.drafters.constrained`); ``draft="grammar"`` drafts
+            forced tokens alone.
+        forced_tokens: extend draft branches with grammar-forced tokens
+            (:mod:`~spec_grammar.worker.drafters.forced`).
         device: where the target runs (default: the model's device).
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
@@ -108,6 +119,8 @@ class SpecWorker:
         no_spec: bool = False,
         overlap: bool = True,
         device: Any = None,
+        constrain_draft: bool = False,
+        forced_tokens: bool = DEFAULT_FORCED_TOKENS,
     ):
         self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model, device=device)
         self.tokenizer = tokenizer
@@ -124,8 +137,10 @@ class SpecWorker:
         self.drafter = (
             NoDrafter()
             if no_spec
-            else make_drafter(
+            else make_grammar_drafter(
                 draft,
+                constrain_draft=constrain_draft,
+                forced_tokens=forced_tokens,
                 target_model=self.runner.model,
                 device=self.runner.device,
                 topk=topk,
@@ -198,7 +213,7 @@ class SpecWorker:
             ts = time.perf_counter()
             self._advance(st, work)
             work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
-        jobs, owners, rows = [], [], 0
+        jobs, owners, reused, rows = [], [], [], 0
         for st, tree in zip(live, trees):
             if st.matcher is None:
                 continue
@@ -210,13 +225,22 @@ class SpecWorker:
             if st.matcher.is_terminated():
                 work.errors[st.rid] = "the grammar terminated without a stop token being committed"
                 continue
-            jobs.append((st.matcher, tree, rows))
-            owners.append(st)
+            drafted = self._drafted_rows(st, tree)
+            if drafted is not None:
+                reused.append((st, rows, drafted))
+            else:
+                jobs.append((st.matcher, tree, rows))
+                owners.append(st)
             work.offsets[st.rid] = rows
             rows += tree.num_nodes
-        if jobs:
+        if rows:
             pin = self.runner.device.type == "cuda"
             work.bitmask = allocate_token_bitmask(rows, self.backend.vocab_size, pin_memory=pin)
+            # rows the grammar-aware drafter computed while drafting are the verification rows
+            for st, off, (drafted_rows, valid) in reused:
+                work.bitmask[off : off + drafted_rows.shape[0]] = drafted_rows
+                work.valid[st.rid] = valid
+        if jobs:
             tf = time.perf_counter()
             valids = self.backend.fill_tree_bitmasks(jobs, work.bitmask)
             fill_ms = (time.perf_counter() - tf) * 1e3
@@ -226,6 +250,33 @@ class SpecWorker:
                 work.per_request_ms[st.rid] += fill_ms * tree.num_nodes / rows
         work.ms = (time.perf_counter() - t0) * 1e3
         return work
+
+    def _advance_before_draft(
+        self, live: Sequence[RequestState], draining: Sequence[RequestState]
+    ) -> list[RequestState]:
+        """Feed every matcher the previous step's committed tokens BEFORE drafting (a
+        grammar-aware drafter drafts from the matcher's current state), instead of under the
+        verify forward; the time counts as exposed grammar time. Returns the live requests
+        still running (a refused token ends its request with an error)."""
+        work = _GrammarWork()
+        for st in list(draining) + list(live):
+            if st.matcher is None:
+                continue
+            ts = time.perf_counter()
+            self._advance(st, work)
+            ms = (time.perf_counter() - ts) * 1e3
+            st.grammar_ms += ms
+            st.grammar_exposed_ms += ms
+        now = time.perf_counter()
+        self._apply_errors(work, draining, now)
+        kept = []
+        for st in live:
+            if st.rid in work.errors:
+                st.finish("error", now, work.errors[st.rid])
+                self._release(st)
+            else:
+                kept.append(st)
+        return kept
 
     @staticmethod
     def _advance(st: RequestState, work: _GrammarWork) -> bool:
@@ -241,6 +292,11 @@ class SpecWorker:
             )
             return False
         return True
+
+    def _drafted_rows(self, st: RequestState, tree: DraftTree):
+        """``(rows, valid)`` of ``tree`` kept by a grammar-aware drafter, or None."""
+        get = getattr(self.drafter, "draft_rows", None)
+        return None if get is None else get(st.rid, tree)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(
@@ -282,6 +338,15 @@ class SpecWorker:
 
     def _step(self, live: list[RequestState], draining: list[RequestState]) -> StepStats:
         t0 = time.perf_counter()
+        if getattr(self.drafter, "needs_grammar_state", False):
+            live = self._advance_before_draft(live, draining)
+            draining = []
+            if not live:
+                return StepStats(
+                    batch_size=0, num_nodes=0, draft_ms=(time.perf_counter() - t0) * 1e3,
+                    verify_forward_ms=0.0, grammar_ms=0.0, grammar_exposed_ms=0.0, sample_ms=0.0,
+                    committed_tokens=0,
+                )
         trees = self.drafter.propose(live)
         trees = [
             cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1) for s, t in zip(live, trees)

@@ -41,6 +41,15 @@ __all__ = ["ModelRunner", "RunnerError"]
 _KV_ALIGN = 8
 
 
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor -> ``device`` without blocking the host: on CUDA through page-locked memory
+    with ``non_blocking=True`` (a copy from pageable memory synchronizes the stream, which would
+    wait for every queued kernel, e.g. the verify forward before the grammar work could start)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class RunnerError(SpecGrammarError, ValueError):
     """Misuse of a :class:`ModelRunner`: unknown or duplicate request id, ``commit`` without a
     pending forward, accepted nodes that are not a root path of the verified tree, bad ids."""
@@ -275,7 +284,7 @@ class ModelRunner:
             self._pending[rids[i]] = (start, trees[i])
         inverse = torch.empty(b, dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(b)
-        return logits[inverse.to(self.device)] if order != list(range(b)) else logits
+        return logits[_upload(inverse, self.device)] if order != list(range(b)) else logits
 
     def commit(self, rid: str, accepted_nodes: Sequence[int]) -> None:
         """Keep the KV of ``accepted_nodes`` (root first: ``[0, a1, .., ak]``, each the parent of
@@ -302,7 +311,7 @@ class ModelRunner:
     def _flush_moves(self) -> None:
         """Apply the KV moves of every commit since the last forward, all requests at once."""
         if self._moves:
-            moves = torch.tensor(self._moves, dtype=torch.long).to(self.device)
+            moves = _upload(torch.tensor(self._moves, dtype=torch.long), self.device)
             self._store.move_positions(moves[:, 0], moves[:, 1], moves[:, 2])
             self._moves.clear()
 
@@ -338,14 +347,14 @@ class ModelRunner:
         if rows == list(range(rows[0], rows[0] + b)):
             sel: slice | torch.Tensor = slice(rows[0], rows[0] + b)
         else:
-            sel = torch.tensor(rows, dtype=torch.long, device=self.device)
+            sel = _upload(torch.tensor(rows, dtype=torch.long), self.device)
 
         dev = self.device
-        lens_d = lens.to(dev)
-        positions = lens_d[:, None] + depth.to(dev)
+        lens_d = _upload(lens, dev)
+        positions = lens_d[:, None] + _upload(depth, dev)
         allowed = torch.zeros(b, n, kv_len, dtype=torch.bool, device=dev)
         allowed[:, :, :start] = (torch.arange(start, device=dev)[None] < lens_d[:, None])[:, None, :]
-        allowed[:, :, start : start + n] = anc.to(dev)
+        allowed[:, :, start : start + n] = _upload(anc, dev)
         mask = self._additive(allowed)
         if self._window is not None:
             key_pos = torch.zeros(b, kv_len, dtype=torch.long, device=dev)
@@ -363,7 +372,7 @@ class ModelRunner:
         cache = _BatchCache(self._store, sel, start, n, kv_len)
         with torch.inference_mode():
             out = self.model(
-                input_ids=tokens.to(dev),
+                input_ids=_upload(tokens, dev),
                 attention_mask=mask,
                 position_ids=positions,
                 use_cache=True,

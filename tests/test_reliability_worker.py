@@ -1,0 +1,221 @@
+"""Faults inside the speculative worker, on the real SmolLM2 (float64, so argmax near-ties
+cannot flip between batch shapes) with fault-injecting subclasses of the real xgrammar backend.
+
+A fault (an exception in a grammar fill or accept, a compile that never finishes, a request
+cancelled mid-step) ends the affected request with its error; every other request of the batch
+produces exactly the tokens of a run without the faulty request (their KV cache and matcher
+state were untouched). Plus the CLI: one clear line and a non-zero exit for bad input, and a
+``--batch-file`` whose bad lines are marked while the others complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+
+import pytest
+import torch
+
+from spec_grammar import JsonSchema, Regex
+from spec_grammar.cli import main as cli_main
+from spec_grammar.worker import Request, SpecWorker, build_prompt
+from spec_grammar.worker.sampling import SamplingParams
+from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 14
+FILL_FAULT = Regex(r"[a-z]+( [a-z]+)*")  # its matchers raise in the 3rd tree fill
+ACCEPT_FAULT = Regex(r"[A-Z][a-z]+( [a-z]+)*")  # its matchers raise on the 4th accepted token
+BLOCKED = Regex(r"(north|south|east|west)")  # its compile never finishes
+GOOD = [
+    ("Name three colours as a JSON list.", JsonSchema({"type": "array", "items": {"type": "string"}, "maxItems": 3})),
+    ("What is 2+2? Answer with a number.", Regex(r"[0-9]+")),
+    ("Say hello.", None),
+]
+
+
+class FaultyMatcher(XGrammarMatcher):
+    """A real xgrammar matcher that raises after a number of fills / accepts."""
+
+    def __init__(self, backend, matcher, *, fail_fill_at=None, fail_accept_at=None):
+        super().__init__(backend, matcher)
+        self.fills = 0
+        self.fail_fill_at, self.fail_accept_at = fail_fill_at, fail_accept_at
+
+    def _fill_tree_bitmask(self, tree, bitmask, row_offset):
+        self.fills += 1
+        if self.fills == self.fail_fill_at:
+            raise RuntimeError("injected fault in fill_tree_bitmask")
+        return super()._fill_tree_bitmask(tree, bitmask, row_offset)
+
+    def _accept_token(self, token):
+        if self.fail_accept_at is not None and self.num_accepted + 1 == self.fail_accept_at:
+            raise RuntimeError("injected fault in accept_token")
+        return super()._accept_token(token)
+
+
+class FaultyBackend(XGrammarBackend):
+    """xgrammar with faults for the specs above; ``on_fill`` runs inside every tree fill (on the
+    grammar thread, under the verify forward when the worker overlaps)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+        self.on_fill = None
+
+    def _compile(self, spec):
+        if spec == BLOCKED:
+            self.release.wait(60)
+        return super()._compile(spec)
+
+    def _matcher(self, compiled):
+        m = super()._matcher(compiled)
+        if compiled.spec == FILL_FAULT:
+            return FaultyMatcher(self, m._m, fail_fill_at=3)
+        if compiled.spec == ACCEPT_FAULT:
+            return FaultyMatcher(self, m._m, fail_accept_at=4)
+        return m
+
+    def fill_tree_bitmasks(self, jobs, bitmask):
+        if self.on_fill is not None:
+            self.on_fill()
+        return super().fill_tree_bitmasks(jobs, bitmask)
+
+
+@functools.cache
+def model_and_tokenizer():
+    from spec_grammar.models import load_model, load_tokenizer
+
+    return load_model("smollm2", dtype=torch.float64), load_tokenizer("smollm2")
+
+
+def make_worker(overlap: bool = True) -> SpecWorker:
+    model, tok = model_and_tokenizer()
+    backend = FaultyBackend(tok, vocab_size=model.config.vocab_size, compile_timeout_s=0.5)
+    return SpecWorker(model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap)
+
+
+def request(text: str, grammar, rid: str) -> Request:
+    _, tok = model_and_tokenizer()
+    return Request(build_prompt(tok, text), grammar, SamplingParams(max_new_tokens=MAX_NEW), rid=rid)
+
+
+def good_requests() -> list[Request]:
+    return [request(text, g, f"good-{i}") for i, (text, g) in enumerate(GOOD)]
+
+
+@functools.cache
+def reference() -> dict[str, tuple[list[int], str]]:
+    """Outputs of the good requests alone."""
+    with make_worker() as w:
+        return {r.rid: (r.token_ids, r.finish_reason) for r in w.run(good_requests())}
+
+
+def check_good(results) -> None:
+    ref = reference()
+    got = {r.rid: (r.token_ids, r.finish_reason) for r in results if r.rid.startswith("good-")}
+    assert got == ref
+    assert all(r.error is None for r in results if r.rid.startswith("good-"))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grammar_exceptions_end_only_their_request(overlap):
+    reqs = good_requests()
+    reqs.insert(1, request("Describe the sea in lower case.", FILL_FAULT, "fill-fault"))
+    reqs.insert(3, request("Describe a cat.", ACCEPT_FAULT, "accept-fault"))
+    with make_worker(overlap) as w:
+        results = w.run(reqs)
+    by = {r.rid: r for r in results}
+    for rid, what in (("fill-fault", "fill_tree_bitmask"), ("accept-fault", "accept_token")):
+        r = by[rid]
+        assert r.finish_reason == "error", (rid, r)
+        assert f"RuntimeError: injected fault in {what}" in r.error
+    assert by["fill-fault"].steps >= 2  # it failed mid-run, not at the start
+    check_good(results)
+
+
+def test_compile_that_never_finishes_ends_only_its_request():
+    reqs = good_requests()
+    reqs.insert(0, request("Pick a direction.", BLOCKED, "blocked"))
+    w = make_worker()
+    try:
+        results = w.run(reqs)
+    finally:
+        w.backend.release.set()
+        w.close()
+    r = results[0]
+    assert r.finish_reason == "error" and r.token_ids == []
+    assert r.error == "[xgrammar] regex compile did not finish within compile_timeout_s=0.5"
+    check_good(results)
+
+
+def test_cancel_mid_step():
+    reqs = good_requests()
+    reqs.insert(2, request("Write a long story about a dragon.", None, "cancelled"))
+    with make_worker() as w:
+        calls = []
+
+        def cancel_in_third_fill():  # runs inside the step, while the verify forward runs
+            calls.append(1)
+            if len(calls) == 3:
+                w.cancel("cancelled")
+
+        w.backend.on_fill = cancel_in_third_fill
+        results = w.run(reqs)
+        with pytest.raises(KeyError, match="no running request 'nope'"):
+            w.cancel("nope")
+    r = next(r for r in results if r.rid == "cancelled")
+    assert r.finish_reason == "cancelled" and r.error == "cancelled by the caller"
+    assert 0 < r.num_tokens < MAX_NEW and r.steps == 3
+    check_good(results)
+    assert not w.runner.request_ids  # every KV slot was freed
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+def run_cli(capsys, *argv):
+    code = cli_main(["generate", "--max-new-tokens", "6", "--draft", "none", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_bad_input_is_one_line(capsys, tmp_path):
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{"type": "object",')
+    bad_schema = tmp_path / "schema.json"
+    bad_schema.write_text('{"type": "strnig"}')
+    cases = [
+        (["--grammar-backend", "nope", "hi"], 2, "spec-grammar generate: error: unknown grammar backend 'nope'; registered: "),
+        (["--json-schema", str(tmp_path / "missing.json"), "hi"], 2, "spec-grammar generate: error: JSON schema file not found: "),
+        (["--json-schema", str(bad_json), "hi"], 2, f"spec-grammar generate: error: JSON schema file {bad_json} is not valid JSON: "),
+        (["--json-schema", str(bad_schema), "hi"], 1, "error: [xgrammar] invalid JSON Schema at type: 'strnig' is not valid"),
+        (["--regex", "(unclosed", "hi"], 1, "error: [xgrammar] regex failed to compile: "),
+    ]
+    for argv, code, line in cases:
+        got, out, err = run_cli(capsys, *argv)
+        lines = [x for x in err.splitlines() if x.startswith(("error:", "spec-grammar"))]
+        assert got == code and len(lines) == 1 and lines[0].startswith(line), (argv, got, err)
+
+
+def test_cli_batch_file_marks_failed_lines(capsys, tmp_path):
+    lines = [
+        {"prompt": "Say yes or no.", "regex": "(yes|no)"},
+        "this line is not JSON",
+        {"prompt": "An object.", "json_schema": {"type": "object", "properties": {"a": {"type": "nope"}}}},
+        {"prompt": "Count to three.", "regex": "(one|two|three)( (one|two|three))*"},
+        {"prompt": "Bad regex.", "regex": "[z-a]"},
+        {"no_prompt": True},
+    ]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines))
+    code, out, _ = run_cli(capsys, "--batch-file", str(batch), "--json")
+    results = json.loads(out)["results"]
+    assert code == 1 and len(results) == 6
+    reasons = [r["finish_reason"] for r in results]
+    assert [x == "error" for x in reasons] == [False, True, True, False, True, True]
+    assert results[1]["error"].startswith(f"{batch}:2: ")
+    assert "invalid JSON Schema at properties/a/type" in results[2]["error"]
+    assert results[4]["error"].startswith("[xgrammar] regex failed to compile")
+    assert results[5]["error"] == f"{batch}:6: each line needs a string field 'prompt'"
+    assert results[0]["text"] in ("yes", "no") or results[0]["finish_reason"] == "length"
