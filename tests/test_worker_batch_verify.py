@@ -91,3 +91,39 @@ def test_eligibility():
         dict(logprobs=True),
     ):
         assert not batch_greedy_eligible(SamplingParams(**change)), change
+
+
+@pytest.fixture(scope="module")
+def tiny_worker_setup():
+    from spec_grammar.bench.gpu import build_model
+    from spec_grammar.datasets import jsonschemabench_sample
+    from spec_grammar.models import load_tokenizer
+    from spec_grammar.registry import get_backend
+
+    torch.manual_seed(0)
+    model = build_model("tiny", "cpu", torch.float32)
+    tok = load_tokenizer("smollm2")
+    backend = get_backend("xgrammar", tok, vocab_size=model.config.vocab_size)
+    return model, tok, backend, [r["schema"] for r in jsonschemabench_sample()[:3]]
+
+
+def _generate(setup, overlap: bool, bias: dict):
+    from spec_grammar.specs import JsonSchema
+    from spec_grammar.worker.engine import SpecWorker
+    from spec_grammar.worker.request import Request
+
+    model, tok, backend, schemas = setup
+    params = SamplingParams(max_new_tokens=24, logit_bias=bias)
+    reqs = [Request(f"JSON {i}:", JsonSchema(s), params, rid=f"r{i}") for i, s in enumerate(schemas)]
+    reqs.append(Request("Text:", None, SamplingParams(max_new_tokens=12, ignore_eos=True, logit_bias=bias), rid="p"))
+    with SpecWorker(model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap) as w:
+        return [(r.token_ids, r.finish_reason) for r in w.run(reqs)]
+
+
+def test_worker_batched_path_equals_per_request_path(tiny_worker_setup):
+    """A zero logit bias changes no logit but routes requests through the per-request path:
+    batched (overlap on and off) and per-request outputs must be identical."""
+    batched = _generate(tiny_worker_setup, True, {})
+    assert batched == _generate(tiny_worker_setup, False, {})
+    assert batched == _generate(tiny_worker_setup, True, {0: 0.0})
+    assert all(reason in ("grammar", "length") for _, reason in batched)

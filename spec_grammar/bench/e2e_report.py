@@ -116,7 +116,9 @@ def render_e2e_markdown(res: dict[str, Any], image_dir: str | None = None) -> st
         f"row. Ours: drafter `{cfg['draft']}` ({cfg['num_draft_tokens']} nodes per tree). HF: prompt lookup "
         f"`prompt_lookup_num_tokens={cfg['prompt_lookup_num_tokens']}`; assistant = the target's first "
         f"{cfg['assistant_layers']} layers (shared weights), HF's default schedule. Method: "
-        "`spec_grammar/bench/e2e.py` (module docstring).",
+        "`spec_grammar/bench/e2e.py` (module docstring)."
+        + (f" Rows left out of this run (time): {', '.join(f'`{r}`' for r in cfg['skip_rows'])}."
+           if cfg.get("skip_rows") else ""),
         "",
     ]
     header = ["row", "tokens/s", "vs HF + xgrammar", "decode tokens/s", "decode vs HF + xgrammar", "accept length", "completed", "valid / completed", "cut by limit",

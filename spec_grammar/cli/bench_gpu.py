@@ -23,6 +23,7 @@ def register_gpu(sub) -> None:
     p.add_argument("--accept-rate", type=float, default=None, help="drafter per-token accept rate (default 0.8)")
     p.add_argument("--budget", type=float, default=None, help="seconds after which no new configuration starts")
     p.add_argument("--device", default=None, help="torch device (default cuda)")
+    p.add_argument("--tokenizer", default=None, help="smollm2 (default) or a directory with its tokenizer.json")
     p.set_defaults(func=_run_gpu)
 
 
@@ -30,7 +31,8 @@ def _run_gpu(args) -> int:
     from ..bench.gpu import GpuBenchConfig, run_gpu_bench, write_gpu_report
 
     overrides = dict(models=args.models, batches=args.batches, nodes=args.nodes, cases=args.cases,
-                     accept_rate=args.accept_rate, budget_s=args.budget, device=args.device)
+                     accept_rate=args.accept_rate, budget_s=args.budget, device=args.device,
+                     tokenizer=args.tokenizer)
     if args.quick:
         cfg = GpuBenchConfig.quick(**overrides)
     else:

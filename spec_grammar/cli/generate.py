@@ -10,6 +10,7 @@ on bad arguments (missing files, unknown backend, unreadable schema).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -35,7 +36,12 @@ def register(sub) -> None:
     g.add_argument("--lark", metavar="FILE", help="Lark grammar file (start rule: start)")
     g.add_argument("--tools", metavar="FILE", help="OpenAI-style tool list (JSON); output = required tool calls")
     p.add_argument("--model", default="smollm2", help="smollm2, gemma3, a model directory or a .gguf file")
-    p.add_argument("--draft", default="ngram", help="ngram (default), self:L, model:PATH or none")
+    p.add_argument("--draft", default="ngram", help="ngram (default), self:L, model:PATH, grammar (forced tokens alone) or none")
+    p.add_argument("--constrain-draft", action="store_true", help="grammar-constrained drafting (legal tokens only; rows reused for verification)")
+    p.add_argument(
+        "--forced-tokens", action=argparse.BooleanOptionalAction, default=None,
+        help="extend drafts with grammar-forced tokens (default: the library's DEFAULT_FORCED_TOKENS)",
+    )
     p.add_argument("--topk", type=int, default=1, help="branches per draft step (model drafters)")
     p.add_argument("--num-steps", type=int, default=4, help="draft depth (model drafters)")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="draft tree size, root included")
@@ -181,6 +187,8 @@ def run(args) -> int:
         no_spec=args.no_spec,
         overlap=not args.no_overlap,
         device=args.device,
+        constrain_draft=args.constrain_draft,
+        **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
     )
     requests, slots = [], []
     for item in items:

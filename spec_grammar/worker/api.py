@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
 from .drafters import DEFAULT_DRAFT
-from .engine import SpecWorker
+from .engine import DEFAULT_FORCED_TOKENS, SpecWorker
 from .request import Request, RequestResult, StepStats
 from .sampling import SamplingParams
 
@@ -118,6 +118,8 @@ def build_worker(
     overlap: bool = True,
     device: str | torch.device | None = "auto",
     dtype: Any = None,
+    constrain_draft: bool = False,
+    forced_tokens: bool = DEFAULT_FORCED_TOKENS,
 ) -> SpecWorker:
     """A :class:`SpecWorker` over a model loaded by :func:`spec_grammar.models.load_model`
     (models and backends are cached per process). ``grammar_backend=None`` gives a worker for
@@ -138,6 +140,8 @@ def build_worker(
         no_spec=no_spec,
         overlap=overlap,
         device=dev,
+        constrain_draft=constrain_draft,
+        forced_tokens=forced_tokens,
     )
 
 
@@ -174,6 +178,8 @@ def generate(
     device: str | torch.device | None = "auto",
     dtype: Any = None,
     chat: bool = True,
+    constrain_draft: bool = False,
+    forced_tokens: bool = DEFAULT_FORCED_TOKENS,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
 
@@ -185,7 +191,9 @@ def generate(
             (or None) per prompt.
         model: ``smollm2``, ``gemma3``, a model directory or a ``.gguf`` file.
         grammar_backend: registered backend name or ``module:Class``.
-        draft: ``ngram`` (default), ``self:L``, ``model:PATH`` or ``none``.
+        draft: ``ngram`` (default), ``self:L``, ``model:PATH``, ``grammar`` (grammar-forced
+            tokens alone) or ``none``.
+        constrain_draft / forced_tokens: grammar-aware drafting (see :class:`SpecWorker`).
         topk / num_steps / num_draft_tokens: draft-tree shape (see :class:`SpecWorker`).
         temperature ... presence_penalty, ignore_eos: the
             :class:`~spec_grammar.worker.sampling.SamplingParams` of every prompt.
@@ -223,6 +231,8 @@ def generate(
         overlap=overlap,
         device=device,
         dtype=dtype,
+        constrain_draft=constrain_draft,
+        forced_tokens=forced_tokens,
     )
     requests = []
     for item, g in zip(items, grammars):

@@ -26,6 +26,7 @@ protocol.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -158,6 +159,36 @@ class SpecWorker:
         self.stop_token_ids = frozenset(int(t) for t in stops)
         self.step_stats: list[StepStats] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar") if overlap else None
+        self._cancel_lock = threading.Lock()
+        self._running: set[str] = set()
+        self._cancelled: set[str] = set()
+
+    def cancel(self, rid: str) -> None:
+        """Cancel the running request ``rid``; callable from any thread (an ``on_step``
+        callback, another thread, even while a step runs). The request ends after the current
+        step with ``finish_reason="cancelled"`` and the tokens committed so far; its KV cache
+        and matcher are released, the other requests go on untouched.
+
+        Raises ``KeyError`` when no request with that id is running.
+        """
+        with self._cancel_lock:
+            if rid not in self._running:
+                raise KeyError(f"no running request {rid!r}")
+            self._cancelled.add(rid)
+
+    def _drop_cancelled(self, live: list[RequestState]) -> list[RequestState]:
+        """``live`` without the requests cancelled so far (they are finished and released)."""
+        with self._cancel_lock:
+            hit, self._cancelled = self._cancelled, set()
+            self._running = {s.rid for s in live if s.rid not in hit}
+        if not hit:
+            return live
+        now = time.perf_counter()
+        for st in live:
+            if st.rid in hit:
+                st.finish("cancelled", now, "cancelled by the caller")
+                self._release(st)
+        return [s for s in live if s.rid not in hit]
 
     def close(self) -> None:
         """Stop the grammar thread."""
@@ -242,9 +273,14 @@ class SpecWorker:
                 work.valid[st.rid] = valid
         if jobs:
             tf = time.perf_counter()
-            valids = self.backend.fill_tree_bitmasks(jobs, work.bitmask)
+            try:
+                valids = self.backend.fill_tree_bitmasks(jobs, work.bitmask)
+            except Exception:  # find the failing request(s): fill each alone
+                valids = [self._fill_one(st, job, work) for st, job in zip(owners, jobs)]
             fill_ms = (time.perf_counter() - tf) * 1e3
             for st, (_, tree, _), valid in zip(owners, jobs, valids):
+                if valid is None:
+                    continue
                 work.valid[st.rid] = valid
                 # a batched fill is timed as a whole: charge it by node count
                 work.per_request_ms[st.rid] += fill_ms * tree.num_nodes / rows
@@ -284,7 +320,11 @@ class SpecWorker:
         if not st.pending:
             return True
         pending, st.pending = st.pending, []
-        n = st.matcher.accept_tokens(pending)
+        try:
+            n = st.matcher.accept_tokens(pending)
+        except Exception as e:  # a grammar fault ends this request only
+            work.errors[st.rid] = f"the grammar failed while accepting committed tokens: {type(e).__name__}: {e}"
+            return False
         if n != len(pending):
             work.errors[st.rid] = (
                 f"the grammar refused committed token {pending[n]} after {st.matcher.num_accepted} "
@@ -292,6 +332,16 @@ class SpecWorker:
             )
             return False
         return True
+
+    @staticmethod
+    def _fill_one(st: RequestState, job: tuple, work: _GrammarWork) -> torch.Tensor | None:
+        """One request's tree fill; None (and an error for that request) when it raises."""
+        matcher, tree, offset = job
+        try:
+            return matcher.fill_tree_bitmask(tree, work.bitmask, offset)
+        except Exception as e:
+            work.errors[st.rid] = f"the grammar failed while filling the tree bitmask: {type(e).__name__}: {e}"
+            return None
 
     def _drafted_rows(self, st: RequestState, tree: DraftTree):
         """``(rows, valid)`` of ``tree`` kept by a grammar-aware drafter, or None."""
@@ -316,8 +366,13 @@ class SpecWorker:
         states = [self._start(r, now) for r in requests]
         live = [s for s in states if not s.finished]
         draining: list[RequestState] = []
+        with self._cancel_lock:
+            self._running = {s.rid for s in live}
         try:
-            while live:
+            while True:
+                live = self._drop_cancelled(live)
+                if not live:
+                    break
                 stats = self._step(live, draining)
                 draining = [s for s in live if s.finished and s.matcher is not None and s.pending]
                 live = [s for s in live if not s.finished]
@@ -332,6 +387,8 @@ class SpecWorker:
                 st.grammar_exposed_ms += (time.perf_counter() - ts) * 1e3
             self._apply_errors(final, draining, time.perf_counter())
         finally:
+            with self._cancel_lock:
+                self._running, self._cancelled = set(), set()
             for st in live:
                 self._release(st)
         return [self._result(s) for s in states]

@@ -17,10 +17,11 @@ from ..specs import GrammarSpec
 
 __all__ = ["Request", "RequestState", "RequestResult", "StepStats", "FinishReason"]
 
-FinishReason = Literal["stop", "length", "grammar", "error"]
+FinishReason = Literal["stop", "length", "grammar", "error", "cancelled"]
 """Why a request ended: ``stop`` = EOS (no grammar) or a stop string; ``length`` =
 ``max_new_tokens``; ``grammar`` = the grammar accepted a stop token (the document is complete);
-``error`` = the grammar failed to compile or a matcher refused a committed token."""
+``error`` = the grammar failed to compile or a matcher refused a committed token;
+``cancelled`` = :meth:`SpecWorker.cancel` was called."""
 
 _ids = itertools.count()
 

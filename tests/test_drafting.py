@@ -1,0 +1,204 @@
+"""Grammar-aware drafting (constrained trees, forced tokens, row reuse) on the real SmolLM2
+(float64: near-tie argmax flips between batch shapes cannot happen) with real grammars.
+
+Oracles: a fresh ``fill_tree_bitmask`` of every drafted tree (row reuse), plain constrained
+decoding through the same worker (outputs must not change with the drafter), fresh-matcher
+replay of outputs, ``re.fullmatch``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+
+from spec_grammar import JsonSchema, Regex, ToolCalls, get_backend, list_backends
+from spec_grammar.bitmask import allocate_token_bitmask, unpack_bitmask
+from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
+from spec_grammar.worker import Request, SpecWorker, build_prompt, schema_prompt
+from spec_grammar.worker.drafters import NgramDrafter
+from spec_grammar.worker.drafters.constrained import GrammarAwareDrafter, current_matcher, make_grammar_drafter
+from spec_grammar.worker.drafters.vocab_map import DraftVocabError, check_draft_vocab, draft_vocab_bitmask
+from spec_grammar.worker.sampling import SamplingParams
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 24
+BACKENDS = [b.name for b in list_backends() if b.error is None]
+
+
+@functools.cache
+def model_and_tokenizer():
+    from spec_grammar.models import load_model, load_tokenizer
+
+    return load_model("smollm2", dtype=torch.float64), load_tokenizer("smollm2")
+
+
+@functools.cache
+def backend(name: str):
+    model, tok = model_and_tokenizer()
+    return get_backend(name, tok, vocab_size=model.config.vocab_size)
+
+
+@functools.cache
+def requests() -> list[Request]:
+    """Two BFCL tool cases (ToolCalls) and two JSONSchemaBench schemas, schema in the prompt."""
+    _, tok = model_and_tokenizer()
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    reqs = []
+    for case in bfcl_cases()[:2]:
+        spec = ToolCalls(case["tools"])
+        question = " ".join(m["content"] for m in case["messages"][0] if m.get("role") == "user")
+        reqs.append(Request(build_prompt(tok, schema_prompt(spec, question)), spec, params, rid=case["id"]))
+    by_id = {r["id"]: r for r in jsonschemabench_sample()}
+    for sid in ("o27841", "wp_69_Normalized"):
+        spec = JsonSchema(by_id[sid]["schema"])
+        reqs.append(Request(build_prompt(tok, schema_prompt(spec, "Give a short example.")), spec, params, rid=sid))
+    return reqs
+
+
+def run(name: str, reqs=None, **options):
+    model, tok = model_and_tokenizer()
+    with SpecWorker(model, tok, backend=backend(name), **options) as worker:
+        return worker.run(reqs or requests()), worker
+
+
+@functools.cache
+def reference(name: str):
+    return run(name, no_spec=True)[0]
+
+
+class CheckedDrafter(GrammarAwareDrafter):
+    """Compares every drafted tree's kept rows with a fresh ``fill_tree_bitmask``."""
+
+    checked = 0
+
+    def propose(self, batch):
+        trees = super().propose(batch)
+        for s, tree in zip(batch, trees):
+            m = current_matcher(s)
+            if m is None:
+                continue
+            rows, valid = self.draft_rows(s.rid, tree)
+            fresh = allocate_token_bitmask(tree.num_nodes, m.info.vocab_size)
+            fresh_valid = m.fill_tree_bitmask(tree, fresh)
+            assert torch.equal(valid, fresh_valid), (tree, valid, fresh_valid)
+            assert torch.equal(rows, fresh), f"drafted rows differ from a fresh fill for {tree}"
+            self.checked += 1
+        return trees
+
+
+def _replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
+    b = backend(name)
+    m = b.matcher(b.compile(spec))
+    ids = token_ids + ([b.tokenizer_info.stop_token_ids[0]] if finished else [])
+    return m.accept_tokens(ids) == len(ids) and (m.is_terminated() or not finished)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_drafted_rows_equal_fresh_fill_and_are_reused(name):
+    model, tok = model_and_tokenizer()
+    from spec_grammar.worker.drafters import make_drafter
+
+    drafters = [
+        CheckedDrafter(NgramDrafter(num_draft_tokens=8), num_draft_tokens=8, constrain=True, forced=True),
+        CheckedDrafter(
+            make_drafter("self:2", target_model=model, topk=2, num_steps=3, num_draft_tokens=7),
+            num_draft_tokens=7, constrain=True, forced=True,
+        ),
+    ]
+    b = backend(name)
+    fills = []
+    original = b.fill_tree_bitmasks
+
+    def counting(jobs, bitmask):  # instrumentation only: the real fill still runs
+        fills.extend(jobs)
+        return original(jobs, bitmask)
+
+    b.fill_tree_bitmasks = counting
+    try:
+        for d in drafters:
+            results, _ = run(name, reqs=requests()[:2], draft=d)
+            assert d.checked >= 4
+            assert [r.token_ids for r in results] == [r.token_ids for r in reference(name)[:2]]
+    finally:
+        del b.fill_tree_bitmasks
+    assert fills == [], "the worker re-filled rows the drafter had already computed"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_greedy_outputs_identical_across_drafting_modes(name):
+    ref = reference(name)
+    modes = {
+        "ngram": dict(draft="ngram"),
+        "ngram+constrain": dict(draft="ngram", constrain_draft=True),
+        "ngram+forced": dict(draft="ngram", forced_tokens=True),
+        "grammar": dict(draft="grammar"),
+    }
+    if name == "xgrammar":
+        modes["self+both"] = dict(draft="self:2", topk=2, num_steps=3, num_draft_tokens=7, constrain_draft=True, forced_tokens=True)
+        modes["ngram+both sync"] = dict(draft="ngram", constrain_draft=True, forced_tokens=True, overlap=False)
+    accept = {}
+    for mode, opts in modes.items():
+        results, _ = run(name, **opts)
+        for req, r, base in zip(requests(), results, ref):
+            assert r.token_ids == base.token_ids, (mode, req.rid)
+            assert r.finish_reason == base.finish_reason
+            assert _replays(name, req.grammar, r.token_ids, r.finish_reason == "grammar")
+        accept[mode] = sum(r.num_tokens for r in results) / sum(r.steps for r in results)
+    # forced tokens alone must already draft something on tool calls
+    assert accept["grammar"] > 1.0, accept
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if b in ("xgrammar", "llguidance")])
+def test_forced_tokens_go_through_verification(name):
+    """The grammar forces the text "hello world"; a logit bias forbids the forced tokenization's
+    first token, so the target writes the same text with other tokens: the drafted forced
+    tokens must be rejected and the output must equal plain decoding under the same bias."""
+    model, tok = model_and_tokenizer()
+    spec = Regex(r"hello world [0-9]{2}")
+    b = backend(name)
+    m = b.matcher(b.compile(spec))
+    forced = m.forced_tokens()
+    assert len(forced) >= 2
+    row = allocate_token_bitmask(1, b.vocab_size)
+    m.fill_next_token_bitmask(row)
+    assert int(unpack_bitmask(row, b.vocab_size).sum()) > 1  # other tokenizations are allowed
+    params = SamplingParams(max_new_tokens=12, logit_bias={forced[0]: -1e4})
+    reqs = [Request(build_prompt(tok, "Say hello world and a number."), spec, params, rid="biased")]
+    ref, _ = run(name, reqs=reqs, no_spec=True)
+    drafter = make_grammar_drafter("grammar", num_draft_tokens=8)
+    out, _ = run(name, reqs=reqs, draft=drafter)
+    assert drafter.forced_added > 0
+    assert out[0].token_ids == ref[0].token_ids
+    assert out[0].token_ids[0] != forced[0]
+    assert re.fullmatch(r"hello world [0-9]{2}", out[0].text), out[0].text
+
+
+def test_draft_vocab_translation_with_a_synthetic_d2t_map():
+    _, tok = model_and_tokenizer()
+    b = backend("xgrammar")
+    m = b.matcher(b.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}})))
+    rows = allocate_token_bitmask(2, b.vocab_size)
+    m.fill_next_token_bitmask(rows, 0)
+    m.accept_tokens(tok.encode('{"a": 1'))
+    m.fill_next_token_bitmask(rows, 1)
+    gen = torch.Generator().manual_seed(0)
+    # a "hot" draft vocabulary: 1000 target ids, including some allowed ones, in random order
+    allowed = unpack_bitmask(rows, b.vocab_size)
+    hot = torch.cat([allowed[0].nonzero().flatten()[:20], allowed[1].nonzero().flatten()[:20],
+                     torch.randperm(b.vocab_size, generator=gen)[:960]])
+    hot = hot[torch.randperm(len(hot), generator=gen)]
+    d2t = hot - torch.arange(len(hot))
+    draft_rows = draft_vocab_bitmask(rows, d2t, b.vocab_size)
+    assert draft_rows.shape == (2, (len(hot) + 31) // 32)
+    dense = unpack_bitmask(draft_rows, len(hot))
+    assert torch.equal(dense, allowed[:, hot])
+    assert dense.any(dim=1).all()
+    with pytest.raises(DraftVocabError, match="d2t"):
+        check_draft_vocab(len(hot), b.vocab_size, None)
+    with pytest.raises(DraftVocabError):
+        draft_vocab_bitmask(rows, d2t[:-1] + 10**6, b.vocab_size)
+    check_draft_vocab(b.vocab_size, b.vocab_size, None)
