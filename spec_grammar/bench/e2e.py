@@ -16,8 +16,9 @@ Method:
   helpers) without speculation, with prompt lookup (``prompt_lookup_num_tokens``) and with an
   assistant model (the target's first layers, sharing weights). Greedy decoding everywhere.
 - **Timing**: one request at a time (HF assisted generation only takes batch 1). For every
-  prompt all rows run one after the other (interleaved: load changes on a shared machine hit
-  all rows alike), after one untimed warm-up generation per row. The grammar is compiled
+  prompt all rows run one after the other, the order rotated from prompt to prompt
+  (interleaved: load changes on a shared machine hit all rows alike), after one untimed
+  warm-up generation per row. The grammar is compiled
   before generation and timed apart (*compile ms*, a fresh compile without cache); *tokens/s*
   = output tokens (stop token excluded) over generation wall time (prefill included);
   *accept length* = output tokens per target forward (our verify steps; HF: calls of the
@@ -89,6 +90,8 @@ class E2EBenchConfig(BaseModel):
     prompt_lookup_num_tokens: int = 10
     assistant_layers: int = 8
     nospec_backend: str = "xgrammar"
+    time_budget_s: float | None = Field(
+        None, description="start no new prompt after this many seconds of generation (the rest are listed as skipped)")
     skip_rows: list[str] = Field([], description="row ids to leave out (e.g. hf/llguidance+assist for time)")
     warmup: bool = True
     torch_threads: int | None = Field(
@@ -135,13 +138,14 @@ class RowSpec:
 
 def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
     """The fixed prompt sample: the first ``jsb_cases`` JSONSchemaBench cases (round-robin
-    over subsets) and the first ``bfcl_cases`` BFCL cases with their user question; with
-    ``shortest_prompts``, each source's shortest prompts instead (for smoke runs)."""
+    over subsets) and the first ``bfcl_cases`` BFCL cases with their user question, the two
+    sources alternating; with ``shortest_prompts``, each source's shortest prompts instead
+    (for smoke runs)."""
     from ..worker import build_prompt, schema_prompt
 
     cases = load_cases(None if cfg.shortest_prompts else max(cfg.jsb_cases, cfg.bfcl_cases, 1))
     questions = {f"bfcl/{c['id']}": c["messages"][0][-1]["content"] for c in bfcl_cases()}
-    out = []
+    out: list[list[E2EPrompt]] = []
     for source, count in (("jsonschemabench", cfg.jsb_cases), ("bfcl", cfg.bfcl_cases)):
         mine = []
         for c in cases:
@@ -150,8 +154,12 @@ def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
                 mine.append(E2EPrompt(c.name, c.source, c.spec, c.schema, ids))
         if cfg.shortest_prompts:
             mine.sort(key=lambda p: len(p.prompt_ids))
-        out += mine[:count]
-    return out
+        out.append(mine[:count])
+    # alternate the sources, so a run cut short by its time budget still has both
+    jsb, bfcl = out
+    mixed = [p for pair in zip(jsb, bfcl) for p in pair]
+    n = min(len(jsb), len(bfcl))
+    return mixed + jsb[n:] + bfcl[n:]
 
 
 def row_specs(cfg: E2EBenchConfig, backends: list[str]) -> list[RowSpec]:
@@ -280,7 +288,8 @@ class _HFRow:
         """Compile ``p``'s grammar (same whitespace as our adapters: ``", "`` and ``": "``);
         returns milliseconds."""
         spec = p.spec.to_json_schema() if isinstance(p.spec, ToolCalls) else p.spec
-        assert isinstance(spec, JsonSchema)
+        if not isinstance(spec, JsonSchema):
+            raise ValueError(f"the HF rows take JSON schemas and tool calls, got {spec.kind}")
         t0 = time.perf_counter()
         if self.row.lib == "xgrammar":
             self.compiled[p.name] = self._compiler.compile_json_schema(
@@ -519,9 +528,14 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
                     pass
                 if progress:
                     progress("warm-up", i + 1, len(rows))
-        done = 0
-        for p in prompts:
-            for r in rows:
+        done, t_start, skipped = 0, time.perf_counter(), []
+        for i, p in enumerate(prompts):
+            if i and cfg.time_budget_s is not None and time.perf_counter() - t_start > cfg.time_budget_s:
+                skipped = [q.name for q in prompts[i:]]  # whole prompts only: every row sees the same ones
+                prompts = prompts[:i]
+                break
+            # rotate the order: no row always runs right after another's cache-warming run
+            for r in rows[i % len(rows):] + rows[: i % len(rows)]:
                 samples.append(_one(runners[r.id], r, p, cfg, tok))
                 done += 1
                 if progress:
@@ -555,6 +569,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
         },
         "backends": listing,
         "prompts": [{"name": p.name, "source": p.source, "prompt_tokens": len(p.prompt_ids)} for p in prompts],
+        "prompts_skipped": skipped,
         "rows": [r.__dict__ | {"constrained": r.constrained} for r in rows],
         "samples": samples,
     }

@@ -118,7 +118,9 @@ def render_e2e_markdown(res: dict[str, Any], image_dir: str | None = None) -> st
         f"{cfg['assistant_layers']} layers (shared weights), HF's default schedule. Method: "
         "`spec_grammar/bench/e2e.py` (module docstring)."
         + (f" Rows left out of this run (time): {', '.join(f'`{r}`' for r in cfg['skip_rows'])}."
-           if cfg.get("skip_rows") else ""),
+           if cfg.get("skip_rows") else "")
+        + (f" Prompts not reached within the {cfg['time_budget_s']:.0f} s time budget: "
+           f"{', '.join(f'`{n}`' for n in res['prompts_skipped'])}." if res.get("prompts_skipped") else ""),
         "",
     ]
     header = ["row", "tokens/s", "vs HF + xgrammar", "decode tokens/s", "decode vs HF + xgrammar", "accept length", "completed", "valid / completed", "cut by limit",

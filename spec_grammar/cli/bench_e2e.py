@@ -34,6 +34,8 @@ def register_e2e(sub) -> None:
     p.add_argument("--hf-processors", type=_csv, default=None, help="xgrammar,llguidance (default both)")
     p.add_argument("--hf-speculation", type=_csv, default=None,
                    help="HF rows: none,prompt_lookup,assistant (default all three)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of generation after which no new prompt starts (default: none)")
     p.add_argument("--skip-rows", type=_csv, default=None, help="row ids to leave out, e.g. hf/llguidance+assist")
     p.add_argument("--model", default=None, help="model name or path (default smollm2)")
     p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (default 1)")
@@ -51,7 +53,8 @@ def _run_e2e(args) -> int:
 
     overrides = dict(backends=args.backends, max_new_tokens=args.max_new_tokens, jsb_cases=args.schemas,
                      bfcl_cases=args.bfcl, hf_processors=args.hf_processors, hf_speculation=args.hf_speculation,
-                     model=args.model, torch_threads=args.threads, skip_rows=args.skip_rows)
+                     model=args.model, torch_threads=args.threads, skip_rows=args.skip_rows,
+                     time_budget_s=args.time_budget)
     bad = [s for s in args.hf_speculation or [] if s not in ("none", "prompt_lookup", "assistant")]
     if bad:
         raise ValueError(f"unknown --hf-speculation {bad}: use none, prompt_lookup, assistant")
