@@ -11,6 +11,11 @@ class SpecGrammarError(Exception):
     """Base class of every error this library raises on purpose."""
 
 
+class GrammarSpecError(SpecGrammarError, ValueError):
+    """A grammar spec was built from bad input (a schema string that is not JSON, a schema that
+    is neither an object nor a boolean, a tool list without names, a field of the wrong type)."""
+
+
 class GrammarCompileError(SpecGrammarError, ValueError):
     """A grammar spec could not be compiled (invalid JSON, invalid schema, bad regex/EBNF/Lark,
     compile limits exceeded). ``reason`` holds the backend's own message."""

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import GrammarSpecError
 
 Whitespace = Literal["spaced", "compact", "flexible"]
 """JSON whitespace policy.
@@ -29,6 +31,16 @@ class GrammarSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     kind: str
 
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or 'spec'}: {err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()
+            )
+            raise GrammarSpecError(f"bad {type(self).__name__} spec: {problems}") from None
+
     def cache_key(self) -> str:
         """A string that identifies the grammar exactly (used as the compile-cache key)."""
         return json.dumps(self.model_dump(mode="json"), separators=(",", ":"), ensure_ascii=False)
@@ -41,8 +53,8 @@ class JsonSchema(GrammarSpec):
     ``model_json_schema()``). ``strict=True`` makes a backend reject keywords it would
     otherwise ignore (:class:`~spec_grammar.errors.UnsupportedGrammarError`).
 
-    Raises ``pydantic.ValidationError`` (a ``ValueError``) when the string is not JSON or the
-    schema is neither an object nor a boolean.
+    Raises :class:`~spec_grammar.errors.GrammarSpecError` (a ``ValueError``) when the string is
+    not JSON or the schema is neither an object nor a boolean.
     """
 
     kind: Literal["json_schema"] = "json_schema"

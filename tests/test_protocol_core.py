@@ -5,7 +5,9 @@ import threading
 
 import pytest
 import torch
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
+
+from spec_grammar.errors import GrammarSpecError
 
 from spec_grammar import (
     BackendNotFoundError,
@@ -41,13 +43,13 @@ def test_specs_normalize():
     from_model = JsonSchema(Person)
     assert from_model.json_schema["required"] == ["name", "age"]
     assert JsonSchema(json.dumps({"type": "string"})).json_schema == {"type": "string"}
-    with pytest.raises(ValidationError, match="not valid JSON"):
+    with pytest.raises(GrammarSpecError, match="not valid JSON"):
         JsonSchema("{not json")
-    with pytest.raises(ValidationError, match="object or a boolean"):
+    with pytest.raises(GrammarSpecError, match="object or a boolean"):
         JsonSchema("[1, 2]")
-    with pytest.raises(ValidationError, match="at least one tool"):
+    with pytest.raises(GrammarSpecError, match="at least one tool"):
         ToolCalls([])
-    with pytest.raises(ValidationError, match="no function name"):
+    with pytest.raises(GrammarSpecError, match="no function name"):
         ToolCalls([{"type": "function", "function": {}}])
     # key order is part of the grammar
     a = JsonSchema({"properties": {"a": {}, "b": {}}})

@@ -21,7 +21,8 @@ from pydantic import BaseModel
 
 from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
 from .drafters import DEFAULT_DRAFT
-from .engine import DEFAULT_FORCED_TOKENS, SpecWorker
+from .drafters.constrained import DEFAULT_FORCED_TOKENS
+from .engine import SpecWorker
 from .request import Request, RequestResult, StepStats
 from .sampling import SamplingParams
 

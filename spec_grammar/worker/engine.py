@@ -45,11 +45,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
 
-__all__ = ["SpecWorker", "cut_tree_depth", "DEFAULT_FORCED_TOKENS"]
-
-DEFAULT_FORCED_TOKENS = False
-"""Whether grammar-forced tokens extend the drafts by default (chosen by
-``benchmarks/bench_drafting.py``)."""
+__all__ = ["SpecWorker", "cut_tree_depth"]
 
 
 def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -101,7 +97,9 @@ class SpecWorker:
             (:mod:`~spec_grammar.worker.drafters.constrained`); ``draft="grammar"`` drafts
             forced tokens alone.
         forced_tokens: extend draft branches with grammar-forced tokens
-            (:mod:`~spec_grammar.worker.drafters.forced`).
+            (:mod:`~spec_grammar.worker.drafters.forced`). Off here so that a
+            :class:`Drafter` instance passed in runs exactly as given; ``generate`` and the
+            CLI default to :data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`.
         device: where the target runs (default: the model's device).
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
@@ -121,7 +119,7 @@ class SpecWorker:
         overlap: bool = True,
         device: Any = None,
         constrain_draft: bool = False,
-        forced_tokens: bool = DEFAULT_FORCED_TOKENS,
+        forced_tokens: bool = False,
     ):
         self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model, device=device)
         self.tokenizer = tokenizer

@@ -34,7 +34,11 @@ from .model import ModelDrafter
 from .ngram import NgramDrafter, ngram_tree
 from .vocab_map import check_draft_vocab, draft_to_target_ids, draft_vocab_bitmask
 
-__all__ = ["GrammarAwareDrafter", "make_grammar_drafter", "current_matcher"]
+__all__ = ["GrammarAwareDrafter", "make_grammar_drafter", "current_matcher", "DEFAULT_FORCED_TOKENS"]
+
+DEFAULT_FORCED_TOKENS = False
+"""Default of ``forced_tokens`` in ``generate`` / ``build_worker`` / ``spec-grammar generate``,
+chosen with ``benchmarks/bench_drafting.py`` (see ``benchmarks/results/drafting.md``)."""
 
 
 def current_matcher(state: Any) -> Any:
