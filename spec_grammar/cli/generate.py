@@ -144,8 +144,6 @@ def _sampling(args, overrides: dict[str, Any]):
 
 
 def run(args) -> int:
-    from pydantic import ValidationError
-
     from ..registry import load_backend_class
     from ..worker.api import build_prompt, build_worker, schema_prompt, summarize
     from ..worker.request import Request, RequestResult
@@ -153,10 +151,7 @@ def run(args) -> int:
     if args.prompt is None and not args.batch_file:
         raise ValueError("give a PROMPT or --batch-file")
     load_backend_class(args.grammar_backend)  # unknown backends fail before the model loads
-    try:
-        global_spec = _cli_spec(args)
-    except ValidationError as e:
-        raise ValueError(f"bad grammar: {e.errors()[0]['msg']}") from None
+    global_spec = _cli_spec(args)
 
     # (prompt text, spec, sampling overrides) per request, or an error string for a bad line
     items: list[tuple[str, Any, dict] | str] = []
@@ -173,9 +168,8 @@ def run(args) -> int:
                     raise ValueError("each line needs a string field 'prompt'")
                 spec = _spec_from_fields(rec, base) if any(k in rec for k in _GRAMMAR_FIELDS) else global_spec
                 items.append((rec["prompt"], spec, rec))
-            except (ValueError, ValidationError, FileNotFoundError) as e:
-                msg = e.errors()[0]["msg"] if isinstance(e, ValidationError) else str(e)
-                items.append(f"{args.batch_file}:{n}: {msg}")
+            except (ValueError, FileNotFoundError) as e:
+                items.append(f"{args.batch_file}:{n}: {e}")
 
     worker = build_worker(
         model=args.model,
