@@ -12,6 +12,8 @@ Token bitmask layout: see :mod:`spec_grammar.bitmask`. Tree semantics: see
 
 from __future__ import annotations
 
+import operator
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -83,6 +85,11 @@ class TokenizerInfo:
 
         Raises ``ValueError`` when no stop token can be found or an id is out of range.
         """
+        if not (hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "__len__")):
+            raise TypeError(
+                f"expected a Hugging Face tokenizer, got {type(tokenizer).__name__}"
+                " (spec_grammar.models.load_tokenizer(name) loads one)"
+            )
         n_tok = len(tokenizer)
         width = n_tok if vocab_size is None else int(vocab_size)
         if width <= 0:
@@ -170,6 +177,17 @@ class CompiledGrammar:
     warnings: tuple[str, ...] = ()
 
 
+def _as_index(value: Any, what: str, error: type[Exception]) -> int:
+    """``value`` as an exact int (Python or numpy/torch integer scalar); floats, strings and
+    bools are refused with ``error`` rather than silently truncated."""
+    if isinstance(value, bool):
+        raise error(f"{what} must be an integer, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise error(f"{what} must be an integer, got {type(value).__name__} {value!r:.40}") from None
+
+
 class SpecGrammar:
     """One request's grammar state, built for draft trees.
 
@@ -206,7 +224,7 @@ class SpecGrammar:
         return self._num_accepted
 
     def _check_token(self, token: int) -> int:
-        t = int(token)
+        t = _as_index(token, "token id", InvalidTokenError)
         if not 0 <= t < self.info.vocab_size:
             raise InvalidTokenError(
                 f"token id {t} is outside the logits width [0, {self.info.vocab_size})"
@@ -244,7 +262,7 @@ class SpecGrammar:
         Out-of-range ids (``-1`` padding, ``>= V``) end the prefix instead of raising."""
         ts = []
         for t in tokens:
-            t = int(t)
+            t = _as_index(t, "token id", InvalidTokenError)
             if not 0 <= t < self.info.tokenizer_vocab_size:
                 break
             ts.append(t)
@@ -258,7 +276,7 @@ class SpecGrammar:
         Raises :class:`GrammarStateError` when ``num_tokens`` is negative, exceeds
         :attr:`max_rollback_tokens`, or exceeds the tokens accepted so far.
         """
-        k = int(num_tokens)
+        k = _as_index(num_tokens, "rollback count", GrammarStateError)
         if k < 0:
             raise GrammarStateError(f"rollback({k}): the count must be >= 0")
         if k > self._max_rollback_tokens:
@@ -286,6 +304,7 @@ class SpecGrammar:
         ``bitmask``: CPU ``(rows, ceil(V/32))`` int32, contiguous. Raises :class:`BitmaskError`
         on a bad buffer and :class:`GrammarStateError` on a terminated matcher.
         """
+        row = _as_index(row, "bitmask row", BitmaskError)
         check_bitmask(bitmask, self.info.vocab_size, row)
         if self.is_terminated():
             raise GrammarStateError("fill_next_token_bitmask on a terminated matcher")
@@ -304,6 +323,9 @@ class SpecGrammar:
         exactly as before afterwards. Raises :class:`GrammarStateError` on a terminated
         matcher and :class:`BitmaskError` on a bad buffer.
         """
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"fill_tree_bitmask takes a DraftTree, got {type(tree).__name__}")
+        row_offset = _as_index(row_offset, "row_offset", BitmaskError)
         check_bitmask(bitmask, self.info.vocab_size)
         if not 0 <= row_offset <= bitmask.shape[0] - tree.num_nodes:
             raise BitmaskError(
@@ -475,7 +497,11 @@ class GrammarBackend:
                 tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
             )
         )
-        self.max_rollback_tokens = int(max_rollback_tokens)
+        self.max_rollback_tokens = _as_index(max_rollback_tokens, "max_rollback_tokens", ValueError)
+        if self.max_rollback_tokens < 0:
+            raise ValueError(f"max_rollback_tokens must be >= 0, got {self.max_rollback_tokens}")
+        if int(compile_cache_size) < 1:
+            raise ValueError(f"compile_cache_size must be >= 1, got {compile_cache_size}")
         self._cache = _CompileCache(int(compile_cache_size))
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = int(max_grammar_bytes)
@@ -531,8 +557,10 @@ class GrammarBackend:
                     raise type(e)(str(e), backend=self.name, reason=e.reason) from e
                 raise
             except Exception as e:  # library errors: RuntimeError, ValueError, ...
+                # xgrammar prefixes "[hh:mm:ss] /path/file.cc:94: " and ends with blank lines
+                reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()
                 raise GrammarCompileError(
-                    f"{spec.kind} failed to compile: {type(e).__name__}: {e}", backend=self.name, reason=str(e)
+                    f"{spec.kind} failed to compile: {type(e).__name__}: {reason}", backend=self.name, reason=reason
                 ) from e
             return CompiledGrammar(spec, self.name, native, time.perf_counter() - t0, id(self), tuple(ignored))
 

@@ -40,6 +40,8 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
 
     Raises :class:`BackendNotFoundError` naming the registered backends, or the import error.
     """
+    if not isinstance(name, str) or not name:
+        raise BackendNotFoundError(f"a backend name must be a non-empty string, got {name!r}")
     eps = _entry_points()
     if name in eps:
         try:

@@ -17,6 +17,7 @@ A chain (``topk=1`` drafts) is the tree whose node ``i`` is the only child of ``
 
 from __future__ import annotations
 
+import operator
 from functools import cached_property
 from typing import Sequence
 
@@ -33,9 +34,12 @@ def _as_long_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
             raise DraftTreeError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
         return [int(v) for v in values.tolist()]
     try:
-        return [int(v) for v in values]
-    except (TypeError, ValueError) as e:
+        out = [operator.index(v) for v in values]
+    except TypeError as e:
         raise DraftTreeError(f"{name} must be a sequence of ints: {e}") from None
+    if any(not -(2**63) <= v < 2**63 for v in out):
+        raise DraftTreeError(f"{name} holds a value outside int64")
+    return out
 
 
 class DraftTree:
@@ -176,6 +180,10 @@ class DraftTree:
         for i in range(1, self.num_nodes):
             depth[i] = depth[self.parent_list[i]] + 1
         return depth
+
+    @cached_property
+    def max_depth(self) -> int:
+        return max(self.depth_list)
 
     @cached_property
     def depth(self) -> torch.Tensor:

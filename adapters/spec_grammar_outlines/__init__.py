@@ -447,7 +447,12 @@ class OutlinesBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
         index = oc.Index(f"(?:{self._regex_of(spec)}){SENTINEL}", self._vocab.vocabulary)
-        return OutlinesGrammar(index, self.tokenizer_info, self._vocab, self.mask_cache_bytes)
+        grammar = OutlinesGrammar(index, self.tokenizer_info, self._vocab, self.mask_cache_bytes)
+        if isinstance(spec, JsonSchema) and grammar.is_final(grammar.initial_state):
+            # outlines turns unsatisfiable schemas (e.g. `{"enum": []}`) into an empty
+            # pattern; no JSON document is empty, so such a grammar accepts nothing.
+            raise GrammarCompileError("the schema accepts no JSON document (outlines built an empty pattern)")
+        return grammar
 
     def _matcher(self, compiled: CompiledGrammar) -> OutlinesMatcher:
         return OutlinesMatcher(self, compiled.native)

@@ -12,6 +12,7 @@ import importlib.metadata
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
@@ -37,6 +38,7 @@ class XGrammarMatcher(SpecGrammar):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._m = matcher
+        self._stop_array = backend._stop_array
 
     def _accept_token(self, token: int) -> bool:
         with warnings.catch_warnings():
@@ -62,33 +64,32 @@ class XGrammarMatcher(SpecGrammar):
 
     def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
         n = tree.num_nodes
-        rows = bitmask[row_offset : row_offset + n]
-        tokens = tree.tokens
-        n_tok = self.info.tokenizer_vocab_size
-        # Out-of-range ids must never reach the library's bit test.
-        safe = tokens.clamp(0, max(n_tok - 1, 0))
-        out_of_range = (tokens < 0) | (tokens >= n_tok)
-        if bool(out_of_range[1:].any()):
+        tokens = tree.tokens.numpy()
+        if n > 1 and (tokens[1:].min() < 0 or tokens[1:].max() >= self.info.tokenizer_vocab_size):
+            # Out-of-range ids must never reach the library's bit test.
             return super()._fill_tree_bitmask(tree, bitmask, row_offset)
+        rows = bitmask[row_offset : row_offset + n]
         self._m.traverse_draft_tree(
-            tree.retrieve_next_token, tree.retrieve_next_sibling, safe, rows
+            tree.retrieve_next_token, tree.retrieve_next_sibling, tree.tokens, rows
         )
-        # Recompute validity from the rows (child bit in its parent's row, ancestors valid)
-        # and zero the rows xgrammar leaves stale (descendants of rejected nodes, G8) and the
-        # rows of terminating nodes.
+        if n == 1:
+            return torch.ones(1, dtype=torch.bool)
+        # xgrammar zeroes the rows of rejected nodes but leaves their descendants' rows stale
+        # (G8): recompute validity (child bit set in the parent's row, parent not a stop token,
+        # every ancestor valid) vectorized, then zero every row that is not a live state.
         words = rows.numpy()
-        parents = tree.parent_list
-        toks = tree.token_list
-        valid = [False] * n
-        valid[0] = True
-        for i in range(1, n):
-            p = parents[i]
-            t = toks[i]
-            ok = valid[p] and (p == 0 or not self.is_stop_token(toks[p])) and (int(words[p, t >> 5]) >> (t & 31)) & 1
-            valid[i] = bool(ok)
-            if not ok or self.is_stop_token(t):
-                words[i] = 0
-        return torch.tensor(valid, dtype=torch.bool)
+        parents = tree.parents.numpy()[1:]
+        child = tokens[1:]
+        is_stop = np.isin(tokens, self._stop_array)
+        bit = (words[parents, child >> 5] >> (child & 31)) & 1
+        valid = np.ones(n, dtype=bool)
+        valid[1:] = (bit != 0) & ~(is_stop[parents] & (parents != 0))
+        for _ in range(tree.max_depth - 1):  # ancestors: one level per pass
+            valid[1:] &= valid[parents]
+        dead = ~valid | is_stop
+        dead[0] = False
+        words[dead] = 0
+        return torch.from_numpy(valid)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -143,6 +144,7 @@ class XGrammarBackend(GrammarBackend):
             self._xgr_info = xgr.TokenizerInfo.from_huggingface(
                 info.hf_tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids)
             )
+        self._stop_array = np.asarray(info.stop_token_ids, dtype=np.int64)
         self._compiler = xgr.GrammarCompiler(self._xgr_info, max_threads=max_threads, cache_enabled=False)
 
     @classmethod

@@ -65,6 +65,8 @@ def register(sub) -> None:
 
 def _read_text(path: str, what: str) -> str:
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} path {path} is a directory, not a file")
     if not p.is_file():
         raise FileNotFoundError(f"{what} file not found: {path}")
     return p.read_text(encoding="utf-8")
@@ -107,11 +109,20 @@ def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files
                     raise ValueError(f"{what} is not valid JSON: {e}") from None
             else:
                 value = _read_json(path(value), what)
+        if key == "json_schema" and not isinstance(value, (dict, bool)):
+            # parsed already: JsonSchema(str) would re-parse a JSON string as schema text
+            raise ValueError(f"a JSON schema must be an object or boolean, got {_json_type(value)}")
         return JsonSchema(value) if key == "json_schema" else ToolCalls(value)
     what = key.upper() if key == "ebnf" else "Lark"
     if files_only or ("\n" not in value and Path(path(value)).is_file()):
         value = _read_text(path(value), what)
     return Ebnf(value) if key == "ebnf" else Lark(value)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (for error messages)."""
+    names = {str: "a string", list: "an array", int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _cli_spec(args):
@@ -126,6 +137,10 @@ def _cli_spec(args):
 
 
 def _sampling(args, overrides: dict[str, Any]):
+    """The SamplingParams of one request: the CLI flags, overridden by a batch line's fields.
+    Raises ValueError in one line naming the bad flag (``--top-p``) or line field (``'top_p'``)."""
+    from pydantic import ValidationError
+
     from ..worker.sampling import SamplingParams
 
     values = dict(
@@ -140,23 +155,35 @@ def _sampling(args, overrides: dict[str, Any]):
         presence_penalty=args.presence_penalty,
     )
     values.update({k: v for k, v in overrides.items() if k in SamplingParams.model_fields})
-    return SamplingParams(**values)
+    try:
+        return SamplingParams(**values)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else "sampling"
+            where = f"field {name!r}" if name in overrides else f"--{name.replace('_', '-')}"
+            parts.append(f"{where}: {err['msg']}")
+        raise ValueError("; ".join(parts)) from None
 
 
 def run(args) -> int:
     from ..registry import load_backend_class
-    from ..worker.api import build_prompt, build_worker, schema_prompt, summarize
+    from ..worker.api import build_prompt, build_worker, precompile, resolve_device, schema_prompt, summarize
     from ..worker.request import Request, RequestResult
 
     if args.prompt is None and not args.batch_file:
         raise ValueError("give a PROMPT or --batch-file")
-    load_backend_class(args.grammar_backend)  # unknown backends fail before the model loads
+    # bad flags, devices, files and the CLI grammar all fail here, before the model loads
+    load_backend_class(args.grammar_backend)
+    resolve_device(args.device)
+    base_sampling = _sampling(args, {})
     global_spec = _cli_spec(args)
 
-    # (prompt text, spec, sampling overrides) per request, or an error string for a bad line
-    items: list[tuple[str, Any, dict] | str] = []
+    # (rid, prompt text, spec, sampling) per request, or (rid, error) for a bad line; batch
+    # ids are the file's 1-based line numbers, as in the error messages
+    items: list[tuple[str, str, Any, Any] | tuple[str, str]] = []
     if args.prompt is not None:
-        items.append((args.prompt, global_spec, {}))
+        items.append((None, args.prompt, global_spec, base_sampling))
     if args.batch_file:
         base = Path(args.batch_file).parent
         for n, line in enumerate(_read_text(args.batch_file, "batch").splitlines(), 1):
@@ -167,9 +194,13 @@ def run(args) -> int:
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError("each line needs a string field 'prompt'")
                 spec = _spec_from_fields(rec, base) if any(k in rec for k in _GRAMMAR_FIELDS) else global_spec
-                items.append((rec["prompt"], spec, rec))
+                items.append((f"line-{n}", rec["prompt"], spec, _sampling(args, rec)))
             except (ValueError, FileNotFoundError) as e:
-                items.append(f"{args.batch_file}:{n}: {e}")
+                items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
+        if not items or (args.prompt is not None and len(items) == 1):
+            raise ValueError(f"batch file {args.batch_file} has no requests")
+    if global_spec is not None:
+        precompile(global_spec, model=args.model, grammar_backend=args.grammar_backend)
 
     worker = build_worker(
         model=args.model,
@@ -186,12 +217,12 @@ def run(args) -> int:
     )
     requests, slots = [], []
     for item in items:
-        if isinstance(item, str):
+        if len(item) == 2:
             slots.append(item)
             continue
-        text, spec, overrides = item
+        rid, text, spec, sampling = item
         user = text if spec is None or args.no_schema_in_prompt else schema_prompt(spec, text)
-        req = Request(prompt=build_prompt(worker.tokenizer, user), grammar=spec, sampling=_sampling(args, overrides))
+        req = Request(prompt=build_prompt(worker.tokenizer, user), grammar=spec, sampling=sampling, rid=rid)
         slots.append(len(requests))
         requests.append(req)
 
@@ -200,18 +231,23 @@ def run(args) -> int:
         results = worker.run(requests, on_step=on_step)
     wall = time.perf_counter() - t0
     final: list[RequestResult] = []
-    for n, slot in enumerate(slots):
-        if isinstance(slot, str):
+    for slot in slots:
+        if isinstance(slot, tuple):
             final.append(
                 RequestResult(
-                    rid=f"line-{n}", text="", token_ids=[], prompt_tokens=0, finish_reason="error",
-                    error=slot, num_tokens=0, steps=0, accept_length=0.0, tokens_per_s=0.0,
+                    rid=slot[0], text="", token_ids=[], prompt_tokens=0, finish_reason="error",
+                    error=slot[1], num_tokens=0, steps=0, accept_length=0.0, tokens_per_s=0.0,
                     grammar_ms_hidden=0.0, grammar_ms_exposed=0.0,
                 )
             )
         else:
             final.append(results[slot])
     summary = summarize(final, worker.step_stats, wall)
+    shown: set[tuple[str, ...]] = set()
+    for r in final:  # one line per distinct warning set (a shared grammar warns once)
+        if r.warnings and tuple(r.warnings) not in shown:
+            shown.add(tuple(r.warnings))
+            print(f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"results": [r.model_dump() for r in final], "summary": summary.model_dump()}, indent=2))
     else:

@@ -32,6 +32,7 @@ __all__ = [
     "build_prompt",
     "schema_prompt",
     "resolve_device",
+    "precompile",
     "summarize",
     "RunSummary",
 ]
@@ -45,7 +46,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """``"auto"`` (or None) = CUDA when available, else CPU; anything else as given."""
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available here (use cpu or auto)")
+    return dev
 
 
 def _load(model: str, dtype: Any, device: torch.device) -> tuple[Any, Any]:
@@ -68,6 +72,36 @@ def _backend(name: str, model: str, tokenizer: Any, vocab_size: int) -> Any:
         if key not in _backends:
             _backends[key] = get_backend(name, tokenizer, vocab_size=vocab_size)
         return _backends[key]
+
+
+def _config_vocab_size(model: str) -> int | None:
+    """The logits width in ``model``'s saved config (no weights loaded); None when no config
+    is on disk yet (a GGUF model before its first load)."""
+    from transformers import AutoConfig
+
+    from ..models import _resolve
+
+    src, _, cached = _resolve(model)
+    model_dir = cached / "model" if cached is not None else src
+    if not (model_dir / "config.json").is_file():
+        return None
+    return int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
+
+
+def precompile(spec: GrammarSpec, *, model: str = "smollm2", grammar_backend: str = "xgrammar") -> Any:
+    """Compile ``spec`` for ``model`` from its tokenizer alone, before the weights load, so a
+    bad grammar fails early; the backend is the cached one :func:`build_worker` then uses, so
+    the worker's compile is a cache hit. Returns the
+    :class:`~spec_grammar.protocol.CompiledGrammar`; raises
+    :class:`~spec_grammar.errors.GrammarCompileError` naming the problem."""
+    from ..models import load_tokenizer
+    from ..registry import get_backend
+
+    tokenizer = load_tokenizer(model)
+    vocab = _config_vocab_size(model)
+    if vocab is None:  # width unknown until the model loads: check only (compiled again later)
+        return get_backend(grammar_backend, tokenizer).compile(spec)
+    return _backend(grammar_backend, model, tokenizer, vocab).compile(spec)
 
 
 def build_prompt(tokenizer: Any, user: str, *, system: str | None = None) -> list[int]:

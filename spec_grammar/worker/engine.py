@@ -39,7 +39,7 @@ from ..protocol import GrammarBackend
 from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
-from .request import Request, RequestResult, RequestState, StepStats
+from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
 from .batch_verify import batch_greedy_eligible, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
@@ -202,7 +202,12 @@ class SpecWorker:
 
     # -- setup ------------------------------------------------------------------------------
     def _start(self, req: Request, now: float) -> RequestState:
-        params = req.sampling if req.sampling is not None else SamplingParams()
+        try:
+            params = check_request(req)
+        except RequestError as e:
+            st = RequestState(request=req, prompt_ids=[], sampling=SamplingParams(), start_s=now)
+            st.finish("error", now, str(e))
+            return st
         if isinstance(req.prompt, str):
             ids = list(self.tokenizer.encode(req.prompt))
         else:
@@ -216,7 +221,9 @@ class SpecWorker:
                 st.finish("error", now, "this request has a grammar but the worker has no grammar backend")
                 return st
             try:
-                st.matcher = self.backend.matcher(self.backend.compile(req.grammar))
+                compiled = self.backend.compile(req.grammar)
+                st.matcher = self.backend.matcher(compiled)
+                st.warnings = compiled.warnings
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
                 return st
@@ -559,4 +566,5 @@ class SpecWorker:
             tokens_per_s=n / wall if n else 0.0,
             grammar_ms_hidden=st.grammar_ms - st.grammar_exposed_ms,
             grammar_ms_exposed=st.grammar_exposed_ms,
+            warnings=list(st.warnings),
         )

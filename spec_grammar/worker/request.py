@@ -11,11 +11,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
+from ..errors import SpecGrammarError
 from ..specs import GrammarSpec
+from .sampling import SamplingParams
 
-__all__ = ["Request", "RequestState", "RequestResult", "StepStats", "FinishReason"]
+__all__ = ["Request", "RequestState", "RequestResult", "StepStats", "FinishReason", "RequestError", "check_request"]
 
 FinishReason = Literal["stop", "length", "grammar", "error", "cancelled"]
 """Why a request ended: ``stop`` = EOS (no grammar) or a stop string; ``length`` =
@@ -47,6 +49,42 @@ class Request:
             self.rid = f"req-{next(_ids)}"
 
 
+class RequestError(SpecGrammarError, ValueError):
+    """A :class:`Request` field has the wrong type or value; the worker ends that request with
+    ``finish_reason="error"`` and runs the others."""
+
+
+def one_line(e: ValidationError) -> str:
+    """A pydantic validation error as one line: ``field: message; ...``."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+
+
+def check_request(req: Request) -> SamplingParams:
+    """Check ``req``'s fields and return its sampling params (defaults for None, a dict
+    converted). Raises :class:`RequestError` naming the field: a prompt that is neither text
+    nor a list of ints, a grammar that is not a :class:`~spec_grammar.specs.GrammarSpec`, bad
+    sampling values."""
+    if not isinstance(req.prompt, str) and not (
+        isinstance(req.prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in req.prompt)
+    ):
+        raise RequestError(f"request {req.rid}: prompt must be text or a list of token ids, got {type(req.prompt).__name__}")
+    if req.grammar is not None and not isinstance(req.grammar, GrammarSpec):
+        raise RequestError(
+            f"request {req.rid}: grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or None, "
+            f"got {type(req.grammar).__name__}"
+        )
+    if req.sampling is None or isinstance(req.sampling, SamplingParams):
+        return req.sampling or SamplingParams()
+    if not isinstance(req.sampling, dict):
+        raise RequestError(
+            f"request {req.rid}: sampling must be SamplingParams, a dict or None, got {type(req.sampling).__name__}"
+        )
+    try:
+        return SamplingParams(**req.sampling)
+    except ValidationError as e:
+        raise RequestError(f"request {req.rid}: bad sampling: {one_line(e)}") from None
+
+
 @dataclass(eq=False)
 class RequestState:
     """What the worker and the drafters know about a request while it runs.
@@ -76,6 +114,7 @@ class RequestState:
     end_s: float = 0.0
     grammar_ms: float = 0.0
     grammar_exposed_ms: float = 0.0
+    warnings: tuple[str, ...] = ()
 
     @property
     def rid(self) -> str:
@@ -119,6 +158,8 @@ class RequestResult(BaseModel):
     tokens_per_s: float
     grammar_ms_hidden: float
     grammar_ms_exposed: float
+    warnings: list[str] = []
+    """JSON-Schema keyword uses the grammar backend compiled but does not enforce."""
 
 
 class StepStats(BaseModel):

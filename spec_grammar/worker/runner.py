@@ -190,6 +190,7 @@ class ModelRunner:
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise RunnerError(f"request {rid!r}: the prompt is empty")
+        self._check_ids(ids)  # the last id is fed later as a tree root: check it here too
         row = len(self._rids)
         self._store.reserve(row + 1, 0)
         self._rids.append(rid)

@@ -44,7 +44,7 @@ def make_drafter(
         return NgramDrafter(num_draft_tokens=num_draft_tokens)
     kind, _, arg = draft.partition(":")
     if kind not in ("self", "model") or not arg:
-        raise ValueError(f"unknown drafter {draft!r}: use ngram, self:L, model:PATH or none")
+        raise ValueError(f"unknown drafter {draft!r}: use ngram, self:L, model:PATH, grammar or none")
     from ..runner import ModelRunner
 
     if kind == "self":
