@@ -500,8 +500,8 @@ class GrammarBackend:
         self.max_rollback_tokens = _as_index(max_rollback_tokens, "max_rollback_tokens", ValueError)
         if self.max_rollback_tokens < 0:
             raise ValueError(f"max_rollback_tokens must be >= 0, got {self.max_rollback_tokens}")
-        if int(compile_cache_size) < 1:
-            raise ValueError(f"compile_cache_size must be >= 1, got {compile_cache_size}")
+        if int(compile_cache_size) < 0:
+            raise ValueError(f"compile_cache_size must be >= 0 (0 = no caching), got {compile_cache_size}")
         self._cache = _CompileCache(int(compile_cache_size))
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = int(max_grammar_bytes)

@@ -5,7 +5,8 @@ its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``
 ``tools``, and optional ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``). A line
 that cannot be turned into a request, or whose grammar fails to compile, is reported as failed;
 the other requests complete. Exit code 0 when every request succeeded, 1 when some failed, 2
-on bad arguments (missing files, unknown backend, unreadable schema).
+on bad arguments (missing files, unknown backend, unreadable schema, bad sampling flags, a
+CLI grammar that fails to compile), reported in one line before the model loads.
 """
 
 from __future__ import annotations
