@@ -30,7 +30,7 @@ from ...bitmask import unpack_bitmask
 from ...tree import DraftTree
 from .base import Drafter, NoDrafter
 from .forced import GrammarDraft, extend_with_forced, walk_tree
-from .model import ModelDrafter
+from .model import ModelDrafter, best_candidates, tree_from_candidates
 from .ngram import NgramDrafter, ngram_tree
 from .vocab_map import check_draft_vocab, draft_to_target_ids, draft_vocab_bitmask
 
@@ -259,9 +259,9 @@ class GrammarAwareDrafter(Drafter):
                 frontiers[i] = list(range(start, start + min(k, len(new))))
         out: list[tuple[Any, Any]] = []
         for i, s in enumerate(batch):
-            order = self._select(cands[i], budget)
+            order = best_candidates(cands[i], budget)
             if roots[i] is None:
-                out.append((self._as_tree(s.root_token, cands[i], order), None))
+                out.append((tree_from_candidates(s.root_token, cands[i], order), None))
                 continue
             node_of = [-1]
             index = {}
@@ -283,31 +283,6 @@ class GrammarAwareDrafter(Drafter):
         if self.d2t is not None:
             rows = draft_vocab_bitmask(rows, self.d2t, target_vocab)
         return unpack_bitmask(rows, width)[0]
-
-    @staticmethod
-    def _select(cands, budget: int) -> list[int]:
-        """The ``budget`` best candidates by cumulative log-prob, closed under parents, in
-        (depth, index) order (as :meth:`ModelDrafter._select`)."""
-        ranked = sorted(range(len(cands)), key=lambda j: (-cands[j][2], cands[j][3], j))
-        chosen: set[int] = set()
-        for j in ranked:
-            if len(chosen) == budget:
-                break
-            p = cands[j][1]
-            if p == -1 or p in chosen:
-                chosen.add(j)
-        return sorted(chosen, key=lambda j: (cands[j][3], j))
-
-    @staticmethod
-    def _as_tree(root: int, cands, order: list[int]) -> DraftTree:
-        index = {}
-        tokens, parents = [root], [-1]
-        for j in order:
-            index[j] = len(tokens)
-            tokens.append(cands[j][0])
-            p = cands[j][1]
-            parents.append(0 if p == -1 else index[p])
-        return DraftTree(tokens, parents)
 
 
 def make_grammar_drafter(

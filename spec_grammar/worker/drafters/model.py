@@ -65,6 +65,33 @@ def truncated_model(model: Any, num_layers: int) -> Any:
     return draft
 
 
+def best_candidates(cands, budget: int) -> list[int]:
+    """Indices of the ``budget`` best draft candidates by cumulative log-prob (EAGLE-2's
+    re-ranking), closed under parents, in (depth, index) order. ``cands[j]`` =
+    ``(token, parent candidate or -1, cumulative log-prob, depth)``."""
+    ranked = sorted(range(len(cands)), key=lambda j: (-cands[j][2], cands[j][3], j))
+    chosen: set[int] = set()
+    for j in ranked:
+        if len(chosen) == budget:
+            break
+        p = cands[j][1]
+        if p == -1 or p in chosen:
+            chosen.add(j)
+    return sorted(chosen, key=lambda j: (cands[j][3], j))
+
+
+def tree_from_candidates(root: int, cands, order: list[int]) -> DraftTree:
+    """The draft tree of the candidates ``order`` (parents before children) under ``root``."""
+    index = {}
+    tokens, parents = [root], [-1]
+    for j in order:
+        index[j] = len(tokens)
+        tokens.append(cands[j][0])
+        p = cands[j][1]
+        parents.append(0 if p == -1 else index[p])
+    return DraftTree(tokens, parents)
+
+
 class ModelDrafter(Drafter):
     """EAGLE-2-style draft trees from a draft causal LM (see the module docstring).
 
@@ -185,21 +212,5 @@ class ModelDrafter(Drafter):
 
     @staticmethod
     def _select(root: int, cands, budget: int) -> DraftTree:
-        """The ``budget`` best candidates by cumulative log-prob, closed under parents."""
-        ranked = sorted(range(len(cands)), key=lambda j: (-cands[j][2], cands[j][3], j))
-        chosen: set[int] = set()
-        for j in ranked:
-            if len(chosen) == budget:
-                break
-            p = cands[j][1]
-            if p == -1 or p in chosen:
-                chosen.add(j)
-        order = sorted(chosen, key=lambda j: (cands[j][3], j))
-        index = {}
-        tokens, parents = [root], [-1]
-        for j in order:
-            index[j] = len(tokens)
-            tokens.append(cands[j][0])
-            p = cands[j][1]
-            parents.append(0 if p == -1 else index[p])
-        return DraftTree(tokens, parents)
+        """The ``budget`` best candidates by cumulative log-prob, as a tree under ``root``."""
+        return tree_from_candidates(root, cands, best_candidates(cands, budget))
