@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from spec_grammar import JsonSchema, Regex, ToolCalls, get_backend, list_backends
+from spec_grammar import JsonSchema, Regex, ToolCalls
 from spec_grammar.bitmask import allocate_token_bitmask, unpack_bitmask
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
 from spec_grammar.worker import Request, SpecWorker, build_prompt, schema_prompt
@@ -23,28 +23,12 @@ from spec_grammar.worker.drafters.constrained import GrammarAwareDrafter, curren
 from spec_grammar.worker.drafters.vocab_map import DraftVocabError, check_draft_vocab, draft_vocab_bitmask
 from spec_grammar.worker.sampling import SamplingParams
 
+from real_model import JSON_BACKENDS, backend, model_and_tokenizer
+
 pytestmark = pytest.mark.model
 
 MAX_NEW = 16
-# JSON-schema backends: regex-only adapters (the interegular example) have their own tests.
-BACKENDS = [
-    b.name
-    for b in list_backends()
-    if b.error is None and b.capabilities.json_schema and b.capabilities.tool_calls
-]
-
-
-@functools.cache
-def model_and_tokenizer():
-    from spec_grammar.models import load_model, load_tokenizer
-
-    return load_model("smollm2", dtype=torch.float64), load_tokenizer("smollm2")
-
-
-@functools.cache
-def backend(name: str):
-    model, tok = model_and_tokenizer()
-    return get_backend(name, tok, vocab_size=model.config.vocab_size)
+BACKENDS = JSON_BACKENDS
 
 
 @functools.cache

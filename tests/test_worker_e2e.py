@@ -17,24 +17,20 @@ import sys
 
 import jsonschema
 import pytest
-import torch
 
-from spec_grammar import Ebnf, JsonSchema, Regex, get_backend, list_backends
+from spec_grammar import Ebnf, JsonSchema, Regex
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker, build_prompt
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
 
+from real_model import JSON_BACKENDS, backend, model_and_tokenizer
+
 pytestmark = pytest.mark.model
 
 MAX_NEW = 20
-# JSON-schema backends: regex-only adapters (the interegular example) have their own tests.
-BACKENDS = [
-    b.name
-    for b in list_backends()
-    if b.error is None and b.capabilities.json_schema and b.capabilities.tool_calls
-]
+BACKENDS = JSON_BACKENDS
 # 20 of the smallest sample schemas (o6167 left out: an 11 s outlines-core index build).
 SCHEMA_IDS = [
     "o27841", "o27834", "o89088", "o79447", "o12240", "wp_69_Normalized", "wp_36_Normalized",
@@ -71,19 +67,6 @@ CASES = [
     for b in BACKENDS
     for c in (CONFIGS if b == "xgrammar" else ("ngram-tree-overlap",))
 ]
-
-
-@functools.cache
-def model_and_tokenizer():
-    from spec_grammar.models import load_model, load_tokenizer
-
-    return load_model("smollm2", dtype=torch.float64), load_tokenizer("smollm2")
-
-
-@functools.cache
-def backend(name: str):
-    model, tok = model_and_tokenizer()
-    return get_backend(name, tok, vocab_size=model.config.vocab_size)
 
 
 def _schemas() -> list[dict]:
