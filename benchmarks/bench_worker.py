@@ -20,13 +20,19 @@ row of the same drafter. Every constrained row must produce the no-spec tokens (
 mismatch is printed.
 
     python benchmarks/bench_worker.py --backend xgrammar --requests 16 --max-new-tokens 64
+
+``--grammar-threads 1,2 --batches 16,32`` instead compares the grammar work of a step split
+over threads (``SpecWorker(grammar_threads=N)``): the n-gram row per batch size and thread
+count, in order (grammar work alone, so its time is not shared with the forward) and
+overlapped, with the grammar ms per step and its ratio to the first thread count. Every row
+must produce the tokens of the first thread count's row (a mismatch is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import time
 
 import jsonschema
@@ -83,6 +89,49 @@ def valid_count(results, oracles) -> tuple[int, int]:
     return ok, cut
 
 
+def compare_grammar_threads(args, model, tok, backend) -> list[dict]:
+    """Grammar ms per step with the step's grammar work split over 1..N threads, side by side."""
+    threads = [int(x) for x in args.grammar_threads.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    print(f"grammar threads {threads} ({args.backend}, {args.model}, {args.device}, torch threads "
+          f"{torch.get_num_threads()}, {os.cpu_count()} cores), ngram drafter ({args.num_draft_tokens} nodes), "
+          f"max_new_tokens {args.max_new_tokens}, "
+          f"median of {args.rounds} round(s)")
+    print(f"{'batch':>5} {'mode':8} {'threads':>7} {'gram ms':>8} {'x 1st':>6} {'exposed':>8} {'fwd ms':>7} {'tok/s':>7} {'steps':>6}")
+    out = []
+    for n in batches:
+        reqs, _ = real_requests(tok, n, args.max_new_tokens, args.max_schema_chars)
+        for r in reqs:
+            try:
+                backend.compile(r.grammar)
+            except Exception:  # an error row, the same for every thread count
+                pass
+        for overlap in (False, True):
+            runs: dict[int, list] = {t: [] for t in threads}
+            tokens: dict[int, list] = {}
+            for _ in range(args.rounds):
+                for t in threads:  # interleaved: load on a shared machine hits every row alike
+                    with SpecWorker(model, tok, backend=backend, device=args.device, draft="ngram",
+                                    num_draft_tokens=args.num_draft_tokens, overlap=overlap, grammar_threads=t) as w:
+                        start = time.perf_counter()
+                        res = w.run(reqs)
+                        runs[t].append(summarize(res, w.step_stats, time.perf_counter() - start))
+                    tokens[t] = [r.token_ids for r in res]
+            base = None
+            for t in threads:
+                s = sorted(runs[t], key=lambda x: x.grammar_ms_per_step)[len(runs[t]) // 2]
+                base = base or s.grammar_ms_per_step
+                mode = "overlap" if overlap else "in order"
+                print(f"{len(reqs):5d} {mode:8} {t:7d} {s.grammar_ms_per_step:8.2f} {base / s.grammar_ms_per_step:6.2f} "
+                      f"{s.grammar_exposed_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} {s.tokens_per_s:7.1f} {s.steps:6d}")
+                if tokens[t] != tokens[threads[0]]:
+                    diff = sum(a != b for a, b in zip(tokens[t], tokens[threads[0]]))
+                    print(f"  !! {diff} outputs differ from grammar_threads={threads[0]}")
+                out.append({"batch": len(reqs), "overlap": overlap, "grammar_threads": t,
+                            "same_tokens": tokens[t] == tokens[threads[0]], **s.model_dump()})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -94,6 +143,9 @@ def main() -> None:
     ap.add_argument("--self-layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--grammar-threads", metavar="N,M,..", help="compare grammar thread counts instead (see above)")
+    ap.add_argument("--batches", default="16,32", help="batch sizes of --grammar-threads")
+    ap.add_argument("--num-draft-tokens", type=int, default=8, help="n-gram tree size of --grammar-threads")
     args = ap.parse_args()
 
     from spec_grammar.models import load_model, load_tokenizer
@@ -102,6 +154,12 @@ def main() -> None:
     model = load_model(args.model, device=args.device)
     tok = load_tokenizer(args.model)
     backend = get_backend(args.backend, tok, vocab_size=model.config.vocab_size)
+    if args.grammar_threads:
+        out = compare_grammar_threads(args, model, tok, backend)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return
     reqs, oracles = real_requests(tok, args.requests, args.max_new_tokens, args.max_schema_chars)
     t0 = time.perf_counter()
     for r in reqs:

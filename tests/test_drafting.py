@@ -18,9 +18,11 @@ from spec_grammar import JsonSchema, Regex, ToolCalls
 from spec_grammar.bitmask import allocate_token_bitmask, unpack_bitmask
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
 from spec_grammar.worker import Request, SpecWorker, build_prompt, schema_prompt
-from spec_grammar.worker.drafters import NgramDrafter
+from spec_grammar.worker.drafters import ModelDrafter, NgramDrafter, truncated_model
 from spec_grammar.worker.drafters.constrained import GrammarAwareDrafter, current_matcher, make_grammar_drafter
 from spec_grammar.worker.drafters.vocab_map import DraftVocabError, check_draft_vocab, draft_vocab_bitmask
+from spec_grammar.worker.request import RequestState
+from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams
 
 from real_model import JSON_BACKENDS, backend, model_and_tokenizer
@@ -191,3 +193,78 @@ def test_draft_vocab_translation_with_a_synthetic_d2t_map():
     with pytest.raises(DraftVocabError):
         draft_vocab_bitmask(rows, d2t[:-1] + 10**6, b.vocab_size)
     check_draft_vocab(b.vocab_size, b.vocab_size, None)
+
+
+class PerRowReference(ModelDrafter):
+    """The host path the batched top-k replaced: every row's whole log-softmax copied to the
+    host, masked there with its unpacked grammar row, then ``torch.topk`` per row."""
+
+    rows_seen = 0
+
+    def top_log_probs(self, rows, k, bitmask=None, masked=None):
+        allowed = {}
+        if bitmask is not None:
+            dense = unpack_bitmask(bitmask, rows.shape[1])
+            allowed = dict(zip(range(rows.shape[0]) if masked is None else masked, dense))
+        values, indices = [], []
+        for j, row in enumerate(rows):
+            lp = torch.log_softmax(row.float(), dim=-1).cpu()
+            if j in allowed:
+                lp = lp.masked_fill(~allowed[j], float("-inf"))
+            top = torch.topk(lp, min(k, lp.shape[0]))
+            values.append(top.values)
+            indices.append(top.indices)
+        self.rows_seen += rows.shape[0]
+        return torch.stack(values), torch.stack(indices)
+
+
+def _draft_steps(drafter, states, steps: int) -> list[list]:
+    """``steps`` drafting steps over ``states``; after each, the first-child path of every tree
+    is committed (its tokens are grammar-valid when the tree is constrained) and fed to the
+    request's matcher. Returns the trees of every step."""
+    for s in states:
+        drafter.add(s)
+    out = []
+    for _ in range(steps):
+        trees = drafter.propose(states)
+        out.append([(t.token_list, t.parent_list) for t in trees])
+        for s, t in zip(states, trees):
+            node, path = 0, []
+            while node in t.parent_list[1:]:
+                node = t.parent_list.index(node, 1)
+                path.append(t.token_list[node])
+            path = path or [t.token_list[0]]
+            if s.matcher is not None and s.matcher.accept_tokens(path) != len(path):
+                path = []
+            s.output_ids.extend(path)
+    return out
+
+
+def test_batched_device_topk_equals_per_row_host_reference():
+    """The batched on-device log-softmax/mask/top-k drafts exactly the trees of the per-row host
+    path, plain (EAGLE-2 trees) and grammar-constrained, on a mixed batch of 3 (two grammar
+    requests, one without)."""
+    model, tok = model_and_tokenizer()
+    draft_model = truncated_model(model, 2)
+    b = backend("xgrammar")
+    reqs = requests()
+    prompts = [reqs[0].prompt, reqs[2].prompt, build_prompt(tok, "Name three colours.")]
+
+    def states(grammar: bool):
+        out = []
+        for i, ids in enumerate(prompts):
+            spec = reqs[0].grammar if i == 0 else reqs[2].grammar if i == 1 else None
+            m = b.matcher(b.compile(spec)) if grammar and spec is not None else None
+            out.append(RequestState(Request(ids, spec, rid=f"r{i}"), list(ids), SamplingParams(), matcher=m))
+        return out
+
+    opts = {"topk": 3, "num_steps": 3, "num_draft_tokens": 7, "vocab_limit": model.config.vocab_size}
+    for grammar in (False, True):
+        got, want = [], []
+        for cls, trees in ((ModelDrafter, got), (PerRowReference, want)):
+            drafter = cls(ModelRunner(draft_model), **opts)
+            outer = GrammarAwareDrafter(drafter, num_draft_tokens=7, constrain=True, forced=False) if grammar else drafter
+            trees.extend(_draft_steps(outer, states(grammar), steps=3))
+        assert drafter.rows_seen > 3 * 3  # the reference ran at every depth, several rows each
+        assert got == want
+        assert all(len(tokens) == 7 for step in got for tokens, _ in step), got

@@ -70,8 +70,34 @@ PROMPT_B = [26843]
 PROMPT_C = [2705, 827, 1296, 1876]
 
 
-def check_tree_logits_and_commit(m, atol=ATOL):
-    runner = ModelRunner(m)
+class _ReplayEagerly:
+    """Stands in for :class:`~spec_grammar.worker.cuda_graphs.ForwardGraphs` where CUDA is
+    absent: runs the very function a graph would capture, on the bucket-padded inputs, so the
+    padding of the graph path (idle rows, self-attending nodes, kv buckets) is checked on CPU."""
+
+    captures = 0
+
+    def __init__(self):
+        self.keys = set()
+
+    def clear(self):
+        pass
+
+    def run(self, key, inputs, forward):
+        self.keys.add(key)
+        return forward(**inputs)
+
+
+def make_runner(m, graphs, **kw) -> ModelRunner:
+    if graphs != "emulated":
+        return ModelRunner(m, cuda_graphs=graphs, **kw)
+    runner = ModelRunner(m, **kw)
+    runner._graphs = _ReplayEagerly()
+    return runner
+
+
+def check_tree_logits_and_commit(m, atol=ATOL, graphs=None):
+    runner = make_runner(m, graphs)
     prompts = {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}
     for rid, p in prompts.items():
         runner.add(rid, p)
@@ -108,8 +134,8 @@ def check_tree_logits_and_commit(m, atol=ATOL):
     )
 
 
-def check_remove_add_mid_batch_and_subsets(model, atol=ATOL):
-    runner = ModelRunner(model)
+def check_remove_add_mid_batch_and_subsets(model, atol=ATOL, graphs=None):
+    runner = make_runner(model, graphs)
     prompts = {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}
     for rid, p in prompts.items():
         runner.add(rid, p)
@@ -155,16 +181,30 @@ def test_remove_and_add_mid_batch_and_subsets(model):
     check_remove_add_mid_batch_and_subsets(model)
 
 
+def test_graph_padded_path_on_cpu(model):
+    """The inputs a CUDA graph would get (batch and tree padded to power-of-two buckets, idle
+    rows) give the same logits as a plain forward; full-batch forwards take that path."""
+    check_tree_logits_and_commit(model, graphs="emulated")
+    check_remove_add_mid_batch_and_subsets(model, graphs="emulated")
+    runner = make_runner(model, "emulated")
+    for rid, p in {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}.items():
+        runner.add(rid, p)
+    runner.forward_trees(list("abc"), [DraftTree.chain(p[-1], [28] * 4) for p in (PROMPT_A, PROMPT_B, PROMPT_C)])
+    assert runner._graphs.keys == {(4, 8, 64)}  # 3 requests -> 4 rows, 5 nodes -> 8
+
+
 def test_chunked_prefill_and_extend(model):
     check_chunked_prefill_and_extend(model)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_same_code(attn, dtype):
+def test_cuda_same_code(attn, dtype, graphs):
     """The same checks on CUDA, on a 2-layer Llama with SmolLM2's shapes and random weights (the
-    mechanics under test do not depend on trained weights; the device may hold no model files).
+    mechanics under test do not depend on trained weights; the device may hold no model files),
+    with CUDA graphs (full-batch forwards replay graphs, subsets run eagerly) and without.
     The tolerance is relative to the logits' scale: 1e-4 in fp32, 3e-2 in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -178,8 +218,8 @@ def test_cuda_same_code(attn, dtype):
     model.set_attn_implementation(attn)
     scale = float(reference(model, [PROMPT_A])[0].abs().max())
     atol = scale * (1e-4 if dtype == torch.float32 else 3e-2)
-    check_tree_logits_and_commit(model, atol)
-    check_remove_add_mid_batch_and_subsets(model, atol)
+    check_tree_logits_and_commit(model, atol, graphs)
+    check_remove_add_mid_batch_and_subsets(model, atol, graphs)
     check_chunked_prefill_and_extend(model, atol)
 
 

@@ -57,11 +57,30 @@ def register(sub) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     p.add_argument("--no-spec", action="store_true", help="plain constrained decoding (no drafts)")
     p.add_argument("--no-overlap", action="store_true", help="grammar work after the verify forward, not under it")
+    p.add_argument(
+        "--no-cuda-graphs", action="store_true",
+        help="run the forwards eagerly (CUDA graphs are used on CUDA devices only)",
+    )
+    p.add_argument(
+        "--grammar-threads", type=_positive_int, default=None, metavar="N",
+        help="threads sharing a step's grammar work (default: automatic, up to 8 when the backend releases the GIL)",
+    )
     p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
     p.add_argument("--batch-file", metavar="FILE.jsonl", help="one request per line (see the module help)")
     p.add_argument("--json", action="store_true", help="print per-request results and stats as JSON")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
 
 
 def _read_text(path: str, what: str) -> str:
@@ -214,6 +233,8 @@ def run(args) -> int:
         overlap=not args.no_overlap,
         device=args.device,
         constrain_draft=args.constrain_draft,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        grammar_threads=args.grammar_threads,
         **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
     )
     requests, slots = [], []

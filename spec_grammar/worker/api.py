@@ -155,11 +155,14 @@ def build_worker(
     dtype: Any = None,
     constrain_draft: bool = False,
     forced_tokens: bool = DEFAULT_FORCED_TOKENS,
+    cuda_graphs: bool | None = None,
+    grammar_threads: int | None = None,
 ) -> SpecWorker:
     """A :class:`SpecWorker` over a model loaded by :func:`spec_grammar.models.load_model`
     (models and backends are cached per process). ``grammar_backend=None`` gives a worker for
-    plain requests only. Raises :class:`~spec_grammar.errors.BackendNotFoundError` for an
-    unknown backend and :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
+    plain requests only; ``cuda_graphs`` / ``grammar_threads``: see :class:`SpecWorker`. Raises
+    :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend and
+    :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
     dev = resolve_device(device)
     target, tokenizer = _load(model, dtype, dev)
     vocab = int(target.config.vocab_size)
@@ -177,6 +180,8 @@ def build_worker(
         device=dev,
         constrain_draft=constrain_draft,
         forced_tokens=forced_tokens,
+        cuda_graphs=cuda_graphs,
+        grammar_threads=grammar_threads,
     )
 
 
@@ -215,6 +220,8 @@ def generate(
     chat: bool = True,
     constrain_draft: bool = False,
     forced_tokens: bool = DEFAULT_FORCED_TOKENS,
+    cuda_graphs: bool | None = None,
+    grammar_threads: int | None = None,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
 
@@ -234,6 +241,9 @@ def generate(
             :class:`~spec_grammar.worker.sampling.SamplingParams` of every prompt.
         no_spec: plain constrained decoding; overlap: grammar work under the verify forward.
         device: ``auto`` / ``cpu`` / ``cuda``; dtype: model dtype (default float32).
+        cuda_graphs: replay CUDA graphs for the forwards (CUDA devices only; None = on there).
+        grammar_threads: threads sharing a step's grammar work (None = automatic; see
+            :func:`~spec_grammar.worker.engine.default_grammar_threads`).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
@@ -268,6 +278,8 @@ def generate(
         dtype=dtype,
         constrain_draft=constrain_draft,
         forced_tokens=forced_tokens,
+        cuda_graphs=cuda_graphs,
+        grammar_threads=grammar_threads,
     )
     requests = []
     for item, g in zip(items, grammars):

@@ -66,7 +66,10 @@ def verify_greedy_batch(
         trees: the ``B`` draft trees.
         selected: batch indices to verify (requests for which :func:`batch_greedy_eligible`).
         bitmask: ``(rows, W)`` int32 host tensor (pinned on CUDA) holding the grammar rows of
-            every grammar request, request after request (``offsets``), or None.
+            every grammar request, request after request (``offsets``), or None. Its upload is
+            queued ``non_blocking`` on the current stream: the caller keeps the buffer unchanged
+            until that copy has run (the worker reuses buffers only after a CUDA event recorded
+            after the step; :mod:`~spec_grammar.worker.host_bitmask`).
         offsets: per batch index, the first bitmask row of its tree, or None (no grammar).
         valids: per batch index, ``(N,)`` bool node validity from the tree fill, or None.
         stop_token_ids: per batch index, tokens never expanded.

@@ -12,7 +12,10 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
    (each committed token reaches its matcher exactly once; a finished request's last run is
    fed too), then the tree rows of this step are filled (``GrammarBackend.fill_tree_bitmasks``).
    Advance-then-fill is forced by the tree semantics: row n is the allowed set after
-   committed + path root..n, so the matcher must hold every committed token first.
+   committed + path root..n, so the matcher must hold every committed token first. With
+   ``grammar_threads > 1`` the requests are split into contiguous groups of about equal node
+   count and each group's advance + fill runs in its own thread, into its own rows of the
+   step's host bitmask (a reused buffer of :class:`~.host_bitmask.HostBitmaskRing`).
 4. **Accept**: ``process_tree_logits`` (penalties, grammar mask, temperature) then
    ``verify_greedy`` / ``verify_stochastic``; the committed run (accepted path tokens + bonus)
    is truncated at a stop token (EOS / grammar completion), a stop string or
@@ -26,26 +29,31 @@ protocol.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..bitmask import allocate_token_bitmask
 from ..errors import SpecGrammarError
 from ..protocol import GrammarBackend
 from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
+from .host_bitmask import HostBitmaskRing
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
 from .batch_verify import batch_greedy_eligible, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
 
-__all__ = ["SpecWorker", "cut_tree_depth"]
+__all__ = ["SpecWorker", "cut_tree_depth", "default_grammar_threads", "split_balanced"]
+
+MAX_AUTO_GRAMMAR_THREADS = 8
+"""Cap of ``grammar_threads=None``: past it the per-step fan-out costs more than it saves."""
 
 
 def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -61,8 +69,45 @@ def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     )
 
 
+def default_grammar_threads(backend: GrammarBackend | None) -> int:
+    """Grammar threads of ``SpecWorker(grammar_threads=None)``: ``min(8, os.cpu_count() // 2)``
+    when the backend's fills drop the GIL (``capabilities.releases_gil``) and it keeps the
+    protocol's one-job-after-the-other :meth:`GrammarBackend.fill_tree_bitmasks`; else 1.
+    Half the cores: the forward's host thread (and on CPU the forward itself) needs the rest;
+    on a 2-core host a second grammar thread measured 0.76x (slower), so it gets one.
+
+    A backend that overrides ``fill_tree_bitmasks`` runs its own parallel executor (the
+    protocol's advice for one, e.g. llguidance's ``LLExecutor``), and groups of worker threads
+    on top of it would only compete with it for the cores.
+    """
+    if backend is None or not backend.capabilities.releases_gil:
+        return 1
+    if type(backend).fill_tree_bitmasks is not GrammarBackend.fill_tree_bitmasks:
+        return 1
+    return max(1, min(MAX_AUTO_GRAMMAR_THREADS, (os.cpu_count() or 1) // 2))
+
+
+def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
+    """Split ``range(len(weights))`` into ``min(parts, len(weights))`` contiguous, non-empty
+    ranges whose weight sums are about equal: boundary k sits where the running sum comes
+    closest to ``k / parts`` of the total. Order is kept, so the ranges are also contiguous
+    row ranges of a bitmask filled in request order. Returns ``[]`` for no weights."""
+    n = len(weights)
+    parts = min(parts, n)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    bounds = [0]
+    for k in range(1, parts):
+        target = prefix[-1] * k / parts
+        # leave at least one item for this range and for each range after it
+        bounds.append(min(range(bounds[-1] + 1, n - parts + k + 1), key=lambda j: abs(prefix[j] - target)))
+    bounds.append(n)
+    return [range(a, b) for a, b in itertools.pairwise(bounds)] if n else []
+
+
 class _GrammarWork:
-    """What the grammar thread hands back for one step."""
+    """What the grammar work of one step (or of one group of its requests) hands back."""
 
     __slots__ = ("bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
 
@@ -101,6 +146,11 @@ class SpecWorker:
             :class:`Drafter` instance passed in runs exactly as given; ``generate`` and the
             CLI default to :data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`.
         device: where the target runs (default: the model's device).
+        cuda_graphs: passed to :class:`~spec_grammar.worker.runner.ModelRunner` (CUDA graphs
+            are used on CUDA devices only; None = the runner's default).
+        grammar_threads: threads sharing a step's grammar work (advance + tree fill), each
+            taking a contiguous group of requests; None = :func:`default_grammar_threads`.
+            Outputs do not depend on it. Raises ``ValueError`` unless None or an int >= 1.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
     """
@@ -120,8 +170,16 @@ class SpecWorker:
         device: Any = None,
         constrain_draft: bool = False,
         forced_tokens: bool = False,
+        cuda_graphs: bool | None = None,
+        grammar_threads: int | None = None,
     ):
-        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model, device=device)
+        if grammar_threads is not None and (
+            isinstance(grammar_threads, bool) or not isinstance(grammar_threads, int) or grammar_threads < 1
+        ):
+            raise ValueError(f"grammar_threads must be None or an int >= 1, got {grammar_threads!r}")
+        self.runner = (
+            model if isinstance(model, ModelRunner) else ModelRunner(model, device=device, cuda_graphs=cuda_graphs)
+        )
         self.tokenizer = tokenizer
         if isinstance(backend, str):
             from ..registry import get_backend
@@ -157,6 +215,19 @@ class SpecWorker:
         self.stop_token_ids = frozenset(int(t) for t in stops)
         self.step_stats: list[StepStats] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar") if overlap else None
+        self.grammar_threads = default_grammar_threads(backend) if grammar_threads is None else grammar_threads
+        # the thread running a step's grammar work takes the first group itself, so the group
+        # pool is a second pool (no pool ever waits on its own workers)
+        self._group_pool = (
+            ThreadPoolExecutor(max_workers=self.grammar_threads - 1, thread_name_prefix="spec-grammar-group")
+            if self.grammar_threads > 1
+            else None
+        )
+        self._bitmasks = (
+            HostBitmaskRing(backend.vocab_size, pin=self.runner.device.type == "cuda")
+            if backend is not None
+            else None
+        )
         self._cancel_lock = threading.Lock()
         self._running: set[str] = set()
         self._cancelled: set[str] = set()
@@ -189,10 +260,13 @@ class SpecWorker:
         return [s for s in live if s.rid not in hit]
 
     def close(self) -> None:
-        """Stop the grammar thread."""
+        """Stop the grammar threads."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._group_pool is not None:
+            self._group_pool.shutdown(wait=True)
+            self._group_pool = None
 
     def __enter__(self) -> "SpecWorker":
         return self
@@ -241,55 +315,88 @@ class SpecWorker:
 
     # -- grammar work (the overlapped part) -------------------------------------------------
     def _grammar_work(
-        self, live: Sequence[RequestState], trees: Sequence[DraftTree], draining: Sequence[RequestState]
+        self,
+        live: Sequence[RequestState],
+        trees: Sequence[DraftTree],
+        draining: Sequence[RequestState],
+        bitmask: torch.Tensor | None,
     ) -> _GrammarWork:
+        """Advance + fill for the whole step: request groups in parallel (this thread takes
+        the first), merged in request order. ``bitmask``: ``(rows, W)`` int32 host buffer with
+        one row per node of every live grammar request, in request order."""
         t0 = time.perf_counter()
-        work = _GrammarWork()
-        for st in draining:
-            ts = time.perf_counter()
-            self._advance(st, work)
-            work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
-        jobs, owners, reused, rows = [], [], [], 0
+        entries: list[tuple[RequestState, DraftTree | None, int]] = [(st, None, 0) for st in draining]
+        rows = 0
         for st, tree in zip(live, trees):
-            if st.matcher is None:
-                continue
+            if st.matcher is not None:
+                entries.append((st, tree, rows))
+                rows += tree.num_nodes
+        # a draining request only accepts its last tokens: far cheaper than a tree fill
+        groups = split_balanced([1 if t is None else t.num_nodes for _, t, _ in entries], self.grammar_threads)
+        parts = [entries[g.start : g.stop] for g in groups]
+        if len(parts) <= 1:
+            done = [self._group_work(parts[0] if parts else [], bitmask)]
+        else:
+            futs = [self._group_pool.submit(self._group_work, p, bitmask) for p in parts[1:]]
+            try:
+                first = self._group_work(parts[0], bitmask)
+            finally:
+                wait(futs)  # no group may still write the bitmask once this returns or raises
+            done = [first] + [f.result() for f in futs]
+        work = _GrammarWork()
+        work.bitmask = bitmask
+        for part in done:
+            work.offsets.update(part.offsets)
+            work.valid.update(part.valid)
+            work.errors.update(part.errors)
+            work.per_request_ms.update(part.per_request_ms)
+        work.ms = (time.perf_counter() - t0) * 1e3
+        return work
+
+    def _group_work(
+        self, entries: Sequence[tuple[RequestState, DraftTree | None, int]], bitmask: torch.Tensor | None
+    ) -> _GrammarWork:
+        """Advance + fill of one contiguous group of requests: ``(state, tree, first row)``
+        with ``tree`` None for a finished request that only takes its last tokens. One
+        ``fill_tree_bitmasks`` call for the group; if it raises, each request is filled alone
+        so that only the failing one ends."""
+        work = _GrammarWork()
+        work.bitmask = bitmask
+        jobs, owners, filled = [], [], 0
+        for st, tree, off in entries:
             ts = time.perf_counter()
             ok = self._advance(st, work)
             work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
-            if not ok:
+            if tree is None or not ok:
                 continue
             if st.matcher.is_terminated():
                 work.errors[st.rid] = "the grammar terminated without a stop token being committed"
                 continue
             drafted = self._drafted_rows(st, tree)
             if drafted is not None:
-                reused.append((st, rows, drafted))
-            else:
-                jobs.append((st.matcher, tree, rows))
-                owners.append(st)
-            work.offsets[st.rid] = rows
-            rows += tree.num_nodes
-        if rows:
-            pin = self.runner.device.type == "cuda"
-            work.bitmask = allocate_token_bitmask(rows, self.backend.vocab_size, pin_memory=pin)
-            # rows the grammar-aware drafter computed while drafting are the verification rows
-            for st, off, (drafted_rows, valid) in reused:
-                work.bitmask[off : off + drafted_rows.shape[0]] = drafted_rows
+                # rows the grammar-aware drafter computed while drafting are the verification rows
+                drafted_rows, valid = drafted
+                bitmask[off : off + drafted_rows.shape[0]] = drafted_rows
                 work.valid[st.rid] = valid
+            else:
+                jobs.append((st.matcher, tree, off))
+                owners.append(st)
+                filled += tree.num_nodes
+            work.offsets[st.rid] = off
         if jobs:
             tf = time.perf_counter()
             try:
-                valids = self.backend.fill_tree_bitmasks(jobs, work.bitmask)
+                valids = self.backend.fill_tree_bitmasks(jobs, bitmask)
             except Exception:  # find the failing request(s): fill each alone
                 valids = [self._fill_one(st, job, work) for st, job in zip(owners, jobs)]
             fill_ms = (time.perf_counter() - tf) * 1e3
             for st, (_, tree, _), valid in zip(owners, jobs, valids):
                 if valid is None:
+                    del work.offsets[st.rid]
                     continue
                 work.valid[st.rid] = valid
                 # a batched fill is timed as a whole: charge it by node count
-                work.per_request_ms[st.rid] += fill_ms * tree.num_nodes / rows
-        work.ms = (time.perf_counter() - t0) * 1e3
+                work.per_request_ms[st.rid] += fill_ms * tree.num_nodes / filled
         return work
 
     def _advance_before_draft(
@@ -415,15 +522,39 @@ class SpecWorker:
         ]
         t1 = time.perf_counter()
         rids = [s.rid for s in live]
+        rows = sum(t.num_nodes for s, t in zip(live, trees) if s.matcher is not None)
+        bitmask = self._bitmasks.acquire(rows) if rows else None
+        try:
+            return self._verify_step(live, trees, draining, bitmask, rids, t0, t1)
+        finally:
+            if bitmask is not None:
+                # every upload from this buffer was queued on the current stream by now
+                self._bitmasks.record_upload(self.runner.device)
+
+    def _verify_step(
+        self,
+        live: list[RequestState],
+        trees: list[DraftTree],
+        draining: list[RequestState],
+        bitmask: torch.Tensor | None,
+        rids: list[str],
+        t0: float,
+        t1: float,
+    ) -> StepStats:
+        """Verify forward (grammar work under it), then mask, verify and commit."""
         if self._pool is not None:
-            fut = self._pool.submit(self._grammar_work, live, trees, draining)
-            logits = self.runner.forward_trees(rids, trees)
+            fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
+            try:
+                logits = self.runner.forward_trees(rids, trees)
+            except BaseException:
+                wait([fut])  # the grammar work writes the bitmask: let it end before the buffer is reused
+                raise
             t2 = time.perf_counter()
             work = fut.result()
         else:
             logits = self.runner.forward_trees(rids, trees)
             t2 = time.perf_counter()
-            work = self._grammar_work(live, trees, draining)
+            work = self._grammar_work(live, trees, draining, bitmask)
         t3 = time.perf_counter()
         exposed = (t3 - t2) * 1e3
         frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0

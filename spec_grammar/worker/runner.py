@@ -7,15 +7,18 @@ one: the last committed token is the root of the next draft tree, see
 ``WORKER_INTERFACES.md``). Live requests occupy rows ``0..n-1`` (removing one moves the last
 row into the hole), so a batch of every live request reads the buffers through zero-copy views.
 
-A verify forward over a batch whose longest committed length is ``L`` writes the KV of every
-draft-tree node of every request into the scratch region ``[L, L + N_max)`` of its row and
-attends with a 4D additive mask ``(B, 1, N_max, L + N_max)``: node ``n`` of request ``b`` sees
-the request's ``len_b`` cached positions, its ancestors and itself (SpecInfer's tree attention,
-Miao et al. 2024); cache padding ``[len_b, L)`` and other branches are masked. Its position is
-``len_b + depth[n]``. :meth:`ModelRunner.commit` then moves the KV of the accepted path to
-``[len_b, len_b + k + 1)`` and drops the rest (the scratch region is simply overwritten later);
-the moves of all requests' commits are applied together, one gather + scatter per buffer,
-before the next forward.
+A verify forward writes the KV of every draft-tree node of request ``b`` into the scratch
+region ``[len_b, len_b + N)`` of its row (just past its committed KV) and attends with a 4D
+additive mask ``(B, 1, N, kv_len)``: node ``n`` sees the request's ``len_b`` cached positions,
+its ancestors and itself (SpecInfer's tree attention, Miao et al. 2024); everything else is
+masked. Its position is ``len_b + depth[n]``. :meth:`ModelRunner.commit` then moves the KV of
+the accepted path to ``[len_b, len_b + k + 1)`` (nothing moves when the accepted nodes are the
+first ``k + 1`` nodes, as for a chain) and drops the rest; the moves of all requests' commits
+are applied together, one gather + scatter per buffer, before the next forward. The mask,
+positions and write positions are computed on the device from ``len (B,)``, ``depth (B, N)``
+and the ancestor mask ``(B, N, N)``, so the whole forward is capturable as a CUDA graph
+(:mod:`.cuda_graphs`): on CUDA, a forward over every live request replays the graph of its
+shape bucket; other forwards (prefill chunks, subsets of the requests) run eagerly.
 
 transformers (5.x) hands a ready 4D mask to the attention function unchanged
 (``masking_utils._preprocess_mask_arguments``), and its attention layers only call
@@ -33,12 +36,17 @@ import torch
 
 from ..errors import SpecGrammarError
 from ..tree import DraftTree
+from .cuda_graphs import ForwardGraphs, bucket
 
 __all__ = ["ModelRunner", "RunnerError"]
 
-# The mask's key length is rounded up to this multiple: CUDA's memory-efficient sdpa kernel
-# wants an aligned mask stride and otherwise pads (and warns) on every forward.
-_KV_ALIGN = 8
+# The attention's key length is a power of two of at least this (an aligned mask stride for
+# CUDA's memory-efficient sdpa kernel, and few CUDA-graph buckets); eager forwards use the same
+# lengths as graphs, so both paths compute the same attention.
+_MIN_KV = 64
+# Largest batch / tree bucket captured as a CUDA graph; larger forwards run eagerly.
+_MAX_GRAPH_BATCH = 64
+_MAX_GRAPH_NODES = 64
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -67,6 +75,7 @@ class _KVStore:
         self.v: dict[int, torch.Tensor] = {}
         self.rows = 4
         self.capacity = 256
+        self.version = 0  # bumped when the buffers are reallocated (CUDA graphs address them)
 
     @torch.inference_mode()
     def reserve(self, rows: int, length: int) -> None:
@@ -85,9 +94,13 @@ class _KVStore:
                 new[:r, :, :c] = old
                 bufs[i] = new
         self.rows, self.capacity = new_rows, new_cap
+        self.version += 1
 
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if idx not in self.k:
+            if like.is_cuda and torch.cuda.is_current_stream_capturing():
+                # a buffer allocated inside a capture would live in the graph's private pool
+                raise RuntimeError(f"KV layer {idx} first seen during a CUDA graph capture")
             _, h, _, d = like.shape
             # zeros, not empty: masked positions still enter the attention matmul, and
             # 0 * NaN from uninitialised memory would poison every row.
@@ -114,23 +127,26 @@ class _KVStore:
 
 
 class _BatchCache:
-    """The ``cache`` object the model sees during one forward: writes the new KV into the
-    scratch region ``[start, start + n)`` of the selected rows and returns ``[0, kv_len)``."""
+    """The ``cache`` object the model sees during one forward: writes the new KV of batch item
+    ``i`` at positions ``write_pos[i]`` of row ``row_idx[i]`` and returns positions
+    ``[0, kv_len)`` of the selected rows."""
 
     is_compileable = False
 
-    def __init__(self, store: _KVStore, rows: slice | torch.Tensor, start: int, n: int, kv_len: int):
-        self.store, self.rows, self.start, self.n, self.kv_len = store, rows, start, n, kv_len
+    def __init__(self, store: _KVStore, rows: slice | torch.Tensor, row_idx: torch.Tensor,
+                 write_pos: torch.Tensor, kv_len: int):
+        self.store, self.rows, self.kv_len = store, rows, kv_len
+        self.row_idx, self.write_pos = row_idx[:, None], write_pos
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k_buf, v_buf = self.store.layer(layer_idx, key_states)
-        end = self.start + self.n
-        k_buf[self.rows, :, self.start : end] = key_states
-        v_buf[self.rows, :, self.start : end] = value_states
+        # (b, heads, n, dim) -> (b, n, heads, dim): the advanced indices (row, position) lead
+        k_buf[self.row_idx, :, self.write_pos] = key_states.transpose(1, 2)
+        v_buf[self.row_idx, :, self.write_pos] = value_states.transpose(1, 2)
         return k_buf[self.rows, :, : self.kv_len], v_buf[self.rows, :, : self.kv_len]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.start
+        return 0  # positions come from position_ids; the mask is a ready 4D mask
 
 
 class ModelRunner:
@@ -142,12 +158,22 @@ class ModelRunner:
             dtype (use ``load_model(..., dtype=torch.float64)`` for tie-proof equality tests).
         device: where the model runs; default: the model's device. The model is moved there.
         prefill_chunk: longest token chunk of one prefill forward (bounds the mask memory).
+        cuda_graphs: replay CUDA graphs for forwards over every live request (batch <= 64,
+            trees <= 64 nodes; :mod:`.cuda_graphs`). None (default): on for CUDA devices.
+            Ignored off CUDA. Graph outputs are valid until the next forward of this runner.
 
     Not safe for concurrent calls from several threads; a forward releases the GIL, so grammar
     work in another thread overlaps it.
     """
 
-    def __init__(self, model, *, device: torch.device | str | None = None, prefill_chunk: int = 512):
+    def __init__(
+        self,
+        model,
+        *,
+        device: torch.device | str | None = None,
+        prefill_chunk: int = 512,
+        cuda_graphs: bool | None = None,
+    ):
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         if param.device != self.device:
@@ -169,6 +195,13 @@ class ModelRunner:
             int(window) if window and (not layer_types or "sliding_attention" in layer_types) else None
         )
         self._store = _KVStore(self.device)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self._graphs = (
+            ForwardGraphs(self.device)
+            if use_graphs and self.device.type == "cuda"
+            else None
+        )
+        self._graphs_version = self._store.version
         self._rids: list[str] = []  # row -> request id
         self._row: dict[str, int] = {}
         self._len: list[int] = []  # row -> committed KV length
@@ -180,6 +213,16 @@ class ModelRunner:
     def request_ids(self) -> list[str]:
         """Ids of the live requests."""
         return list(self._rids)
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (0 without graphs)."""
+        return self._graphs.captures if self._graphs is not None else 0
+
+    def clear_graphs(self) -> None:
+        """Free every captured CUDA graph (they are captured again when needed)."""
+        if self._graphs is not None:
+            self._graphs.clear()
 
     def add(self, rid: str, prompt_ids: Sequence[int]) -> None:
         """Start request ``rid``: prefill the KV of ``prompt_ids[:-1]`` (the last prompt token is
@@ -232,13 +275,13 @@ class ModelRunner:
             chunk = torch.tensor(ids[s : s + self.prefill_chunk], dtype=torch.long)
             c = chunk.numel()
             # a single row's scratch starts at its own length: the chain's KV lands in place
-            self._forward(
-                [row],
-                chunk[None],
-                torch.arange(c)[None],
-                torch.ones(c, c, dtype=torch.bool).tril_()[None],
-                logits_to_keep=1,
+            inputs = dict(
+                tokens=chunk[None],
+                depth=torch.arange(c)[None],
+                anc=torch.ones(c, c, dtype=torch.bool).tril_()[None],
+                lens=torch.tensor([self._len[row]]),
             )
+            self._forward([row], inputs, logits_to_keep=1, graph=False)
             self._len[row] += c
 
     # -- verify -----------------------------------------------------------------------------
@@ -270,22 +313,31 @@ class ModelRunner:
         order = sorted(range(len(rids)), key=rows.__getitem__)
         n_max = max(t.num_nodes for t in trees)
         b = len(rids)
-        tokens = torch.zeros(b, n_max, dtype=torch.long)
-        depth = torch.zeros(b, n_max, dtype=torch.long)
-        anc = torch.eye(n_max, dtype=torch.bool).repeat(b, 1, 1)  # padded nodes see themselves
+        # a forward over every live request (rows 0..b-1) may replay a CUDA graph: build its
+        # inputs at the graph bucket's shape right away (idle rows and nodes padded)
+        graph = self._graphs is not None and b == len(self._rids) and b <= _MAX_GRAPH_BATCH and n_max <= _MAX_GRAPH_NODES
+        bb, nb = (bucket(b), bucket(n_max)) if graph else (b, n_max)
+        tokens = [[0] * nb for _ in range(bb)]
+        depth = [[0] * nb for _ in range(bb)]
+        anc = torch.eye(nb, dtype=torch.bool).repeat(bb, 1, 1)  # padded nodes see themselves
+        vocab = self.vocab_size
         for j, i in enumerate(order):
             t = trees[i]
             n = t.num_nodes
-            tok = t.tokens
-            tokens[j, :n] = torch.where((tok >= 0) & (tok < self.vocab_size), tok, 0)
-            depth[j, :n] = t.depth
+            tokens[j][:n] = [tok if 0 <= tok < vocab else 0 for tok in t.token_list]
+            depth[j][:n] = t.depth_list
             anc[j, :n, :n] = t.ancestor_mask
-        logits, start = self._forward([rows[i] for i in order], tokens, depth, anc, logits_to_keep=0)
+        lens = [self._len[rows[i]] for i in order] + [0] * (bb - b)
+        inputs = dict(tokens=torch.tensor(tokens), depth=torch.tensor(depth), anc=anc, lens=torch.tensor(lens))
+        sorted_rows = [rows[i] for i in order]
+        logits = self._forward(sorted_rows, inputs, logits_to_keep=0, graph=graph)[:b, :n_max]
         for i in order:
-            self._pending[rids[i]] = (start, trees[i])
+            self._pending[rids[i]] = (self._len[rows[i]], trees[i])
+        if order == list(range(b)):
+            return logits
         inverse = torch.empty(b, dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(b)
-        return logits[_upload(inverse, self.device)] if order != list(range(b)) else logits
+        return logits[_upload(inverse, self.device)]
 
     def commit(self, rid: str, accepted_nodes: Sequence[int]) -> None:
         """Keep the KV of ``accepted_nodes`` (root first: ``[0, a1, .., ak]``, each the parent of
@@ -329,38 +381,87 @@ class ModelRunner:
             raise RunnerError(f"token ids {bad[:8]} are outside [0, {self.vocab_size})")
 
     def _forward(
-        self,
-        rows: list[int],
-        tokens: torch.Tensor,
-        depth: torch.Tensor,
-        anc: torch.Tensor,
-        *,
-        logits_to_keep: int,
-    ) -> tuple[torch.Tensor, int]:
-        """Run ``tokens (b, n)`` for ascending ``rows`` with tree mask ``anc (b, n, n)`` and
-        ``depth (b, n)`` (CPU tensors); returns (float32 logits, scratch start)."""
+        self, rows: list[int], inputs: dict[str, torch.Tensor], *, logits_to_keep: int, graph: bool
+    ) -> torch.Tensor:
+        """Run a batch for ascending ``rows``. ``inputs`` (CPU tensors): ``tokens``, ``depth``
+        ``(B, N)`` long, ``anc (B, N, N)`` bool ancestor-or-self mask, ``lens (B,)`` long.
+        With ``graph``, ``rows`` are every live row (0..b-1) and ``inputs`` are padded to the
+        graph bucket ``B = bucket(b)``, ``N = bucket(n)`` (idle rows: length 0, past the live
+        rows, so their writes touch no live KV; padded nodes: token 0, attending to
+        themselves); otherwise ``B = len(rows)``. Returns ``(B, N or logits_to_keep, V)``
+        float32 logits."""
         self._flush_moves()
-        b, n = tokens.shape
-        lens = torch.tensor([self._len[r] for r in rows], dtype=torch.long)
-        start = int(lens.max())
-        kv_len = -(-(start + n) // _KV_ALIGN) * _KV_ALIGN
+        bb, nb = inputs["tokens"].shape
+        kv_len = bucket(int(inputs["lens"].max()) + nb, _MIN_KV)
+        if graph:
+            self._store.reserve(bb, kv_len)
+            if self._store.version != self._graphs_version:
+                self._graphs.clear()
+                self._graphs_version = self._store.version
+
+            def forward(tokens, depth, anc, lens):
+                # every tensor a graph reads must outlive it: made inside the capture, the row
+                # indices live in the graph's pool (a tensor from outside would be freed and its
+                # memory reused while the graph still reads it)
+                row_idx = torch.arange(bb, device=tokens.device)
+                return self._device_forward(
+                    tokens, depth, anc, lens, row_idx, rows=slice(0, bb), kv_len=kv_len, logits_to_keep=0
+                )
+
+            out = self._graphs.run((bb, nb, kv_len), inputs, forward)
+            if out is not None:
+                return out
+            b = len(rows)  # this bucket cannot be captured: run the live rows eagerly
+            inputs = {k: v[:b] for k, v in inputs.items()}
+        b = len(rows)
         self._store.reserve(len(self._rids), kv_len)
         if rows == list(range(rows[0], rows[0] + b)):
             sel: slice | torch.Tensor = slice(rows[0], rows[0] + b)
         else:
             sel = _upload(torch.tensor(rows, dtype=torch.long), self.device)
-
         dev = self.device
-        lens_d = _upload(lens, dev)
-        positions = lens_d[:, None] + _upload(depth, dev)
-        allowed = torch.zeros(b, n, kv_len, dtype=torch.bool, device=dev)
-        allowed[:, :, :start] = (torch.arange(start, device=dev)[None] < lens_d[:, None])[:, None, :]
-        allowed[:, :, start : start + n] = _upload(anc, dev)
+        up = {k: _upload(v, dev) for k, v in inputs.items()}
+        row_idx = _upload(torch.tensor(rows, dtype=torch.long), dev)
+        return self._device_forward(
+            up["tokens"], up["depth"], up["anc"], up["lens"], row_idx,
+            rows=sel, kv_len=kv_len, logits_to_keep=logits_to_keep,
+        )
+
+    def _device_forward(
+        self,
+        tokens: torch.Tensor,
+        depth: torch.Tensor,
+        anc: torch.Tensor,
+        lens: torch.Tensor,
+        row_idx: torch.Tensor,
+        *,
+        rows: slice | torch.Tensor,
+        kv_len: int,
+        logits_to_keep: int,
+    ) -> torch.Tensor:
+        """The model forward on device tensors (capturable: no host synchronization).
+
+        Args:
+            tokens, depth: ``(b, n)`` long; anc: ``(b, n, n)`` bool ancestor-or-self mask;
+            lens: ``(b,)`` long committed KV lengths; row_idx: ``(b,)`` long KV rows (the same
+            rows as ``rows``, the slice or tensor the cache reads through).
+            kv_len: key length of the attention (``>= max(lens) + n``).
+
+        Returns float32 logits ``(b, n or logits_to_keep, V)``.
+        """
+        n = tokens.shape[1]
+        dev = tokens.device
+        positions = lens[:, None] + depth  # (b, n)
+        key = torch.arange(kv_len, device=dev)
+        rel = key[None, :] - lens[:, None]  # (b, kv): key position relative to the scratch
+        committed = rel < 0
+        slot = rel.clamp(0, n - 1)
+        in_scratch = (rel >= 0) & (rel < n)
+        anc_k = anc.gather(2, slot[:, None, :].expand(-1, n, -1))  # (b, n, kv)
+        allowed = committed[:, None, :] | (in_scratch[:, None, :] & anc_k)
         mask = self._additive(allowed)
         if self._window is not None:
-            key_pos = torch.zeros(b, kv_len, dtype=torch.long, device=dev)
-            key_pos[:, :start] = torch.arange(start, device=dev)
-            key_pos[:, start : start + n] = positions
+            key_pos = torch.where(committed, key[None, :], lens[:, None] + depth.gather(1, slot))
             in_window = positions[:, :, None] - key_pos[:, None, :] < self._window
             window_mask = self._additive(allowed & in_window)
             # layer_types models take one mask per layer type; others use the window everywhere
@@ -369,18 +470,18 @@ class ModelRunner:
                 if self._per_layer_type
                 else window_mask
             )
-
-        cache = _BatchCache(self._store, sel, start, n, kv_len)
+        write_pos = lens[:, None] + torch.arange(n, device=dev)
+        cache = _BatchCache(self._store, rows, row_idx, write_pos, kv_len)
         with torch.inference_mode():
             out = self.model(
-                input_ids=_upload(tokens, dev),
+                input_ids=tokens,
                 attention_mask=mask,
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
                 **{self._cache_kw: cache},
             )
-        return out.logits.float(), start
+        return out.logits.float()
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """``(b, n, kv)`` bool -> ``(b, 1, n, kv)`` additive mask in the model dtype."""

@@ -26,7 +26,6 @@ from typing import Any, Sequence
 
 import torch
 
-from ...bitmask import unpack_bitmask
 from ...tree import DraftTree
 from .base import Drafter, NoDrafter
 from .forced import GrammarDraft, extend_with_forced, walk_tree
@@ -178,15 +177,18 @@ class GrammarAwareDrafter(Drafter):
         """:meth:`ModelDrafter.propose` with every frontier row masked by its grammar row.
 
         Candidates keep a lazily made matcher fork and row; requests without a grammar get the
-        unmasked tree. Returns per request ``(GrammarDraft, leaf_matcher)`` (grammar; see
-        :func:`.forced.extend_with_forced`) or ``(DraftTree, None)`` (no grammar)."""
+        unmasked tree. Per depth, the grammar rows of the whole batch's frontier go to the
+        device in one upload and mask the draft log-probs there, before the batched top-k
+        (:meth:`ModelDrafter.top_log_probs`). Returns per request ``(GrammarDraft,
+        leaf_matcher)`` (grammar; see :func:`.forced.extend_with_forced`) or ``(DraftTree,
+        None)`` (no grammar)."""
         d: ModelDrafter = self.inner  # type: ignore[assignment]
         budget = d.num_draft_tokens - 1
-        root_lp = d._catch_up(batch)
+        root_rows = d._catch_up(batch)
         k = d.topk
         info = next((m.info for m in matchers if m is not None), None)
         if info is not None:
-            check_draft_vocab(int(root_lp[0].shape[0]), info.vocab_size, self.d2t)
+            check_draft_vocab(int(root_rows.shape[1]), info.vocab_size, self.d2t)
         # Per request: candidates (token, parent or -1, score, depth) and their grammar state.
         cands: list[list[tuple[int, int, float, int]]] = []
         states: list[dict[int, tuple[Any, torch.Tensor, bool]]] = []
@@ -207,27 +209,36 @@ class GrammarAwareDrafter(Drafter):
                 st[c] = (m, row, not ok or m.is_terminated())
             return st[c]
 
-        def expand(i: int, lp: torch.Tensor, row: torch.Tensor | None, base: float, parent: int):
-            if row is not None:
-                allowed = self._allowed(row, lp.shape[0], info.vocab_size)
-                lp = lp.masked_fill(~allowed, float("-inf"))
-            top = torch.topk(lp, min(k, lp.shape[0]))
-            ids = top.indices if self.d2t is None else draft_to_target_ids(top.indices, self.d2t)
-            return [
-                (base + float(v), int(t), parent)
-                for v, t in zip(top.values, ids)
-                if v != float("-inf")
-            ]
+        def top(rows: torch.Tensor, grammar_rows: list[torch.Tensor | None]):
+            """Per row of ``rows``: (log-probs, target ids) of its top-k allowed tokens."""
+            masked = [j for j, r in enumerate(grammar_rows) if r is not None]
+            bitmask = None
+            if masked:
+                bitmask = torch.stack([grammar_rows[j] for j in masked])
+                if self.d2t is not None:
+                    bitmask = draft_vocab_bitmask(bitmask, self.d2t, info.vocab_size)
+            values, ids = d.top_log_probs(
+                rows, k, bitmask, None if len(masked) == len(grammar_rows) else masked
+            )
+            if self.d2t is not None:
+                ids = draft_to_target_ids(ids, self.d2t)
+            return zip(values.tolist(), ids.tolist())
 
-        for i, lp in enumerate(root_lp):
-            m = matchers[i]
+        def expand(top_row, base: float, parent: int):
+            vs, ts = top_row
+            return [(base + v, t, parent) for v, t in zip(vs, ts) if v != float("-inf")]
+
+        root_masks = []
+        for m in matchers:
             root_row = None
             if m is not None:
                 root_row = torch.zeros(info.bitmask_width, dtype=torch.int32)
                 m.fill_next_token_bitmask(root_row.unsqueeze(0), 0)
             roots.append(None if m is None else (m, root_row))
+            root_masks.append(root_row)
             states.append({})
-            new = expand(i, lp, root_row, 0.0, -1)
+        for top_row in top(root_rows, root_masks):
+            new = expand(top_row, 0.0, -1)
             cands.append([(t, -1, s, 1) for s, t, _ in new])
             frontiers.append(list(range(len(new))))
         rids = [s.rid for s in batch]
@@ -240,15 +251,25 @@ class GrammarAwareDrafter(Drafter):
                 trees.append(tree)
                 index_of.append(idx)
             logits = d.runner.forward_trees(rids, trees)
-            for i, (c, front) in enumerate(zip(cands, frontiers)):
-                new = []
+            # The frontier nodes to expand: (request, candidate, grammar row); terminated
+            # grammar states have no continuation.
+            live: list[tuple[int, int, torch.Tensor | None]] = []
+            for i, front in enumerate(frontiers):
                 for f in front:
                     row = None
                     if roots[i] is not None:
                         _, row, terminated = state(i, f)
                         if terminated:
                             continue
-                    new.extend(expand(i, d._log_probs(logits[i, index_of[i][f]]), row, c[f][2], f))
+                    live.append((i, f, row))
+            tops = []
+            if live:
+                rows = d.gather_rows(logits, [(i, index_of[i][f]) for i, f, _ in live])
+                tops = top(rows, [row for _, _, row in live])
+            news: list[list[tuple[float, int, int]]] = [[] for _ in batch]
+            for (i, f, _), top_row in zip(live, tops):
+                news[i].extend(expand(top_row, cands[i][f][2], f))
+            for i, (c, front, new) in enumerate(zip(cands, frontiers, news)):
                 new.sort(key=lambda x: -x[0])
                 if not new:
                     frontiers[i] = []
@@ -277,12 +298,6 @@ class GrammarAwareDrafter(Drafter):
 
             out.append((draft, at))
         return out
-
-    def _allowed(self, row: torch.Tensor, width: int, target_vocab: int) -> torch.Tensor:
-        rows = row.unsqueeze(0)
-        if self.d2t is not None:
-            rows = draft_vocab_bitmask(rows, self.d2t, target_vocab)
-        return unpack_bitmask(rows, width)[0]
 
 
 def make_grammar_drafter(

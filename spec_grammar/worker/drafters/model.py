@@ -20,6 +20,23 @@ before their children, since log-probabilities only fall along a path) form the 
 The draft model runs on its own :class:`~spec_grammar.worker.runner.ModelRunner`: every step
 first catches its cache up with the tokens the target committed since the last step (a chain
 forward), then runs one forward per draft depth over the frontier and its ancestors.
+
+Host traffic per depth (:meth:`ModelDrafter.top_log_probs`): the frontier rows of the whole
+batch get their log-softmax, grammar mask (constrained drafting) and top-k on the drafter's
+device; on CUDA only the ``(rows, k)`` values and indices come back, by non-blocking copies
+into reused page-locked buffers followed by ONE CUDA event wait, the only wait per depth (the
+host needs them to pick the next depth's frontier). Nothing of vocabulary size crosses to the
+host.
+
+Ties: on the CPU the batched path is bit-for-bit the old per-row path (float32 log-softmax of
+each row, then ``torch.topk`` per row: ATen's CPU top-k treats every row of a batch
+independently with the same algorithm, so tied log-probs come out in the same order).
+``torch.topk`` on CUDA may order EXACTLY tied float32 log-probs differently from the CPU, so a
+CUDA drafter equals a CPU one up to the choice among exactly tied log-probs (like any top-k
+choice, that changes only the draft, never the verified output). With float64 models exact
+float32 ties are not seen in practice (``tests/test_worker_gpu.py`` compares CUDA and CPU
+trees); bf16 logits tie often (a random-weight bf16 SmolLM2-shaped drafter on an H200: 49 of
+256 rows tied at the 4th value; the top-k values always agreed with the host path).
 """
 
 from __future__ import annotations
@@ -29,10 +46,69 @@ from typing import Any, Sequence
 
 import torch
 
+from ...kernels import apply_token_bitmask_inplace
 from ...tree import DraftTree
 from .base import Drafter
 
 __all__ = ["ModelDrafter", "truncated_model"]
+
+
+class _Staging:
+    """Reused host buffers for the drafter's small host <-> device copies.
+
+    On CUDA, uploads go through page-locked buffers with ``non_blocking=True`` (a copy from
+    pageable memory would synchronize the stream, waiting for the draft forward) and downloads
+    land in page-locked buffers followed by one event wait. A buffer is rewritten only once
+    the copy that last read it has finished (its event); each :meth:`download` ends with a
+    wait covering every earlier copy, so in the drafting loop those checks never block.
+    Elsewhere tensors simply move (a no-op on the CPU).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._events: dict[str, Any] = {}
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        event = self._events.pop(name, None)
+        if event is not None:
+            event.synchronize()
+        buf = self._buffers.get(name)
+        n = like.numel()
+        if buf is None or buf.dtype != like.dtype or buf.numel() < n:
+            # powers of two: a growing batch reallocates O(log n) times, not every depth
+            buf = torch.empty(1 << max(n - 1, 0).bit_length(), dtype=like.dtype, pin_memory=True)
+            self._buffers[name] = buf
+        return buf[:n].view(like.shape)
+
+    def _record(self, name: str) -> None:
+        event = self._events[name] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+
+    def upload(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        """``host`` (a CPU tensor) on the device, without blocking the host on CUDA."""
+        if not self.cuda:
+            return host.to(self.device)
+        buf = self._buffer(name, host)
+        buf.copy_(host)
+        out = buf.to(self.device, non_blocking=True)
+        self._record(name)
+        return out
+
+    def download(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Host copies of small device tensors: one non-blocking copy each, then one wait."""
+        if not self.cuda:
+            return [t.cpu() for t in tensors]
+        names = [f"down{j}" for j in range(len(tensors))]
+        bufs = [self._buffer(n, t) for n, t in zip(names, tensors)]
+        for buf, t in zip(bufs, tensors):
+            buf.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        event.synchronize()
+        self._events.clear()  # that wait covered every copy queued before it
+        return [b.clone() for b in bufs]
 
 
 def truncated_model(model: Any, num_layers: int) -> Any:
@@ -124,6 +200,7 @@ class ModelDrafter(Drafter):
         self.topk = int(topk)
         self.num_steps = int(num_steps)
         self.vocab_limit = vocab_limit
+        self._staging = _Staging(torch.device(runner.device))
 
     def add(self, state) -> None:
         self.runner.add(state.rid, list(state.prompt_ids))
@@ -131,43 +208,83 @@ class ModelDrafter(Drafter):
     def remove(self, rid: str) -> None:
         self.runner.remove(rid)
 
-    def _log_probs(self, row: torch.Tensor) -> torch.Tensor:
-        row = row.float()
-        if self.vocab_limit is not None:
-            row = row[: self.vocab_limit]
-        return torch.log_softmax(row, dim=-1).cpu()
+    def gather_rows(self, logits: torch.Tensor, nodes: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The draft logits of tree nodes, for the whole batch at once.
 
-    def _catch_up(self, batch: Sequence[Any]) -> list[torch.Tensor]:
-        """Feed each request's committed-but-uncached tokens; returns the root's log-probs."""
+        Args:
+            logits: ``(B, N, V)`` float32 from the runner's ``forward_trees``, on its device.
+            nodes: ``(request index, tree node)`` pairs.
+
+        Returns ``(len(nodes), V')`` float32 on the same device, ``V' = min(V, vocab_limit)``
+        (one index upload, one gather; no host synchronization).
+        """
+        b, n, v = logits.shape
+        width = v if self.vocab_limit is None else min(v, self.vocab_limit)
+        flat = torch.tensor([i * n + node for i, node in nodes], dtype=torch.long)
+        return logits.reshape(b * n, v)[:, :width].index_select(0, self._staging.upload("rows", flat)).float()
+
+    def top_log_probs(
+        self,
+        rows: torch.Tensor,
+        k: int,
+        bitmask: torch.Tensor | None = None,
+        masked: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` most likely draft tokens of each row: the only draft data the host reads.
+
+        Args:
+            rows: ``(R, V)`` float32 draft logits on the drafter's device (:meth:`gather_rows`).
+            k: tokens per row; ``min(k, V)`` are returned.
+            bitmask: ``(M, ceil(V / 32))`` int32 host grammar rows in the draft vocabulary, or
+                None. Disallowed tokens get log-prob ``-inf`` AFTER the log-softmax over all
+                ``V`` tokens (scores stay draft-model log-probs).
+            masked: the rows of ``rows`` the ``M`` bitmask rows belong to (distinct); None =
+                every row (``M == R``).
+
+        Returns ``(values, indices)``: ``(R, min(k, V))`` float32 log-probs (descending) and
+        int64 token ids, on the host. Log-softmax, mask and top-k run on the device; on CUDA
+        the bitmask goes up non-blocking from page-locked memory and the results come back by
+        non-blocking copies and one event wait (see the module docstring on ties).
+        """
+        staging = self._staging
+        lp = torch.log_softmax(rows, dim=-1)
+        if bitmask is not None and bitmask.shape[0]:
+            idx = None if masked is None else staging.upload("masked", torch.tensor(list(masked), dtype=torch.long))
+            apply_token_bitmask_inplace(lp, staging.upload("mask", bitmask), indices=idx)
+        top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+        values, indices = staging.download(top.values, top.indices)
+        return values, indices
+
+    def _catch_up(self, batch: Sequence[Any]) -> torch.Tensor:
+        """Feed each request's committed-but-uncached tokens; returns the roots' draft logits
+        ``(B, V')`` float32 on the device (:meth:`gather_rows`)."""
         rids = [s.rid for s in batch]
         chains = []
         for s in batch:
             pending = s.committed_ids[self.runner.cache_len(s.rid) :]
             chains.append(DraftTree.chain(pending[0], pending[1:]))
         logits = self.runner.forward_trees(rids, chains)
-        out = []
-        for i, (s, chain) in enumerate(zip(batch, chains)):
-            m = chain.num_nodes
-            out.append(self._log_probs(logits[i, m - 1]))
-            if m > 1:
+        rows = self.gather_rows(logits, [(i, chain.num_nodes - 1) for i, chain in enumerate(chains)])
+        for s, chain in zip(batch, chains):
+            if chain.num_nodes > 1:
                 # Keep every committed token but the last: it is the next tree's root.
-                self.runner.commit(s.rid, list(range(m - 1)))
-        return out
+                self.runner.commit(s.rid, list(range(chain.num_nodes - 1)))
+        return rows
 
     def propose(self, batch) -> list[DraftTree]:
         if not batch:
             return []
         budget = self.num_draft_tokens - 1
-        root_lp = self._catch_up(batch)
+        root_rows = self._catch_up(batch)
         if budget == 0:
             return [DraftTree.chain(s.root_token, []) for s in batch]
         k = self.topk
         # Per request: candidate nodes (token, parent candidate index or -1 = root, score, depth).
         cands: list[list[tuple[int, int, float, int]]] = []
         frontiers: list[list[int]] = []
-        for lp in root_lp:
-            top = torch.topk(lp, k)
-            c = [(int(t), -1, float(v), 1) for v, t in zip(top.values, top.indices)]
+        values, indices = self.top_log_probs(root_rows, k)
+        for vs, ts in zip(values.tolist(), indices.tolist()):
+            c = [(t, -1, v, 1) for v, t in zip(vs, ts)]
             cands.append(c)
             frontiers.append(list(range(len(c))))
         rids = [s.rid for s in batch]
@@ -178,13 +295,15 @@ class ModelDrafter(Drafter):
                 trees.append(tree)
                 index_of.append(idx)
             logits = self.runner.forward_trees(rids, trees)
+            nodes = [(i, index_of[i][f]) for i, front in enumerate(frontiers) for f in front]
+            values, indices = self.top_log_probs(self.gather_rows(logits, nodes), k)
+            tops = iter(zip(values.tolist(), indices.tolist()))
             for i, (c, front) in enumerate(zip(cands, frontiers)):
                 new: list[tuple[float, int, int]] = []
                 for f in front:
-                    lp = self._log_probs(logits[i, index_of[i][f]])
-                    top = torch.topk(lp, k)
+                    vs, ts = next(tops)
                     base = c[f][2]
-                    new.extend((base + float(v), int(t), f) for v, t in zip(top.values, top.indices))
+                    new.extend((base + v, t, f) for v, t in zip(vs, ts))
                 new.sort(key=lambda x: -x[0])
                 depth = c[front[0]][3] + 1
                 start = len(c)

@@ -1,0 +1,140 @@
+"""The grammar work of one worker step alone, split over 1..N threads, side by side.
+
+``SpecWorker._grammar_work`` (advance every matcher, fill every draft tree's bitmask rows)
+over a batch of real JSONSchemaBench schemas with xgrammar, without the model: each request's
+matcher is first walked some tokens into its grammar (seeded choice among the allowed tokens),
+then gets a draft tree of ``--nodes`` nodes whose tokens are all legal (a chain of allowed
+tokens plus one legal sibling per chain node), so every node costs a full row. The same step
+is timed with every thread count (``--reps`` times each, interleaved; the best and the median
+time reported: the best is the least disturbed by other load on a shared host), and
+every thread count must give the rows and validity of one thread (a mismatch is printed).
+The worker benchmark (``bench_worker.py --grammar-threads``) times the same work inside whole
+runs; this one isolates it from the forward (a 2-core host shares its cores with it).
+
+    python benchmarks/bench_grammar_threads.py --batches 16,32 --nodes 16,64 --threads 1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from spec_grammar.bitmask import allocate_token_bitmask, allowed_token_ids
+from spec_grammar.datasets import jsonschemabench_sample
+from spec_grammar.errors import SpecGrammarError
+from spec_grammar.specs import JsonSchema
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker import Request, SpecWorker
+from spec_grammar.worker.request import RequestState
+from spec_grammar.worker.sampling import SamplingParams
+
+
+def legal_walk(matcher, steps: int, rng: random.Random, row: torch.Tensor, stops: set[int]) -> list[int]:
+    """Up to ``steps`` tokens accepted one by one, each a seeded pick among the allowed
+    non-stop tokens (stops early where only a stop token is allowed)."""
+    out = []
+    for _ in range(steps):
+        matcher.fill_next_token_bitmask(row, 0)
+        allowed = [t for t in allowed_token_ids(row[0], matcher.info.vocab_size) if t not in stops]
+        if not allowed:
+            break
+        tok = rng.choice(allowed)
+        matcher.accept_token(tok)
+        out.append(tok)
+    return out
+
+
+def legal_tree(matcher, root: int, nodes: int, rng: random.Random, row, stops) -> DraftTree:
+    """A tree of at most ``nodes`` legal nodes: a chain of allowed tokens and, under each
+    chain node, one more allowed child (the matcher is unchanged afterwards)."""
+    fork = matcher.fork()
+    depth = (nodes - 1 + 1) // 2
+    chain = legal_walk(fork, depth, rng, row, stops)
+    tokens, parents = [root] + chain, [-1] + list(range(len(chain)))
+    fork = matcher.fork()
+    for d, tok in enumerate(chain):
+        if len(tokens) >= nodes:
+            break
+        fork.fill_next_token_bitmask(row, 0)
+        others = [t for t in allowed_token_ids(row[0], fork.info.vocab_size) if t != tok and t not in stops]
+        if others:
+            tokens.append(rng.choice(others))
+            parents.append(d)
+        fork.accept_token(tok)
+    return DraftTree(tokens, parents)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--backend", default="xgrammar")
+    ap.add_argument("--batches", default="16,32")
+    ap.add_argument("--nodes", default="16,64", help="draft-tree sizes, root included")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+
+    from spec_grammar.models import load_model, load_tokenizer
+    from spec_grammar.registry import get_backend
+
+    model = load_model(args.model)
+    tok = load_tokenizer(args.model)
+    backend = get_backend(args.backend, tok, vocab_size=model.config.vocab_size)
+    threads = [int(x) for x in args.threads.split(",")]
+    workers = {t: SpecWorker(model, tok, backend=backend, draft="none", overlap=False, grammar_threads=t) for t in threads}
+    stops = set(backend.tokenizer_info.stop_token_ids)
+    row = allocate_token_bitmask(1, backend.vocab_size)
+    compiled = []
+    for r in jsonschemabench_sample():
+        try:
+            compiled.append(backend.compile(JsonSchema(r["schema"])))
+        except SpecGrammarError:  # a schema the backend refuses is left out
+            continue
+        if len(compiled) >= max(int(b) for b in args.batches.split(",")):
+            break
+    print(f"grammar work of one step ({args.backend}, {args.model} tokenizer, {os.cpu_count()} cores), "
+          f"matchers walked {args.walk} tokens in, {args.reps} reps")
+    print(f"{'batch':>5} {'nodes':>5} {'threads':>7} {'best ms':>8} {'x 1st':>6} {'median ms':>9} {'x 1st':>6} {'us/node':>8}")
+    params = SamplingParams()
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for nodes in [int(n) for n in args.nodes.split(",")]:
+            rng = random.Random(batch * 1000 + nodes)
+            live, trees = [], []
+            for i, c in enumerate(compiled[:batch]):
+                m = backend.matcher(c)
+                walked = legal_walk(m, args.walk, rng, row, stops)
+                st = RequestState(request=Request([1], None, params, rid=f"r{i}"), prompt_ids=[1], sampling=params)
+                st.matcher = m
+                live.append(st)
+                trees.append(legal_tree(m, walked[-1] if walked else 0, nodes, rng, row, stops))
+            rows = sum(t.num_nodes for t in trees)
+            times = {t: [] for t in threads}
+            results = {}
+            for _ in range(args.reps):
+                for t in threads:
+                    mask = workers[t]._bitmasks.acquire(rows)  # the worker's reused host buffers
+                    t0 = time.perf_counter()
+                    work = workers[t]._grammar_work(live, trees, [], mask)
+                    times[t].append((time.perf_counter() - t0) * 1e3)
+                    results[t] = (mask.clone(), {k: v.tolist() for k, v in work.valid.items()}, dict(work.errors))
+            best0, med0 = min(times[threads[0]]), statistics.median(times[threads[0]])
+            for t in threads:
+                best, med = min(times[t]), statistics.median(times[t])
+                print(f"{batch:5d} {nodes:5d} {t:7d} {best:8.2f} {best0 / best:6.2f} {med:9.2f} {med0 / med:6.2f} "
+                      f"{best * 1e3 / rows:8.1f}")
+                ref_mask, ref_valid, ref_err = results[threads[0]]
+                mask, valid, err = results[t]
+                if not (torch.equal(mask, ref_mask) and valid == ref_valid and err == ref_err):
+                    print(f"  !! grammar_threads={t} rows differ from grammar_threads={threads[0]}")
+    for w in workers.values():
+        w.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""``spec-grammar bench gpu`` on the CPU (``--quick``: 2-layer random model, real SmolLM2
+tokenizer, real xgrammar): every mode of every configuration commits exactly the valid document
+(a fresh matcher accepted it) in the same number of steps, and the report files are written;
+the replay drafter's wrong drafts are never the document's token and the replay runner's
+greedy rows follow the document."""
+
+import json
+
+import torch
+
+from spec_grammar.bench.gpu import (
+    ReplayDrafter,
+    _ReplayRunner,
+    _wrong_tokens,
+    build_model,
+)
+from spec_grammar.cli import main
+from spec_grammar.tree import DraftTree
+
+
+def test_quick_cli_run(tmp_path):
+    argv = ["bench", "gpu", "--quick", "--batches", "2", "--nodes", "8", "--eager-batches", "2",
+            "--out", str(tmp_path), "--name", "q"]
+    assert main(argv) == 0  # 1 when some mode's output differs from the document
+    res = json.loads((tmp_path / "q.json").read_text())
+    assert res["problems"] == [] and res["skipped"] == [] and len(res["rows"]) == 1
+    row = res["rows"][0]
+    modes = ("plain", "overlap", "sync", "eager")
+    # same trees, same agreeing target: every mode commits the whole document in the same steps
+    assert len({row[m]["steps"] for m in modes}) == 1
+    assert {row[m]["tokens"] for m in modes} == {row["batch"] * (row["doc_tokens"] - 1)}
+    assert row["forward_ms"] > 0 and row["ratio"] > 0 and row["overlap"]["grammar_ms"] > 0
+    md = (tmp_path / "q.md").read_text()
+    assert md.count("| tiny | smollm2 |") == 1 + 2  # one configuration + batch-1 forwards at 1 and 8 nodes
+    for png in ("q-step.png", "q-ratio.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and png in md
+
+
+def test_replay_drafter_wrong_tokens_are_wrong():
+    doc = [5, 9, 5, 7, 11, 13, 9, 17, 2]
+    wrong = _wrong_tokens(doc, frozenset({2}))
+    for rate in (0.0, 0.5, 1.0):
+        d = ReplayDrafter(doc, num_draft_tokens=16, chain_depth=4, accept_rate=rate, wrong_token=wrong, seed=3)
+        for pos in range(len(doc)):
+            tree = d._tree(1, pos)
+            for node in range(1, tree.num_nodes):
+                depth = int(tree.depth[node])
+                on_chain = tree.parent_list[node] == node - 1 and node <= d.chain_depth
+                tok = tree.token_list[node]
+                if on_chain and rate == 1.0:
+                    assert tok == doc[pos + depth - 1]
+                if on_chain and rate == 0.0:
+                    assert tok != doc[pos + depth - 1]
+
+
+def test_replay_runner_follows_document():
+    torch.manual_seed(0)
+    runner = _ReplayRunner(build_model("tiny", "cpu", torch.float32))
+    prompt, doc = [10, 11, 12, 13], [40, 41, 42, 43, 44]
+    runner.agree_with(len(prompt), doc)
+    runner.add("a", prompt)
+    runner.add("b", prompt + doc[:2])
+    # a: root = last prompt token, chain of the first two document tokens; b: 2 tokens further
+    trees = [DraftTree.chain(prompt[-1], doc[:2]), DraftTree.chain(doc[1], [doc[2]])]
+    logits = runner.forward_trees(["a", "b"], trees)
+    assert logits[0, :3].argmax(-1).tolist() == doc[:3]
+    assert logits[1, :2].argmax(-1).tolist() == doc[2:4]
+    runner.agree_with(None)
+    plain = runner.forward_trees(["a"], trees[:1])
+    assert plain[0, :3].argmax(-1).tolist() != doc[:3]  # random weights do not write the document
