@@ -97,8 +97,22 @@ class XGrammarMatcher(SpecGrammar):
 class XGrammarBackend(GrammarBackend):
     """xgrammar (https://github.com/mlc-ai/xgrammar) behind the spec-grammar protocol.
 
-    Extra option: ``max_threads`` for the compiler (default 1: on small hosts more threads
-    only add contention).
+    Extra options:
+
+    - ``max_threads``: compiler threads (default 1: on small hosts more threads only add
+      contention).
+    - ``dynamic_compilation`` (default ``True``): xgrammar builds each grammar position's
+      token-mask cache the first time a matcher reaches it (``GrammarCompiler(...,
+      enable_dynamic_compilation=True)``) instead of for every position at compile time. Same
+      grammar, same masks; only where the time is spent changes. JSON-Schema semantics
+      (``strict_mode=False``) make every object without ``additionalProperties: false`` accept
+      extra keys other than its declared names, which xgrammar encodes as a trie with one rule
+      per byte of every declared name, and each such rule costs a full-vocabulary scan (~3-6
+      ms at 49k tokens on one core). Eagerly that is ~100-300 ms per BFCL tool list on SmolLM2
+      while a generation visits only a few of those positions (measured in
+      ``benchmarks/bench_compile.py``). The cost moves to the first mask fill of each new
+      position (a few ms at most, once per compiled grammar); pass ``False`` to pay it all up
+      front and keep decode steps free of it.
     """
 
     name = "xgrammar"
@@ -138,7 +152,9 @@ class XGrammarBackend(GrammarBackend):
         untyped="xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type`",
     )
 
-    def __init__(self, tokenizer: Any, *, max_threads: int = 1, **kwargs: Any):
+    def __init__(
+        self, tokenizer: Any, *, max_threads: int = 1, dynamic_compilation: bool = True, **kwargs: Any
+    ):
         super().__init__(tokenizer, **kwargs)
         info = self.tokenizer_info
         with warnings.catch_warnings():
@@ -147,7 +163,12 @@ class XGrammarBackend(GrammarBackend):
                 info.hf_tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids)
             )
         self._stop_array = np.asarray(info.stop_token_ids, dtype=np.int64)
-        self._compiler = xgr.GrammarCompiler(self._xgr_info, max_threads=max_threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(
+            self._xgr_info,
+            max_threads=max_threads,
+            cache_enabled=False,
+            enable_dynamic_compilation=bool(dynamic_compilation),
+        )
 
     @classmethod
     def library_version(cls) -> str:
