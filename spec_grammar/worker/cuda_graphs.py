@@ -58,6 +58,9 @@ class ForwardGraphs:
         self._failed: set[tuple] = set()
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
+        # timing events around the last replay: the GPU time of the forward, read after the
+        # step's own synchronization (reading it costs no extra wait)
+        self.last_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -90,7 +93,11 @@ class ForwardGraphs:
             g.staging[name].copy_(host)
             g.inputs[name].copy_(g.staging[name], non_blocking=True)
         g.copied.record()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         g.graph.replay()
+        end.record()
+        self.last_events = (start, end)
         return g.output
 
     def _capture(

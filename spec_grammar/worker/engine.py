@@ -7,8 +7,11 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
 1. **Draft**: one tree per live request (``Drafter.propose``), root = last committed token;
    trees deeper than the request's remaining token budget are cut.
 2. **Verify forward**: ``ModelRunner.forward_trees`` over every node of every tree.
-3. **Grammar work** (a worker thread while step 2 runs when ``overlap=True``; after it
-   otherwise): every matcher is first advanced with the tokens the PREVIOUS step committed
+3. **Grammar work**, while step 2 runs when ``overlap=True`` (after it otherwise): on CUDA with
+   graphs, on the calling thread right after the graph launch returns (measured on an H200: a
+   worker thread there slowed the launch 2-5x by holding the GIL, and the overlapped step took
+   up to 2x the in-thread one); on CPU or eager CUDA in a worker thread, since the forward call
+   itself keeps the calling thread busy. Every matcher is first advanced with the tokens the PREVIOUS step committed
    (each committed token reaches its matcher exactly once; a finished request's last run is
    fed too), then the tree rows of this step are filled (``GrammarBackend.fill_tree_bitmasks``).
    Advance-then-fill is forced by the tree semantics: row n is the allowed set after
@@ -136,7 +139,10 @@ class SpecWorker:
         topk / num_steps / num_draft_tokens: tree shape (model drafters use all three; the
             n-gram drafter uses ``num_draft_tokens``, the node cap root included).
         no_spec: plain constrained decoding (root-only trees) through the same code path.
-        overlap: run the grammar work in a worker thread under the verify forward.
+        overlap: do the grammar work while the verify forward runs: on the calling thread
+            right after a CUDA-graph forward is launched (it returns at once), else in a
+            worker thread (a CPU forward or an eager CUDA launch keeps the calling thread busy).
+            ``False``: strictly in order (on CUDA the forward is waited for first).
         constrain_draft: grammar-constrained drafting: only legal tokens enter the tree and
             the rows computed while drafting are reused for verification
             (:mod:`~spec_grammar.worker.drafters.constrained`); ``draft="grammar"`` drafts
@@ -542,7 +548,14 @@ class SpecWorker:
         t1: float,
     ) -> StepStats:
         """Verify forward (grammar work under it), then mask, verify and commit."""
-        if self._pool is not None:
+        inline = self.overlap and self.runner.uses_cuda_graphs
+        if inline:
+            # a CUDA-graph forward returns once launched: this thread does the grammar work
+            # while the GPU computes (a second thread would only fight it for the GIL)
+            logits = self.runner.forward_trees(rids, trees)
+            t2 = time.perf_counter()
+            work = self._grammar_work(live, trees, draining, bitmask)
+        elif self._pool is not None:
             fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
             try:
                 logits = self.runner.forward_trees(rids, trees)
@@ -553,15 +566,11 @@ class SpecWorker:
             work = fut.result()
         else:
             logits = self.runner.forward_trees(rids, trees)
+            if logits.is_cuda:  # in order: the forward ends before the grammar work starts
+                torch.cuda.current_stream(logits.device).synchronize()
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask)
         t3 = time.perf_counter()
-        exposed = (t3 - t2) * 1e3
-        frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
-        for st in list(live) + list(draining):
-            ms = work.per_request_ms.get(st.rid, 0.0)
-            st.grammar_ms += ms
-            st.grammar_exposed_ms += ms * frac
         self._apply_errors(work, draining, t3)
         verified = self._verify_batch(live, trees, logits, work)
         committed = 0
@@ -577,6 +586,15 @@ class SpecWorker:
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
         t4 = time.perf_counter()
+        exposed = (t3 - t2) * 1e3
+        if inline:  # exposed: what the grammar work took beyond the GPU's forward
+            gpu_ms = self.runner.last_forward_gpu_ms()
+            exposed = max(0.0, exposed - gpu_ms) if gpu_ms is not None else exposed
+        frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
+        for st in list(live) + list(draining):
+            ms = work.per_request_ms.get(st.rid, 0.0)
+            st.grammar_ms += ms
+            st.grammar_exposed_ms += ms * frac
         return StepStats(
             batch_size=len(live),
             num_nodes=sum(t.num_nodes for t in trees),

@@ -215,6 +215,20 @@ class ModelRunner:
         return list(self._rids)
 
     @property
+    def uses_cuda_graphs(self) -> bool:
+        """True when full-batch forwards replay CUDA graphs: :meth:`forward_trees` then returns
+        as soon as the graph is launched, and the host is free while the GPU computes."""
+        return self._graphs is not None
+
+    def last_forward_gpu_ms(self) -> float | None:
+        """GPU milliseconds of the last :meth:`forward_trees` when it replayed a CUDA graph and
+        the GPU has finished it (None otherwise); never waits."""
+        events = self._graphs.last_events if self._graphs is not None else None
+        if events is None or not events[1].query():
+            return None
+        return events[0].elapsed_time(events[1])
+
+    @property
     def graph_captures(self) -> int:
         """CUDA graphs captured so far (0 without graphs)."""
         return self._graphs.captures if self._graphs is not None else 0
@@ -391,6 +405,8 @@ class ModelRunner:
         themselves); otherwise ``B = len(rows)``. Returns ``(B, N or logits_to_keep, V)``
         float32 logits."""
         self._flush_moves()
+        if self._graphs is not None:
+            self._graphs.last_events = None
         bb, nb = inputs["tokens"].shape
         kv_len = bucket(int(inputs["lens"].max()) + nb, _MIN_KV)
         if graph:
