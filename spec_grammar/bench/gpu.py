@@ -34,8 +34,8 @@ thread under the verify forward) and ``sync`` (grammar work after the forward), 
 runner's CUDA graphs as configured (default: on for CUDA); ``eager`` (grammar + overlap, CUDA
 graphs off) at the batch sizes of ``eager_batches`` shows what the graphs gain.
 
-Measures: step time = draft + forward launch + exposed grammar + mask/verify/commit
-(``StepStats``, mean over full-batch steps); exposed grammar = step(overlap) - step(plain);
+Measures: step time = the wall time of a step (``StepStats.step_ms``: draft, forward launch,
+grammar work where not hidden, mask/verify/commit; mean over full-batch steps); exposed grammar = step(overlap) - step(plain);
 grammar work = the host's matcher work per step; tokens/s = committed tokens over the summed
 step times. The *verify forward* of a configuration is a synchronized timing of
 ``runner.forward_trees`` at that batch size and tree shape (median of ``forward_reps``): the
@@ -385,7 +385,7 @@ def _run_mode(runner: ModelRunner, tokenizer: Any, backend: Any, make_drafter: C
         wrong += [r.rid for r in results if r.token_ids != expected]
 
     def total(s) -> float:
-        return s.draft_ms + s.verify_forward_ms + s.grammar_exposed_ms + s.sample_ms
+        return s.step_ms
 
     steps = [s for s in stats if s.batch_size == batch]
     tokens = sum(s.committed_tokens for s in stats)
@@ -653,7 +653,8 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         "agree with the document, real weights included). Method: `spec_grammar/bench/gpu.py` (module "
         "docstring).",
         "",
-        "Step = draft + forward launch + exposed grammar + mask/verify/commit, mean ms over full-batch steps. "
+        "Step = wall time of a step (draft, forward launch, grammar work where not hidden, mask/verify/commit), "
+        "mean ms over full-batch steps. "
         "*forward* = synchronized `forward_trees` at that batch and tree shape (median). *grammar* = host "
         "matcher work per step (overlap mode). exposed = step(overlap) - step(plain); sync = step(sync) - "
         "step(plain). *ratio* = tok/s(overlap) / tok/s(plain). *target*: issue #6 asks ratio >= "

@@ -517,8 +517,9 @@ class SpecWorker:
             live = self._advance_before_draft(live, draining)
             draining = []
             if not live:
+                ms = (time.perf_counter() - t0) * 1e3
                 return StepStats(
-                    batch_size=0, num_nodes=0, draft_ms=(time.perf_counter() - t0) * 1e3,
+                    batch_size=0, num_nodes=0, step_ms=ms, draft_ms=ms,
                     verify_forward_ms=0.0, grammar_ms=0.0, grammar_exposed_ms=0.0, sample_ms=0.0,
                     committed_tokens=0,
                 )
@@ -598,6 +599,7 @@ class SpecWorker:
         return StepStats(
             batch_size=len(live),
             num_nodes=sum(t.num_nodes for t in trees),
+            step_ms=(t4 - t0) * 1e3,
             draft_ms=(t1 - t0) * 1e3,
             verify_forward_ms=(t2 - t1) * 1e3,
             grammar_ms=work.ms,

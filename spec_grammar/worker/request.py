@@ -165,13 +165,17 @@ class RequestResult(BaseModel):
 class StepStats(BaseModel):
     """One worker step, milliseconds of wall time.
 
-    ``grammar_ms`` is the matcher work (advance with the previous step's tokens + tree bitmask
-    fill); ``grammar_exposed_ms`` is the part of it the loop waited for after the verify
-    forward returned (all of it with ``overlap=False``).
+    ``step_ms`` is the whole step; ``grammar_ms`` is the matcher work (advance with the
+    previous step's tokens + tree bitmask fill); ``grammar_exposed_ms`` is the part of it that
+    made the step longer than the verify forward alone (all of it with ``overlap=False``).
+    The other parts are phases of the calling thread and need not add up to ``step_ms``: with
+    CUDA graphs the grammar work runs on the calling thread while the GPU computes, so the
+    later wait for the logits (in ``sample_ms``) is shorter by the hidden part.
     """
 
     batch_size: int
     num_nodes: int
+    step_ms: float
     draft_ms: float
     verify_forward_ms: float
     grammar_ms: float
