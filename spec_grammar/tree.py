@@ -33,6 +33,9 @@ def _as_long_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise DraftTreeError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
+            # int() would truncate 0.7 to 0 silently; a float list is rejected, so is this
+            raise DraftTreeError(f"{name} must be a sequence of ints: dtype {values.dtype} is not an integer dtype")
         return [int(v) for v in values.tolist()]
     try:
         out = [operator.index(v) for v in values]

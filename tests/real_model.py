@@ -31,3 +31,25 @@ def model_and_tokenizer():
 def backend(name: str):
     model, tok = model_and_tokenizer()
     return get_backend(name, tok, vocab_size=model.config.vocab_size)
+
+
+def draft_steps(drafter, states, steps: int) -> list[list]:
+    """``steps`` proposals of ``drafter`` over request ``states``; after each, the first-child
+    path of every tree is committed (fed to the request's matcher when it has one; a refused
+    path commits nothing). Returns every step's trees as ``(tokens, parents)`` lists."""
+    for s in states:
+        drafter.add(s)
+    out = []
+    for _ in range(steps):
+        trees = drafter.propose(states)
+        out.append([(t.token_list, t.parent_list) for t in trees])
+        for s, t in zip(states, trees):
+            node, path = 0, []
+            while node in t.parent_list[1:]:
+                node = t.parent_list.index(node, 1)
+                path.append(t.token_list[node])
+            path = path or [t.token_list[0]]
+            if s.matcher is not None and s.matcher.accept_tokens(path) != len(path):
+                path = []
+            s.output_ids.extend(path)
+    return out

@@ -6,9 +6,13 @@ greedy rows follow the document."""
 
 import json
 
+import pydantic
+import pytest
 import torch
 
+from spec_grammar.bench import gpu
 from spec_grammar.bench.gpu import (
+    GpuBenchConfig,
     ReplayDrafter,
     _ReplayRunner,
     _wrong_tokens,
@@ -68,3 +72,66 @@ def test_replay_runner_follows_document():
     runner.agree_with(None)
     plain = runner.forward_trees(["a"], trees[:1])
     assert plain[0, :3].argmax(-1).tolist() != doc[:3]  # random weights do not write the document
+
+
+@pytest.fixture
+def no_bench_run(monkeypatch):
+    """Fail the test if the CLI gets as far as the run (where tokenizers and models load)."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the benchmark started before the flag error was reported")
+
+    monkeypatch.setattr(gpu, "run_gpu_bench", refuse)
+
+
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        (["--batches", "0"], "--batches"),
+        (["--batches", "-1"], "--batches"),
+        (["--batches", ""], "--batches"),
+        (["--models", ""], "--models"),
+        (["--models", "unknown"], "--models"),
+        (["--budget", "-1"], "--budget"),
+        (["--eager-batches", "0"], "--eager-batches"),
+        (["--nodes", "0"], "--nodes"),
+        (["--accept-rate", "0"], "--accept-rate"),
+        (["--accept-rate", "1.5"], "--accept-rate"),
+        (["--accept-rate", "nan"], "--accept-rate"),
+        (["--repeats", "0"], "--repeats"),
+        (["--cases", "0"], "--cases"),
+        (["--tokenizers", "bad=/nonexistent"], "--tokenizers"),
+        (["--tokenizers", "nonsense"], "--tokenizers"),
+        (["--device", "bogus"], "--device"),
+        (["--quick", "--cuda-graphs", "on"], "--cuda-graphs"),  # graphs are never captured on the CPU
+        (["--quick", "--batches", "2,0"], "--batches"),
+    ],
+)
+def test_bad_flags_are_one_line_before_anything_loads(capsys, tmp_path, no_bench_run, flags, flag):
+    rc = main(["bench", "gpu", *flags, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"spec-grammar bench: error: {flag}"), err
+    assert not (tmp_path / "out").exists()  # no report of an invalid run
+
+
+def test_tokenizer_directory_needs_tokenizer_json(capsys, tmp_path, no_bench_run):
+    rc = main(["bench", "gpu", "--tokenizers", f"mine={tmp_path}", "--out", str(tmp_path / "out")])
+    assert rc == 2 and "holds no tokenizer.json" in capsys.readouterr().err
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert GpuBenchConfig(tokenizers=[f"mine={tmp_path}", str(tmp_path), "smollm2"]).tokenizers[0] == f"mine={tmp_path}"
+
+
+def test_config_checks_graphs_against_the_device():
+    assert GpuBenchConfig(device="cuda:0", cuda_graphs=True).cuda_graphs is True
+    assert GpuBenchConfig(device="cpu", cuda_graphs=False, eager_batches=[]).eager_batches == []
+    with pytest.raises(pydantic.ValidationError, match="CUDA graphs need a CUDA device"):
+        GpuBenchConfig(device="cpu", cuda_graphs=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_one_line(capsys, tmp_path, no_bench_run):
+    rc = main(["bench", "gpu", "--device", "cuda", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--device cuda: CUDA is not available" in err, err

@@ -25,7 +25,7 @@ from spec_grammar.worker.request import RequestState
 from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams
 
-from real_model import JSON_BACKENDS, backend, model_and_tokenizer
+from real_model import JSON_BACKENDS, backend, draft_steps, model_and_tokenizer
 
 pytestmark = pytest.mark.model
 
@@ -218,28 +218,6 @@ class PerRowReference(ModelDrafter):
         return torch.stack(values), torch.stack(indices)
 
 
-def _draft_steps(drafter, states, steps: int) -> list[list]:
-    """``steps`` drafting steps over ``states``; after each, the first-child path of every tree
-    is committed (its tokens are grammar-valid when the tree is constrained) and fed to the
-    request's matcher. Returns the trees of every step."""
-    for s in states:
-        drafter.add(s)
-    out = []
-    for _ in range(steps):
-        trees = drafter.propose(states)
-        out.append([(t.token_list, t.parent_list) for t in trees])
-        for s, t in zip(states, trees):
-            node, path = 0, []
-            while node in t.parent_list[1:]:
-                node = t.parent_list.index(node, 1)
-                path.append(t.token_list[node])
-            path = path or [t.token_list[0]]
-            if s.matcher is not None and s.matcher.accept_tokens(path) != len(path):
-                path = []
-            s.output_ids.extend(path)
-    return out
-
-
 def test_batched_device_topk_equals_per_row_host_reference():
     """The batched on-device log-softmax/mask/top-k drafts exactly the trees of the per-row host
     path, plain (EAGLE-2 trees) and grammar-constrained, on a mixed batch of 3 (two grammar
@@ -264,7 +242,7 @@ def test_batched_device_topk_equals_per_row_host_reference():
         for cls, trees in ((ModelDrafter, got), (PerRowReference, want)):
             drafter = cls(ModelRunner(draft_model), **opts)
             outer = GrammarAwareDrafter(drafter, num_draft_tokens=7, constrain=True, forced=False) if grammar else drafter
-            trees.extend(_draft_steps(outer, states(grammar), steps=3))
+            trees.extend(draft_steps(outer, states(grammar), steps=3))
         assert drafter.rows_seen > 3 * 3  # the reference ran at every depth, several rows each
         assert got == want
         assert all(len(tokens) == 7 for step in got for tokens, _ in step), got

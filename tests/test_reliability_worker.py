@@ -29,6 +29,7 @@ MAX_NEW = 6
 FILL_FAULT = Regex(r"[a-z]+( [a-z]+)*")  # its matchers raise from their 2nd tree fill on
 ACCEPT_FAULT = Regex(r"[A-Z][a-z]+( [a-z]+)*")  # its matchers raise on the 4th accepted token
 BLOCKED = Regex(r"(north|south|east|west)")  # its compile never finishes
+STATE_FAULT = Regex(r"[0-9]+( [0-9]+)*")  # its matchers raise when asked whether they terminated
 # short raw prompts (no chat template): the CI budget is model time
 GOOD = [
     ("Three colours as a JSON list:", JsonSchema({"type": "array", "items": {"type": "string"}, "maxItems": 3})),
@@ -40,10 +41,15 @@ GOOD = [
 class FaultyMatcher(XGrammarMatcher):
     """A real xgrammar matcher that raises from its n-th fill on / on its n-th accepted token."""
 
-    def __init__(self, backend, matcher, *, fail_fill_at=None, fail_accept_at=None):
+    def __init__(self, backend, matcher, *, fail_fill_at=None, fail_accept_at=None, fail_state=False):
         super().__init__(backend, matcher)
         self.fills = 0
-        self.fail_fill_at, self.fail_accept_at = fail_fill_at, fail_accept_at
+        self.fail_fill_at, self.fail_accept_at, self.fail_state = fail_fill_at, fail_accept_at, fail_state
+
+    def _is_terminated(self):
+        if self.fail_state:
+            raise RuntimeError("injected fault in is_terminated")
+        return super()._is_terminated()
 
     def _fill_tree_bitmask(self, tree, bitmask, row_offset):
         self.fills += 1
@@ -77,6 +83,8 @@ class FaultyBackend(XGrammarBackend):
             return FaultyMatcher(self, m._m, fail_fill_at=2)
         if compiled.spec == ACCEPT_FAULT:
             return FaultyMatcher(self, m._m, fail_accept_at=4)
+        if compiled.spec == STATE_FAULT:
+            return FaultyMatcher(self, m._m, fail_state=True)
         return m
 
     def fill_tree_bitmasks(self, jobs, bitmask):
@@ -124,6 +132,7 @@ def test_faults_end_only_their_request(overlap):
     # long budgets: the faults must strike while the request still runs
     reqs.insert(2, request("the sea is", FILL_FAULT, "fill-fault", max_new_tokens=64))
     reqs.insert(3, request("A cat", ACCEPT_FAULT, "accept-fault", max_new_tokens=64))
+    reqs.insert(4, request("Count:", STATE_FAULT, "state-fault", max_new_tokens=64))
     reqs.append(request("Once there was a dragon who", None, "cancelled", max_new_tokens=64, ignore_eos=True))
     w = make_worker(overlap)
     fills = []
@@ -152,6 +161,9 @@ def test_faults_end_only_their_request(overlap):
     r = by["accept-fault"]
     assert r.finish_reason == "error"
     assert r.error == "the grammar failed while accepting committed tokens: RuntimeError: injected fault in accept_token"
+    r = by["state-fault"]
+    assert (r.finish_reason, r.token_ids) == ("error", [])
+    assert r.error == "the grammar failed while checking its state: RuntimeError: injected fault in is_terminated"
     r = by["cancelled"]
     assert (r.finish_reason, r.error, r.steps) == ("cancelled", "cancelled by the caller", 3)
     assert 0 < r.num_tokens < 64

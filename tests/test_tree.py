@@ -61,6 +61,27 @@ def test_bad_parents(tokens, parents, match):
         DraftTree.from_parents(tokens, parents)
 
 
+@pytest.mark.parametrize(
+    "parents",
+    [[-1, 0.0], torch.tensor([-1, 0.0]), torch.tensor([-1, 0.7]), torch.tensor([-1, 0], dtype=torch.float16),
+     torch.tensor([True, False])],
+)
+def test_non_integer_parents_are_rejected(parents):
+    """A float or bool tensor is refused like a float list (``int()`` would truncate 0.7 to 0)."""
+    with pytest.raises(DraftTreeError, match="parents must be a sequence of ints"):
+        DraftTree.from_parents(torch.tensor([1, 2]), parents)
+    with pytest.raises(DraftTreeError, match="draft_tokens must be a sequence of ints"):
+        DraftTree.chain(1, torch.tensor([2.0, 3.0]))
+
+
+def test_integer_tensors_of_any_width_are_accepted():
+    for dtype in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        tokens = torch.tensor([1, 2, 3], dtype=dtype)
+        parents = torch.tensor([-1, 0, 0], dtype=torch.int8 if dtype == torch.uint8 else dtype)
+        t = DraftTree.from_parents(tokens, parents)
+        assert t.parent_list == [-1, 0, 0] and t.token_list == [1, 2, 3]
+
+
 def test_bad_sglang_links():
     with pytest.raises(DraftTreeError, match="sibling"):
         DraftTree.from_sglang([1, 2], [1, -1], [1, -1])

@@ -15,6 +15,8 @@ import jsonschema
 import pytest
 import torch
 
+from real_model import draft_steps
+
 from spec_grammar.bench.gpu import build_model
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.errors import GrammarStateError
@@ -117,27 +119,6 @@ def test_batched_greedy_verify_on_cuda_equals_per_request(seed):
 # differently) would show up as a tree difference and is not expected with these seeds.
 
 
-def _draft_steps(drafter, states, steps: int) -> list[list]:
-    """``steps`` proposals over ``states``; after each, the first-child path of every tree is
-    committed (fed to the request's matcher when it has one). Returns every step's trees."""
-    for s in states:
-        drafter.add(s)
-    out = []
-    for _ in range(steps):
-        trees = drafter.propose(states)
-        out.append([(t.token_list, t.parent_list) for t in trees])
-        for s, t in zip(states, trees):
-            node, path = 0, []
-            while node in t.parent_list[1:]:
-                node = t.parent_list.index(node, 1)
-                path.append(t.token_list[node])
-            path = path or [t.token_list[0]]
-            if s.matcher is not None and s.matcher.accept_tokens(path) != len(path):
-                path = []
-            s.output_ids.extend(path)
-    return out
-
-
 @pytest.mark.parametrize("constrained", [False, True])
 def test_model_drafter_trees_on_cuda_equal_cpu(constrained):
     import copy
@@ -177,6 +158,6 @@ def test_model_drafter_trees_on_cuda_equal_cpu(constrained):
                                vocab_limit=vocab)
         if constrained:
             drafter = GrammarAwareDrafter(drafter, num_draft_tokens=10, constrain=True, forced=False)
-        trees[device] = _draft_steps(drafter, states(), steps=4)
+        trees[device] = draft_steps(drafter, states(), steps=4)
     assert trees["cuda"] == trees["cpu"]
     assert sum(len(tokens) for step in trees["cpu"] for tokens, _ in step) > 4 * 3 * 3, trees["cpu"]

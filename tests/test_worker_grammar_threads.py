@@ -88,6 +88,21 @@ def reference(name: str) -> list:
 
 
 @pytest.mark.model
+def test_run_after_close_starts_the_threads_again():
+    """``close()`` stops the grammar threads; a later ``run`` starts them again (it used to hit
+    a closed pool) and gives the same output."""
+    model, tok = model_and_tokenizer()
+    w = SpecWorker(model, tok, backend=backend("xgrammar"), draft="ngram", num_draft_tokens=6, grammar_threads=3)
+    w.close()
+    try:
+        got = w.run(requests())
+    finally:
+        w.close()
+    ref = reference("xgrammar")
+    assert [(g.token_ids, g.finish_reason) for g in got] == [(r.token_ids, r.finish_reason) for r in ref]
+
+
+@pytest.mark.model
 @pytest.mark.parametrize(
     "name,threads,overlap",
     [("xgrammar", 2, True), ("xgrammar", 3, False), ("llguidance", 2, True), ("llguidance", 3, True)],

@@ -127,7 +127,7 @@ class XGrammarBackend(GrammarBackend):
         native_validate=False,
         native_tree_fill=True,
         native_forced_tokens=True,
-        parallel_fill=True,
+        parallel_fill=False,  # one job after the other; the worker's grammar threads run jobs side by side
         releases_gil=True,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).

@@ -7,5 +7,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/sg
 tar -xzf .gpu-a/tok.tar.gz -C /tmp/sg
 cp .gpu-a/smollm2.gguf.part1 /tmp/sg/
-PYTHONPATH=/tmp/site python3 -c "import xgrammar, gguf, pydantic, jsonschema; print('staged: xgrammar', xgrammar.__version__)"
+PYTHONPATH=/tmp/site python3 -c "import importlib.metadata as m, xgrammar, gguf, pydantic, jsonschema; print('staged: xgrammar', m.version('xgrammar'))"
 ls -la /tmp/sg /tmp/sg/tok

@@ -54,7 +54,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Sequence
 
 import pydantic
 import torch
@@ -97,37 +97,46 @@ TARGET_RATIO = 0.97  # issue #6: constrained >= 0.97x unconstrained tok/s where 
 WEIGHT_READ_LIMIT = 1.5  # issue #6: 8B batch-1 verify forward <= 1.5x its weight-read time
 
 
+_Positive = Annotated[int, pydantic.Field(ge=1)]
+
+
 class GpuBenchConfig(pydantic.BaseModel):
     """What ``bench gpu`` runs.
 
     ``tokenizers``: ``smollm2``, ``gemma3`` or ``NAME=DIR`` (``DIR`` holds ``tokenizer.json``);
     ``weights``: source of ``smollm2-135m-real`` (a ``.gguf`` file, a model directory or a
     known model name; default ``smollm2``); ``cuda_graphs``: the runner's setting for the
-    plain/overlap/sync modes (None = on for CUDA); ``eager_batches``: batch sizes that also run
-    grammar + overlap with CUDA graphs off; ``repeats``: runs per mode (their steps pooled);
-    ``budget_s``: wall seconds after which no new configuration starts (the finished ones are
-    written)."""
+    plain/overlap/sync modes (None = on for CUDA; True is refused for a non-CUDA ``device``,
+    where no graphs are captured); ``eager_batches``: batch sizes that also run
+    grammar + overlap with CUDA graphs off (may be empty); ``repeats``: runs per mode (their
+    steps pooled); ``budget_s``: wall seconds after which no new configuration starts (the
+    finished ones are written).
+
+    Every field is checked here, before anything loads: ``pydantic.ValidationError`` names the
+    field (non-empty ``models`` / ``tokenizers`` / ``batches`` / ``nodes``, sizes and counts
+    >= 1, ``budget_s`` >= 0, a parseable ``device``, a torch ``dtype``, tokenizer directories
+    holding ``tokenizer.json``). Whether CUDA is present is checked by :func:`run_gpu_bench`."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    models: list[str] = ["llama-3.1-8b", "smollm2-135m-real"]
-    tokenizers: list[str] = ["smollm2", "gemma3"]
+    models: list[str] = pydantic.Field(["llama-3.1-8b", "smollm2-135m-real"], min_length=1)
+    tokenizers: list[str] = pydantic.Field(["smollm2", "gemma3"], min_length=1)
     weights: str | None = None
-    batches: list[int] = [1, 8, 32]
-    nodes: list[int] = [8, 16, 64]
-    cases: int = 2
+    batches: list[_Positive] = pydantic.Field([1, 8, 32], min_length=1)
+    nodes: list[_Positive] = pydantic.Field([8, 16, 64], min_length=1)
+    cases: int = pydantic.Field(2, ge=1)
     backend: str = "xgrammar"
     accept_rate: float = pydantic.Field(0.8, gt=0.0, le=1.0)
     chain_depth: int = pydantic.Field(7, ge=1)
-    max_doc_tokens: int = 120
-    prompt_tokens: int = 64
+    max_doc_tokens: int = pydantic.Field(120, ge=2)  # at least one token plus the stop token
+    prompt_tokens: int = pydantic.Field(64, ge=1)
     device: str = "cuda"
     dtype: str = "bfloat16"
     cuda_graphs: bool | None = None
-    eager_batches: list[int] = [1]
+    eager_batches: list[_Positive] = [1]
     repeats: int = pydantic.Field(1, ge=1)
     forward_reps: int = pydantic.Field(10, ge=1)
-    budget_s: float = 420.0
+    budget_s: float = pydantic.Field(420.0, ge=0.0)
     seed: int = 0
 
     @pydantic.field_validator("models")
@@ -136,6 +145,48 @@ class GpuBenchConfig(pydantic.BaseModel):
         bad = [m for m in v if m not in MODEL_SHAPES and m not in REAL_MODELS]
         if bad:
             raise ValueError(f"unknown models {bad}; known: {', '.join([*MODEL_SHAPES, *REAL_MODELS])}")
+        return v
+
+    @pydantic.field_validator("tokenizers")
+    @classmethod
+    def _tokenizer_sources(cls, v: list[str]) -> list[str]:
+        from ..models import KNOWN_MODELS
+
+        for spec in v:
+            name, eq, path = spec.partition("=")
+            if eq and not (name and path):
+                raise ValueError(f"{spec!r}: expected NAME=DIR")
+            folder = Path(path) if eq else Path(spec) if Path(spec).is_dir() else None
+            if folder is None and spec not in KNOWN_MODELS:
+                raise ValueError(f"unknown tokenizer {spec!r}; give {', '.join(KNOWN_MODELS)}, NAME=DIR or DIR")
+            if folder is not None and not folder.is_dir():
+                raise ValueError(f"{spec!r}: no directory {folder}")
+            if folder is not None and not (folder / "tokenizer.json").is_file():
+                raise ValueError(f"{spec!r}: {folder} holds no tokenizer.json")
+        return v
+
+    @pydantic.field_validator("device")
+    @classmethod
+    def _parse_device(cls, v: str) -> str:
+        try:
+            torch.device(v)
+        except RuntimeError as e:
+            raise ValueError(f"not a torch device {v!r}: {str(e).splitlines()[0]}") from None
+        return v
+
+    @pydantic.field_validator("dtype")
+    @classmethod
+    def _torch_dtype(cls, v: str) -> str:
+        if not isinstance(getattr(torch, v, None), torch.dtype):
+            raise ValueError(f"not a torch dtype: {v!r}")
+        return v
+
+    @pydantic.field_validator("cuda_graphs")
+    @classmethod
+    def _graphs_need_cuda(cls, v: bool | None, info: pydantic.ValidationInfo) -> bool | None:
+        device = info.data.get("device")  # absent when the device itself failed
+        if v and device is not None and torch.device(device).type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device!r}")
         return v
 
     @classmethod

@@ -36,7 +36,9 @@ def register_gpu(sub) -> None:
     p.add_argument("--nodes", type=_ints, default=None, help="draft tree sizes, root included (default 8,16,64)")
     p.add_argument("--cases", type=int, default=None, help="schemas (valid documents) per tokenizer (default 2)")
     p.add_argument("--accept-rate", type=float, default=None, help="drafter per-token accept rate (default 0.8)")
-    p.add_argument("--cuda-graphs", type=_graphs, default=None, help="on/off for the main modes (default on for CUDA)")
+    p.add_argument("--cuda-graphs", type=_graphs, default=None,
+                   help="on/off for the main modes (default on for CUDA; on is refused for a non-CUDA --device, "
+                   "where no graphs are captured)")
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batch sizes that also run grammar + overlap with CUDA graphs off (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode, steps pooled (default 1)")
@@ -45,17 +47,49 @@ def register_gpu(sub) -> None:
     p.set_defaults(func=_run_gpu)
 
 
-def _run_gpu(args) -> int:
-    from ..bench.gpu import GpuBenchConfig, run_gpu_bench, write_gpu_report
+_FLAGS = {"budget_s": "--budget"}
+"""Config field -> CLI flag where the names differ (the others: ``--`` + the field, ``-`` for ``_``)."""
+
+
+def _config(args):
+    """The :class:`GpuBenchConfig` of the flags. Raises ValueError in one line naming each bad
+    flag (``main`` prints it and exits 2), before any model or tokenizer loads; a CUDA device
+    on a machine without it is refused here too."""
+    import pydantic
+    import torch
+
+    from ..bench.gpu import GpuBenchConfig
 
     overrides = dict(models=args.models, weights=args.weights, tokenizers=args.tokenizers, batches=args.batches,
                      nodes=args.nodes, cases=args.cases, accept_rate=args.accept_rate, cuda_graphs=args.cuda_graphs,
                      eager_batches=args.eager_batches, repeats=args.repeats, budget_s=args.budget,
                      device=args.device)
-    if args.quick:
-        cfg = GpuBenchConfig.quick(**overrides)
-    else:
-        cfg = GpuBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    try:
+        if args.quick:
+            cfg = GpuBenchConfig.quick(**overrides)
+        else:
+            cfg = GpuBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    except pydantic.ValidationError as e:
+        parts = []
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            flag = _FLAGS.get(field, f"--{field.replace('_', '-')}") if field in overrides else field
+            msg = err["msg"].removeprefix("Value error, ")
+            got = "" if err["type"] == "value_error" else f" (got {err['input']!r})"
+            parts.append(f"{flag}: {msg}{got}")
+        raise ValueError("; ".join(parts)) from None
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device}: CUDA is not available here (--quick or --device cpu runs on the CPU)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {cfg.device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return cfg
+
+
+def _run_gpu(args) -> int:
+    from ..bench.gpu import run_gpu_bench, write_gpu_report
+
+    cfg = _config(args)
 
     def partial(res: dict) -> None:  # a crash or time-out keeps the finished rows on disk
         write_gpu_report(res, args.out, args.name, plots=False)

@@ -2,11 +2,13 @@
 
 One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: ``prompt`` plus
 its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
-``tools``, and optional ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``). A line
-that cannot be turned into a request, or whose grammar fails to compile, is reported as failed;
-the other requests complete. Exit code 0 when every request succeeded, 1 when some failed, 2
-on bad arguments (missing files, unknown backend, unreadable schema, bad sampling flags, a
-CLI grammar that fails to compile), reported in one line before the model loads.
+``tools``, and optional sampling fields such as ``max_new_tokens`` / ``temperature`` / ``seed``
+/ ``stop``: any :class:`~spec_grammar.worker.sampling.SamplingParams` field). A line with an
+unknown key, one that cannot be turned into a request, or whose grammar fails to compile, is
+reported as failed; the other requests complete. Exit code 0 when every request succeeded, 1
+when some failed, 2 on bad arguments (missing files, unknown backend, unreadable schema, bad
+sampling flags, a CLI grammar that fails to compile), reported in one line before the model
+loads.
 """
 
 from __future__ import annotations
@@ -186,6 +188,18 @@ def _sampling(args, overrides: dict[str, Any]):
         raise ValueError("; ".join(parts)) from None
 
 
+def _check_line_keys(rec: dict[str, Any]) -> None:
+    """Raise ValueError naming a batch line's unknown keys and listing the accepted ones: a
+    misspelt field (``temprature``) would otherwise be ignored without a word."""
+    from ..worker.sampling import SamplingParams
+
+    accepted = ("prompt", *_GRAMMAR_FIELDS, *SamplingParams.model_fields)
+    unknown = [k for k in rec if k not in accepted]
+    if unknown:
+        raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                         f"accepted: {', '.join(accepted)}")
+
+
 def run(args) -> int:
     from ..registry import load_backend_class
     from ..worker.api import build_prompt, build_worker, precompile, resolve_device, schema_prompt, summarize
@@ -213,6 +227,7 @@ def run(args) -> int:
                 rec = json.loads(line)
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError("each line needs a string field 'prompt'")
+                _check_line_keys(rec)
                 spec = _spec_from_fields(rec, base) if any(k in rec for k in _GRAMMAR_FIELDS) else global_spec
                 items.append((f"line-{n}", rec["prompt"], spec, _sampling(args, rec)))
             except (ValueError, FileNotFoundError) as e:

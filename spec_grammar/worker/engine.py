@@ -75,17 +75,17 @@ def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
 def default_grammar_threads(backend: GrammarBackend | None) -> int:
     """Grammar threads of ``SpecWorker(grammar_threads=None)``: ``min(8, os.cpu_count() // 2)``
     when the backend's fills drop the GIL (``capabilities.releases_gil``) and it keeps the
-    protocol's one-job-after-the-other :meth:`GrammarBackend.fill_tree_bitmasks`; else 1.
+    protocol's one-job-after-the-other :meth:`GrammarBackend.fill_tree_bitmasks` (no
+    ``capabilities.parallel_fill``); else 1.
     Half the cores: the forward's host thread (and on CPU the forward itself) needs the rest;
     on a 2-core host a second grammar thread measured 0.76x (slower), so it gets one.
 
-    A backend that overrides ``fill_tree_bitmasks`` runs its own parallel executor (the
-    protocol's advice for one, e.g. llguidance's ``LLExecutor``), and groups of worker threads
-    on top of it would only compete with it for the cores.
+    A backend with ``parallel_fill`` runs its own parallel executor (e.g. llguidance's
+    ``LLExecutor``), and groups of worker threads on top of it would only compete with it for
+    the cores.
     """
-    if backend is None or not backend.capabilities.releases_gil:
-        return 1
-    if type(backend).fill_tree_bitmasks is not GrammarBackend.fill_tree_bitmasks:
+    caps = backend.capabilities if backend is not None else None
+    if caps is None or not caps.releases_gil or caps.parallel_fill:
         return 1
     return max(1, min(MAX_AUTO_GRAMMAR_THREADS, (os.cpu_count() or 1) // 2))
 
@@ -220,15 +220,10 @@ class SpecWorker:
             stops = (eos,) if isinstance(eos, int) else tuple(eos)
         self.stop_token_ids = frozenset(int(t) for t in stops)
         self.step_stats: list[StepStats] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar") if overlap else None
         self.grammar_threads = default_grammar_threads(backend) if grammar_threads is None else grammar_threads
-        # the thread running a step's grammar work takes the first group itself, so the group
-        # pool is a second pool (no pool ever waits on its own workers)
-        self._group_pool = (
-            ThreadPoolExecutor(max_workers=self.grammar_threads - 1, thread_name_prefix="spec-grammar-group")
-            if self.grammar_threads > 1
-            else None
-        )
+        self._pool: ThreadPoolExecutor | None = None
+        self._group_pool: ThreadPoolExecutor | None = None
+        self._open_pools()
         self._bitmasks = (
             HostBitmaskRing(backend.vocab_size, pin=self.runner.device.type == "cuda")
             if backend is not None
@@ -265,8 +260,19 @@ class SpecWorker:
                 self._release(st)
         return [s for s in live if s.rid not in hit]
 
+    def _open_pools(self) -> None:
+        """Start the grammar threads (again after :meth:`close`)."""
+        if self.overlap and self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar")
+        # the thread running a step's grammar work takes the first group itself, so the group
+        # pool is a second pool (no pool ever waits on its own workers)
+        if self.grammar_threads > 1 and self._group_pool is None:
+            self._group_pool = ThreadPoolExecutor(
+                max_workers=self.grammar_threads - 1, thread_name_prefix="spec-grammar-group"
+            )
+
     def close(self) -> None:
-        """Stop the grammar threads."""
+        """Stop the grammar threads (a later :meth:`run` starts them again)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -375,10 +381,15 @@ class SpecWorker:
             work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
             if tree is None or not ok:
                 continue
-            if st.matcher.is_terminated():
+            try:
+                terminated = st.matcher.is_terminated()
+                drafted = None if terminated else self._drafted_rows(st, tree)
+            except Exception as e:  # a grammar fault ends this request only
+                work.errors[st.rid] = f"the grammar failed while checking its state: {type(e).__name__}: {e}"
+                continue
+            if terminated:
                 work.errors[st.rid] = "the grammar terminated without a stop token being committed"
                 continue
-            drafted = self._drafted_rows(st, tree)
             if drafted is not None:
                 # rows the grammar-aware drafter computed while drafting are the verification rows
                 drafted_rows, valid = drafted
@@ -479,6 +490,7 @@ class SpecWorker:
         ``finish_reason="error"`` and the reason; the others go on. ``on_step`` is called after
         every step with its stats and all request states (for progress displays).
         """
+        self._open_pools()
         self.step_stats = []
         now = time.perf_counter()
         states = [self._start(r, now) for r in requests]

@@ -194,6 +194,8 @@ class ModelRunner:
         self._window: int | None = (
             int(window) if window and (not layer_types or "sliding_attention" in layer_types) else None
         )
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise RunnerError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
         self._store = _KVStore(self.device)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._graphs = (
