@@ -331,7 +331,12 @@ class ModelRunner:
         b = len(rids)
         # a forward over every live request (rows 0..b-1) may replay a CUDA graph: build its
         # inputs at the graph bucket's shape right away (idle rows and nodes padded)
-        graph = self._graphs is not None and b == len(self._rids) and b <= _MAX_GRAPH_BATCH and n_max <= _MAX_GRAPH_NODES
+        graph = (
+            self._graphs is not None
+            and b == len(self._rids)
+            and b <= _MAX_GRAPH_BATCH
+            and n_max <= _MAX_GRAPH_NODES
+        )
         bb, nb = (bucket(b), bucket(n_max)) if graph else (b, n_max)
         tokens = [[0] * nb for _ in range(bb)]
         depth = [[0] * nb for _ in range(bb)]
