@@ -30,8 +30,10 @@ def _random_tree(rng: random.Random, root: int, n: int) -> DraftTree:
     return DraftTree([root] + [rng.randrange(1000) for _ in range(n - 1)], [-1] + [rng.randrange(i) for i in range(1, n)])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch):
+@pytest.mark.parametrize("arch,evict", [("llama", False), ("gemma3", False), ("llama", True)])
+def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch, evict):
+    """``evict``: an output budget of one byte keeps one graph at a time (each new bucket drops
+    the last one, which is captured again when it comes back)."""
     torch.manual_seed(0)
     if arch == "llama":
         model = build_model("smollm2-135m", "cuda", torch.float64, num_hidden_layers=2)
@@ -43,6 +45,8 @@ def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch):
                                   layer_types=["sliding_attention", "full_attention"])
         model = Gemma3ForCausalLM(config).to("cuda", torch.float64).eval()
     graph, eager = ModelRunner(model, cuda_graphs=True), ModelRunner(model, cuda_graphs=False)
+    if evict:
+        graph._graphs.max_output_bytes = 1
     rng = random.Random(0)
     roots: dict[str, int] = {}
     for step in range(40):
@@ -71,6 +75,8 @@ def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch):
             roots[rid] = rng.randrange(1000)  # the bonus token: the next tree's root
             assert graph.cache_len(rid) == eager.cache_len(rid)
     assert graph.graph_captures > 0 and eager.graph_captures == 0
+    if evict:
+        assert len(graph._graphs) == 1
 
 
 def test_worker_outputs_identical_with_and_without_graphs():

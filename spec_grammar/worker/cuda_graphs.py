@@ -16,6 +16,7 @@ after it cost one input copy and one launch.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -46,15 +47,20 @@ class ForwardGraphs:
 
     Args:
         device: the CUDA device.
+        max_output_bytes: the graphs' output tensors (one ``(B, N, V)`` float32 logits tensor
+            each, 2 GiB at 64 x 64 x 128k) stay allocated while a graph is kept; beyond this
+            total the least recently replayed graphs are dropped (a server whose contexts grow
+            leaves old KV-length buckets behind) and captured again if needed.
 
     All graphs share one memory pool (they never run at the same time). Capture uses
     ``capture_error_mode="thread_local"``, so the grammar thread may allocate pinned memory
     while a capture runs. A bucket whose capture fails is remembered and runs eagerly.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, max_output_bytes: int = 8 << 30):
         self.device = device
-        self._graphs: dict[tuple, _Captured] = {}
+        self.max_output_bytes = int(max_output_bytes)
+        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._failed: set[tuple] = set()
         self._pool = None
         self.captures = 0  # graphs captured so far (tests and benchmarks read it)
@@ -88,6 +94,8 @@ class ForwardGraphs:
             g = self._capture(key, inputs, forward)
             if g is None:
                 return None
+        self._graphs.move_to_end(key)
+        self._evict()
         g.copied.synchronize()  # the previous upload from the staging buffers is done
         for name, host in inputs.items():
             g.staging[name].copy_(host)
@@ -99,6 +107,14 @@ class ForwardGraphs:
         end.record()
         self.last_events = (start, end)
         return g.output
+
+    def _evict(self) -> None:
+        """Drop least recently replayed graphs (never the one about to replay: it is the most
+        recent) while their outputs exceed the budget."""
+        while len(self._graphs) > 1 and sum(
+            g.output.numel() * g.output.element_size() for g in self._graphs.values()
+        ) > self.max_output_bytes:
+            self._graphs.popitem(last=False)
 
     def _capture(
         self, key: tuple, inputs: dict[str, torch.Tensor], forward: Callable[..., torch.Tensor]
