@@ -82,7 +82,9 @@ class E2EBenchConfig(BaseModel):
     bfcl_cases: int = 8
     shortest_prompts: bool = Field(False, description="take each source's shortest prompts instead of a spread")
     max_new_tokens: int = 128
-    backends: list[str] | None = Field(None, description="our backends (None: every registered one)")
+    backends: list[str] | None = Field(
+        None, description="our backends (None: every registered one with JSON Schema and tool calls)"
+    )
     hf_processors: list[str] = ["xgrammar", "llguidance"]
     hf_speculation: list[str] = ["none", "prompt_lookup", "assistant"]
     draft: str = "ngram"
@@ -476,7 +478,11 @@ def _select_backends(cfg: E2EBenchConfig) -> tuple[list[str], list[dict[str, Any
 
     infos = list_backends()
     available = [i.name for i in infos if i.error is None]
-    wanted = cfg.backends or available
+    # by default the backends that can run every prompt (JSON Schema and tool calls); a
+    # regex-only adapter (the example one) would only fail them all
+    wanted = cfg.backends or [
+        i.name for i in infos if i.error is None and i.capabilities.json_schema and i.capabilities.tool_calls
+    ]
     unknown = [n for n in wanted if n not in available]
     if unknown:
         raise ValueError(f"unknown or unusable backend(s) {unknown}; available: {available}")

@@ -27,7 +27,10 @@ def register_e2e(sub) -> None:
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 schema + 1 BFCL case, 8 new tokens, xgrammar")
-    p.add_argument("--backends", type=_csv, default=None, help="our backends, comma list (default: every registered one)")
+    p.add_argument(
+        "--backends", type=_csv, default=None,
+        help="our backends, comma list (default: every registered one with JSON Schema and tool calls)",
+    )
     p.add_argument("--max-new-tokens", type=_positive, default=None, help="token limit per output (default 128)")
     p.add_argument("--schemas", type=int, default=None, help="JSONSchemaBench schemas (default 12, spread over subsets)")
     p.add_argument("--bfcl", type=int, default=None, help="BFCL tool-call cases (default 8)")
