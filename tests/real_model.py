@@ -33,6 +33,15 @@ def backend(name: str):
     return get_backend(name, tok, vocab_size=model.config.vocab_size)
 
 
+def replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
+    """Oracle: a fresh matcher of backend ``name`` accepts the output (and the stop token when
+    the grammar finished)."""
+    b = backend(name)
+    m = b.matcher(b.compile(spec))
+    ids = token_ids + ([b.tokenizer_info.stop_token_ids[0]] if finished else [])
+    return m.accept_tokens(ids) == len(ids) and (m.is_terminated() or not finished)
+
+
 def draft_steps(drafter, states, steps: int) -> list[list]:
     """``steps`` proposals of ``drafter`` over request ``states``; after each, the first-child
     path of every tree is committed (fed to the request's matcher when it has one; a refused

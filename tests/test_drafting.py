@@ -25,7 +25,7 @@ from spec_grammar.worker.request import RequestState
 from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams
 
-from real_model import JSON_BACKENDS, backend, draft_steps, model_and_tokenizer
+from real_model import JSON_BACKENDS, backend, draft_steps, model_and_tokenizer, replays
 
 pytestmark = pytest.mark.model
 
@@ -81,13 +81,6 @@ class CheckedDrafter(GrammarAwareDrafter):
         return trees
 
 
-def _replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
-    b = backend(name)
-    m = b.matcher(b.compile(spec))
-    ids = token_ids + ([b.tokenizer_info.stop_token_ids[0]] if finished else [])
-    return m.accept_tokens(ids) == len(ids) and (m.is_terminated() or not finished)
-
-
 @pytest.mark.parametrize("name", BACKENDS)
 def test_drafted_rows_equal_fresh_fill_and_are_reused(name):
     model, tok = model_and_tokenizer()
@@ -136,7 +129,7 @@ def test_greedy_outputs_identical_across_drafting_modes(name):
         for req, r, base in zip(requests(), results, ref):
             assert r.token_ids == base.token_ids, (mode, req.rid)
             assert r.finish_reason == base.finish_reason
-            assert _replays(name, req.grammar, r.token_ids, r.finish_reason == "grammar")
+            assert replays(name, req.grammar, r.token_ids, r.finish_reason == "grammar")
         accept[mode] = sum(r.num_tokens for r in results) / sum(r.steps for r in results)
     # forced tokens alone must already draft something on tool calls
     assert accept["grammar"] > 1.0, accept

@@ -25,7 +25,7 @@ from spec_grammar.worker import Request, SpecWorker, build_prompt
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
 
-from real_model import JSON_BACKENDS, backend, model_and_tokenizer
+from real_model import JSON_BACKENDS, backend, model_and_tokenizer, replays
 
 pytestmark = pytest.mark.model
 
@@ -121,14 +121,6 @@ def reference(name: str) -> list:
     return run(name, no_spec=True)
 
 
-def _replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
-    """A fresh matcher accepts the output (and the stop token when the grammar finished)."""
-    b = backend(name)
-    m = b.matcher(b.compile(spec))
-    ids = token_ids + ([b.tokenizer_info.stop_token_ids[0]] if finished else [])
-    return m.accept_tokens(ids) == len(ids) and (m.is_terminated() or not finished)
-
-
 @pytest.mark.parametrize("name", BACKENDS)
 def test_no_spec_outputs_are_valid(name):
     kinds, reqs = batch(name)
@@ -141,7 +133,7 @@ def test_no_spec_outputs_are_valid(name):
         assert res.finish_reason in ("grammar", "length", "stop"), res
         if kind == "plain":
             continue
-        assert _replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
+        assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
         if res.finish_reason != "grammar":
             assert res.num_tokens == MAX_NEW
             continue
@@ -253,7 +245,7 @@ def test_mixed_batch_sampling_and_failures():
     assert a[2].finish_reason in ("stop", "length") and a[2].num_tokens > 0
     for req, res in zip(reqs[:2], a[:2]):
         assert res.finish_reason in ("grammar", "length") and res.num_tokens > 0
-        assert _replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar")
+        assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar")
         if res.finish_reason == "grammar" and isinstance(req.grammar, JsonSchema):
             jsonschema.Draft202012Validator(schema).validate(json.loads(res.text))
 

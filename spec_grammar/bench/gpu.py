@@ -657,28 +657,32 @@ def _plot(res: dict, out: Path, name: str) -> dict[str, Path]:
     for k, mode in enumerate(MODES):
         ax.bar([i + (k - 1) * 0.27 for i in x], [r[mode]["step_ms"] for r in rows], 0.27, label=mode)
     ax.plot(list(x), [r["forward_ms"] for r in rows], "k_", markersize=12, label="verify forward (sync.)")
-    ax.set_xticks(list(x), labels, rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel("ms per step")
-    ax.set_title("Speculative step: no grammar / grammar + overlap / grammar, no overlap", fontsize=10)
-    ax.legend()
-    fig.tight_layout()
-    steps = out / f"{name}-step.png"
-    fig.savefig(steps, dpi=110)
-    plt.close(fig)
+    steps = _save_plot(fig, ax, labels, "ms per step",
+                       "Speculative step: no grammar / grammar + overlap / grammar, no overlap",
+                       out / f"{name}-step.png")
 
     fig, ax = plt.subplots(figsize=(width, 4.5))
     colors = ["tab:green" if r["target_met"] else "tab:red" if r["target_met"] is False else "tab:gray" for r in rows]
     ax.bar(list(x), [r["ratio"] or 0.0 for r in rows], color=colors)
     ax.axhline(TARGET_RATIO, color="k", linestyle="--", label=f"{TARGET_RATIO} (issue #6)")
-    ax.set_xticks(list(x), labels, rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel("tok/s overlap / tok/s plain")
-    ax.set_title("tok/s with grammar (overlap) / without; gray: grammar work >= verify forward", fontsize=10)
+    ratio = _save_plot(fig, ax, labels, "tok/s overlap / tok/s plain",
+                       "tok/s with grammar (overlap) / without; gray: grammar work >= verify forward",
+                       out / f"{name}-ratio.png")
+    return {"step_plot": steps, "ratio_plot": ratio}
+
+
+def _save_plot(fig: Any, ax: Any, labels: list[str], ylabel: str, title: str, path: Path) -> Path:
+    """Label one per-configuration bar plot, write it to ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xticks(range(len(labels)), labels, rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.legend()
     fig.tight_layout()
-    ratio = out / f"{name}-ratio.png"
-    fig.savefig(ratio, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return {"step_plot": steps, "ratio_plot": ratio}
+    return path
 
 
 def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: bool = True) -> dict[str, Path]:

@@ -94,8 +94,8 @@ class ForwardGraphs:
             g = self._capture(key, inputs, forward)
             if g is None:
                 return None
+            self._evict()  # only a capture adds output memory
         self._graphs.move_to_end(key)
-        self._evict()
         g.copied.synchronize()  # the previous upload from the staging buffers is done
         for name, host in inputs.items():
             g.staging[name].copy_(host)
@@ -109,7 +109,7 @@ class ForwardGraphs:
         return g.output
 
     def _evict(self) -> None:
-        """Drop least recently replayed graphs (never the one about to replay: it is the most
+        """Drop least recently replayed graphs (never the one just captured: it is the most
         recent) while their outputs exceed the budget."""
         while len(self._graphs) > 1 and sum(
             g.output.numel() * g.output.element_size() for g in self._graphs.values()

@@ -261,8 +261,9 @@ class SpecWorker:
         return [s for s in live if s.rid not in hit]
 
     def _open_pools(self) -> None:
-        """Start the grammar threads (again after :meth:`close`)."""
-        if self.overlap and self._pool is None:
+        """Start the grammar threads (again after :meth:`close`). With CUDA graphs the
+        overlapped grammar work runs on the calling thread, so no worker thread is started."""
+        if self.overlap and not self.runner.uses_cuda_graphs and self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar")
         # the thread running a step's grammar work takes the first group itself, so the group
         # pool is a second pool (no pool ever waits on its own workers)

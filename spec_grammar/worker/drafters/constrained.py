@@ -245,12 +245,7 @@ class GrammarAwareDrafter(Drafter):
         for _ in range(1, d.num_steps):
             if budget == 0:
                 break
-            trees, index_of = [], []
-            for s, c, front in zip(batch, cands, frontiers):
-                tree, idx = d._spine_tree(s.root_token, c, front)
-                trees.append(tree)
-                index_of.append(idx)
-            logits = d.runner.forward_trees(rids, trees)
+            logits, index_of = d.forward_spines(batch, rids, cands, frontiers)
             # The frontier nodes to expand: (request, candidate, grammar row); terminated
             # grammar states have no continuation.
             live: list[tuple[int, int, torch.Tensor | None]] = []
@@ -282,7 +277,7 @@ class GrammarAwareDrafter(Drafter):
         for i, s in enumerate(batch):
             order = best_candidates(cands[i], budget)
             if roots[i] is None:
-                out.append((tree_from_candidates(s.root_token, cands[i], order), None))
+                out.append((tree_from_candidates(s.root_token, cands[i], order)[0], None))
                 continue
             node_of = [-1]
             index = {}

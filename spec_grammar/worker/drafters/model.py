@@ -156,8 +156,9 @@ def best_candidates(cands, budget: int) -> list[int]:
     return sorted(chosen, key=lambda j: (cands[j][3], j))
 
 
-def tree_from_candidates(root: int, cands, order: list[int]) -> DraftTree:
-    """The draft tree of the candidates ``order`` (parents before children) under ``root``."""
+def tree_from_candidates(root: int, cands, order: list[int]) -> tuple[DraftTree, dict[int, int]]:
+    """The draft tree of the candidates ``order`` (parents before children) under ``root``,
+    and the map candidate index -> tree node."""
     index = {}
     tokens, parents = [root], [-1]
     for j in order:
@@ -165,7 +166,7 @@ def tree_from_candidates(root: int, cands, order: list[int]) -> DraftTree:
         tokens.append(cands[j][0])
         p = cands[j][1]
         parents.append(0 if p == -1 else index[p])
-    return DraftTree(tokens, parents)
+    return DraftTree(tokens, parents), index
 
 
 class ModelDrafter(Drafter):
@@ -289,12 +290,7 @@ class ModelDrafter(Drafter):
             frontiers.append(list(range(len(c))))
         rids = [s.rid for s in batch]
         for _ in range(1, self.num_steps):
-            trees, index_of = [], []
-            for s, c, front in zip(batch, cands, frontiers):
-                tree, idx = self._spine_tree(s.root_token, c, front)
-                trees.append(tree)
-                index_of.append(idx)
-            logits = self.runner.forward_trees(rids, trees)
+            logits, index_of = self.forward_spines(batch, rids, cands, frontiers)
             nodes = [(i, index_of[i][f]) for i, front in enumerate(frontiers) for f in front]
             values, indices = self.top_log_probs(self.gather_rows(logits, nodes), k)
             tops = iter(zip(values.tolist(), indices.tolist()))
@@ -311,25 +307,24 @@ class ModelDrafter(Drafter):
                 frontiers[i] = list(range(start, start + min(k, len(new))))
         return [self._select(s.root_token, c, budget) for s, c in zip(batch, cands)]
 
-    @staticmethod
-    def _spine_tree(root: int, cands, front: list[int]) -> tuple[DraftTree, dict[int, int]]:
-        """The tree of the frontier nodes and their ancestors; maps candidate -> tree node."""
-        keep: set[int] = set()
-        for f in front:
-            while f != -1 and f not in keep:
-                keep.add(f)
-                f = cands[f][1]
-        order = sorted(keep, key=lambda j: (cands[j][3], j))
-        index = {}
-        tokens, parents = [root], [-1]
-        for j in order:
-            index[j] = len(tokens)
-            tokens.append(cands[j][0])
-            p = cands[j][1]
-            parents.append(0 if p == -1 else index[p])
-        return DraftTree(tokens, parents), index
+    def forward_spines(
+        self, batch, rids: list[str], cands, frontiers: list[list[int]]
+    ) -> tuple[torch.Tensor, list[dict[int, int]]]:
+        """One draft forward over each request's frontier nodes and their ancestors; returns
+        the logits and, per request, the map candidate index -> tree node."""
+        trees, index_of = [], []
+        for s, c, front in zip(batch, cands, frontiers):
+            keep: set[int] = set()
+            for f in front:
+                while f != -1 and f not in keep:
+                    keep.add(f)
+                    f = c[f][1]
+            tree, index = tree_from_candidates(s.root_token, c, sorted(keep, key=lambda j: (c[j][3], j)))
+            trees.append(tree)
+            index_of.append(index)
+        return self.runner.forward_trees(rids, trees), index_of
 
     @staticmethod
     def _select(root: int, cands, budget: int) -> DraftTree:
         """The ``budget`` best candidates by cumulative log-prob, as a tree under ``root``."""
-        return tree_from_candidates(root, cands, best_candidates(cands, budget))
+        return tree_from_candidates(root, cands, best_candidates(cands, budget))[0]
