@@ -68,7 +68,8 @@ def register(sub) -> None:
         help="threads sharing a step's grammar work (default: automatic, up to 8 when the backend releases the GIL)",
     )
     p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
-    p.add_argument("--batch-file", metavar="FILE.jsonl", help="one request per line (see the module help)")
+    p.add_argument("--batch-file", metavar="FILE.jsonl", help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '
+                   'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}')
     p.add_argument("--json", action="store_true", help="print per-request results and stats as JSON")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=run)
