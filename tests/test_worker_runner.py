@@ -264,3 +264,31 @@ def test_misuse_raises_runner_error(model):
         runner.commit("a", [1])
     runner.commit("a", [0, 2])
     assert runner.cache_len("a") == 4
+
+
+def test_kv_store_stacks_layers_and_keeps_odd_ones_apart():
+    """Layers of the stacked buffer and layers with their own buffers (another shape, or past the
+    declared count) all move positions and rows, and keep their contents when the cache grows."""
+    from spec_grammar.worker.runner import _KVStore
+
+    store = _KVStore(torch.device("cpu"), num_layers=2)
+    shapes = {0: (3, 4), 1: (3, 4), 2: (3, 4), 3: (2, 8)}  # layer -> (heads, dim); 2 and 3 stand apart
+    bufs = {i: store.layer(i, torch.empty(1, h, 1, d)) for i, (h, d) in shapes.items()}
+    assert store.stack is not None and sorted(store.extra) == [2, 3]
+    with torch.inference_mode():
+        for i, (k, v) in bufs.items():
+            k.copy_(torch.randn(k.shape))
+            v.copy_(torch.randn(v.shape))
+    before = {i: (k.clone(), v.clone()) for i, (k, v) in bufs.items()}
+    store.move_positions(torch.tensor([1, 2]), torch.tensor([5, 7]), torch.tensor([9, 3]))
+    store.move_row(2, 0)
+    store.reserve(8, 600)
+    for i, (h, d) in shapes.items():
+        k, v = store.layer(i, torch.empty(1, h, 1, d))
+        assert k.shape == (8, h, 1024, d)
+        for new, old in ((k, before[i][0]), (v, before[i][1])):
+            expect = old.clone()
+            expect[1, :, 9], expect[2, :, 3] = old[1, :, 5], old[2, :, 7]
+            expect[0] = expect[2]
+            assert torch.equal(new[:4, :, :256], expect), i
+            assert not new[4:].any() and not new[:, :, 256:].any()

@@ -49,6 +49,7 @@ once at the measured device copy bandwidth.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import statistics
@@ -107,9 +108,13 @@ class GpuBenchConfig(pydantic.BaseModel):
     ``weights``: source of ``smollm2-135m-real`` (a ``.gguf`` file, a model directory or a
     known model name; default ``smollm2``); ``cuda_graphs``: the runner's setting for the
     plain/overlap/sync modes (None = on for CUDA; True is refused for a non-CUDA ``device``,
-    where no graphs are captured); ``eager_batches``: batch sizes that also run
-    grammar + overlap with CUDA graphs off (may be empty); ``repeats``: runs per mode (their
-    steps pooled); ``budget_s``: wall seconds after which no new configuration starts (the
+    where no graphs are captured); ``fused_forward``: the runner's decoder (None = our fused
+    decoder where the runner supports it, else Hugging Face's; the batch-1 forward table also
+    times HF's forward under graphs when the fused one runs); ``grammar_threads``: the
+    worker's setting (None = its default); ``eager_batches``: batch sizes
+    that also run grammar + overlap with CUDA graphs off (may be empty); ``repeats``: runs per mode (steps
+    pooled; the modes take turns, one run each per round, so slow drifts of the machine hit
+    every mode alike); ``budget_s``: wall seconds after which no new configuration starts (the
     finished ones are written).
 
     Every field is checked here, before anything loads: ``pydantic.ValidationError`` names the
@@ -133,6 +138,8 @@ class GpuBenchConfig(pydantic.BaseModel):
     device: str = "cuda"
     dtype: str = "bfloat16"
     cuda_graphs: bool | None = None
+    fused_forward: bool | None = None
+    grammar_threads: _Positive | None = None
     eager_batches: list[_Positive] = [1]
     repeats: int = pydantic.Field(1, ge=1)
     forward_reps: int = pydantic.Field(10, ge=1)
@@ -416,34 +423,32 @@ def _mean(values: list[float]) -> float:
 
 
 def _run_mode(runner: ModelRunner, tokenizer: Any, backend: Any, make_drafter: Callable[[], ReplayDrafter],
-              doc: dict, batch: int, prompt: list[int], overlap: bool, grammar: bool, repeats: int = 1) -> dict:
-    """``repeats`` worker runs of ``batch`` requests writing ``doc``; their steps pooled."""
+              doc: dict, batch: int, prompt: list[int], overlap: bool, grammar: bool,
+              grammar_threads: int | None = None) -> tuple[list, list[str]]:
+    """One worker run of ``batch`` requests writing ``doc``: its step stats and the ids of the
+    requests whose output is not the document."""
     from ..worker.engine import SpecWorker
     from ..worker.request import Request
     from ..worker.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=len(doc["ids"]) + 8)
-    expected = doc["ids"][:-1]
-    stats, wrong = [], []
-    for _ in range(repeats):
-        reqs = [
-            Request(list(prompt), doc["spec"] if grammar else None, params, rid=f"r{i}") for i in range(batch)
-        ]
-        with SpecWorker(runner, tokenizer, backend=backend if grammar else None, draft=make_drafter(),
-                        overlap=overlap) as worker:
-            results = worker.run(reqs)
-            stats += list(worker.step_stats)
-        wrong += [r.rid for r in results if r.token_ids != expected]
+    reqs = [Request(list(prompt), doc["spec"] if grammar else None, params, rid=f"r{i}") for i in range(batch)]
+    with SpecWorker(runner, tokenizer, backend=backend if grammar else None, draft=make_drafter(),
+                    overlap=overlap, grammar_threads=grammar_threads) as worker:
+        results = worker.run(reqs)
+        stats = list(worker.step_stats)
+    return stats, [r.rid for r in results if r.token_ids != doc["ids"][:-1]]
 
-    def total(s) -> float:
-        return s.step_ms
 
+def _summary(runs: list[tuple[list, list[str]]], batch: int) -> dict:
+    """Means over the pooled steps of ``runs`` (:func:`_run_mode` results)."""
+    stats = [s for run, _ in runs for s in run]
     steps = [s for s in stats if s.batch_size == batch]
     tokens = sum(s.committed_tokens for s in stats)
-    total_s = sum(total(s) for s in stats) / 1e3
+    total_s = sum(s.step_ms for s in stats) / 1e3
     return dict(
-        steps=len(stats) / repeats,
-        step_ms=_mean([total(s) for s in steps]),
+        steps=len(stats) / len(runs),
+        step_ms=_mean([s.step_ms for s in steps]),
         draft_ms=_mean([s.draft_ms for s in steps]),
         forward_launch_ms=_mean([s.verify_forward_ms for s in steps]),
         grammar_ms=_mean([s.grammar_ms for s in steps]),
@@ -452,7 +457,7 @@ def _run_mode(runner: ModelRunner, tokenizer: Any, backend: Any, make_drafter: C
         tokens=tokens,
         tokens_per_s=tokens / total_s if total_s > 0 else 0.0,
         accept_length=tokens / max(1, sum(s.batch_size for s in stats)),
-        mismatched=wrong,
+        mismatched=[rid for _, wrong in runs for rid in wrong],
     )
 
 
@@ -467,21 +472,36 @@ class _Setup:
         self.name, self.tok_name, self.tokenizer, self.model = name, tok_name, tokenizer, model
         # the flag only means something on CUDA (the runner never captures graphs elsewhere)
         graphs = {"cuda_graphs": cfg.cuda_graphs} if device.type == "cuda" else {}
-        self.runner = _ReplayRunner(model, device=device, **graphs)
+        fused = cfg.fused_forward
+        self.runner = _ReplayRunner(model, device=device, fused_forward=fused, **graphs)
         self.eager = (
-            _ReplayRunner(model, device=device, cuda_graphs=False) if device.type == "cuda" else self.runner
+            _ReplayRunner(model, device=device, cuda_graphs=False, fused_forward=fused)
+            if device.type == "cuda" else self.runner
         ) if cfg.eager_batches else None
+        # HF's own forward under the same graphs, for the batch-1 forward table only
+        self.hf = (
+            _ReplayRunner(model, device=device, fused_forward=False, **graphs) if self.runner.uses_fused_forward else None
+        )
         self.backend = get_backend(cfg.backend, tokenizer, vocab_size=self.runner.vocab_size)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.forward: dict[tuple[bool, int, int], float] = {}
+        self.forward: dict[tuple[str, int, int], float] = {}
 
-    def forward_ms(self, cfg: GpuBenchConfig, eager: bool, batch: int, nodes: int) -> float:
-        """Synchronized verify forward at (batch, nodes), measured once."""
-        key = (eager, batch, nodes)
+    def variants(self) -> dict[str, ModelRunner]:
+        """The runners of the batch-1 forward table: ``main`` (as configured), ``hf`` (HF's
+        forward, same graphs; only when ``main`` runs the fused decoder), ``eager`` (graphs off)."""
+        out = {"main": self.runner}
+        if self.hf is not None:
+            out["hf"] = self.hf
+        if self.eager is not None and self.eager is not self.runner:
+            out["eager"] = self.eager
+        return out
+
+    def forward_ms(self, cfg: GpuBenchConfig, variant: str, batch: int, nodes: int) -> float:
+        """Synchronized verify forward of runner ``variant`` at (batch, nodes), measured once."""
+        key = (variant, batch, nodes)
         if key not in self.forward:
-            runner = self.eager if eager else self.runner
-            self.forward[key] = _forward_ms(runner, _probe_tree(cfg, nodes), batch, cfg.prompt_tokens,
-                                            cfg.forward_reps)
+            self.forward[key] = _forward_ms(self.variants()[variant], _probe_tree(cfg, nodes), batch,
+                                            cfg.prompt_tokens, cfg.forward_reps)
         return self.forward[key]
 
 
@@ -530,23 +550,28 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
         env=dict(
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             torch=torch.__version__, python=platform.python_version(), copy_bandwidth_gbs=bw,
+            cpus=os.cpu_count(),
         ),
         rows=[], forward=[], problems=[], skipped=[],
     )
     tokenizers = [_load_tokenizer(t) for t in cfg.tokenizers]
     setups = _build_setups(cfg, device, dtype, tokenizers, res, progress)
-    for s in setups:  # batch 1 vs the weight-read time, graphs as configured and eager
-        for eager in ((False, True) if s.eager is not None and s.eager is not s.runner else (False,)):
+    if setups:
+        from ..worker.engine import default_grammar_threads
+
+        res["env"]["grammar_threads"] = cfg.grammar_threads or default_grammar_threads(setups[0].backend)
+    for s in setups:  # batch 1 vs the weight-read time: as configured, HF's forward, eager
+        for variant, runner in s.variants().items():
             for n in (1, *cfg.nodes):
-                ms = s.forward_ms(cfg, eager, 1, n)
+                ms = s.forward_ms(cfg, variant, 1, n)
                 res["forward"].append(dict(
-                    model=s.name, tokenizer=s.tok_name, nodes=n,
-                    graphs=not eager and device.type == "cuda" and cfg.cuda_graphs is not False,
+                    model=s.name, tokenizer=s.tok_name, nodes=n, graphs=runner.uses_cuda_graphs,
+                    decoder="fused" if runner.uses_fused_forward else "hf",
                     forward_ms=ms, weight_gb=s.weight_bytes / 1e9,
                     weight_read_ms=s.weight_bytes / (bw * 1e9) * 1e3 if bw else None,
                 ))
-                progress(f"{s.name}/{s.tok_name}: verify forward batch 1, {n} nodes, CUDA graphs "
-                         f"{'on' if res['forward'][-1]['graphs'] else 'off'}: {ms:.2f} ms")
+                progress(f"{s.name}/{s.tok_name}: verify forward batch 1, {n} nodes, {res['forward'][-1]['decoder']} "
+                         f"decoder, CUDA graphs {'on' if runner.uses_cuda_graphs else 'off'}: {ms:.2f} ms")
     docs = {}
     for s in setups:  # the documents depend on the tokenizer only
         if s.tok_name not in docs:
@@ -597,17 +622,22 @@ def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, p
     plan = [(m, s.runner, m == "overlap", m != "plain") for m in MODES]
     if batch in cfg.eager_batches and s.eager is not None:
         plan.append(("eager", s.eager, True, True))
-    row: dict[str, Any] = {}
     warmed: set[int] = set()
-    for mode, runner, overlap, grammar in plan:
+    for _, runner, _, _ in plan:
         if id(runner) not in warmed:
-            _run_mode(runner, s.tokenizer, s.backend, drafter, doc, batch, prompt, True, True)
+            _run_mode(runner, s.tokenizer, s.backend, drafter, doc, batch, prompt, True, True, cfg.grammar_threads)
             warmed.add(id(runner))
-        r = _run_mode(runner, s.tokenizer, s.backend, drafter, doc, batch, prompt, overlap, grammar, cfg.repeats)
-        if r.pop("mismatched"):
+    runs: dict[str, list] = {mode: [] for mode, *_ in plan}
+    for _ in range(cfg.repeats):  # the modes take turns
+        for mode, runner, overlap, grammar in plan:
+            runs[mode].append(_run_mode(runner, s.tokenizer, s.backend, drafter, doc, batch, prompt, overlap, grammar,
+                                        cfg.grammar_threads))
+    row: dict[str, Any] = {}
+    for mode in runs:
+        row[mode] = _summary(runs[mode], batch)
+        if row[mode].pop("mismatched"):
             problems.append(f"{s.name}/{s.tok_name} {doc['name']} B={batch} N={n} {mode}: output != document")
-        row[mode] = r
-    forward = s.forward_ms(cfg, False, batch, n)
+    forward = s.forward_ms(cfg, "main", batch, n)
     ratio = row["overlap"]["tokens_per_s"] / row["plain"]["tokens_per_s"] if row["plain"]["tokens_per_s"] else None
     applies = row["overlap"]["grammar_ms"] < forward
     row.update(
@@ -701,7 +731,8 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         f"# GPU speculative step with grammar ({env['device']})",
         "",
         f"torch {env['torch']}, copy bandwidth {_f(env.get('copy_bandwidth_gbs'), 0)} GB/s; {cfg['dtype']}; "
-        f"models {', '.join(cfg['models'])}; tokenizers {', '.join(cfg['tokenizers'])}; {cfg['backend']}; "
+        f"models {', '.join(cfg['models'])}; tokenizers {', '.join(cfg['tokenizers'])}; {cfg['backend']} with "
+        f"{env.get('grammar_threads', '?')} grammar thread(s) on {env.get('cpus', '?')} cores; "
         f"CUDA graphs {'default (on for CUDA)' if cfg['cuda_graphs'] is None else cfg['cuda_graphs']}; "
         f"replay drafter (accept rate {cfg['accept_rate']}, chain {cfg['chain_depth']}); every request of a "
         "batch writes the same valid document, every mode commits the same tokens (the target is made to "
@@ -737,18 +768,20 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         )
     lines += ["", "Verify forward at batch 1 (median, synchronized) vs reading the weights once "
               f"(issue #6: the 8B shape within {WEIGHT_READ_LIMIT}x):", "",
-              "| model | tokenizer | CUDA graphs | nodes | forward ms | weights GB | weight-read ms | "
+              "| model | tokenizer | decoder | CUDA graphs | nodes | forward ms | weights GB | weight-read ms | "
               "forward / weight-read |",
-              "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|"]
     for f in res["forward"]:
         ratio = f["forward_ms"] / f["weight_read_ms"] if f["weight_read_ms"] else None
         mark = " (**over**)" if ratio is not None and f["model"] == "llama-3.1-8b" and ratio > WEIGHT_READ_LIMIT else ""
-        lines.append(f"| {f['model']} | {f['tokenizer']} | {'on' if f['graphs'] else 'off'} | {f['nodes']} | "
+        lines.append(f"| {f['model']} | {f['tokenizer']} | {f.get('decoder', 'hf')} | {'on' if f['graphs'] else 'off'} | "
+                     f"{f['nodes']} | "
                      f"{_f(f['forward_ms'])} | {_f(f['weight_gb'])} | {_f(f['weight_read_ms'])} | {_f(ratio)}{mark} |")
     eight_b = [f for f in res["forward"] if f["model"] == "llama-3.1-8b" and f["weight_read_ms"]]
     if eight_b:
         lines += ["", f"**Done-when (8B verify forward at batch 1 <= {WEIGHT_READ_LIMIT}x weight-read):** " + "; ".join(
-            f"{f['tokenizer']} vocab, graphs {'on' if f['graphs'] else 'off'}, {f['nodes']} nodes: "
+            f"{f['tokenizer']} vocab, {f.get('decoder', 'hf')} decoder, graphs {'on' if f['graphs'] else 'off'}, "
+            f"{f['nodes']} nodes: "
             f"{f['forward_ms'] / f['weight_read_ms']:.2f}x "
             f"({'met' if f['forward_ms'] / f['weight_read_ms'] <= WEIGHT_READ_LIMIT else 'not met'})"
             for f in eight_b

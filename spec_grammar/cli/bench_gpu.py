@@ -9,7 +9,7 @@ import argparse
 from .bench import _csv, _ints
 
 
-def _graphs(text: str) -> bool:
+def _on_off(text: str) -> bool:
     if text not in ("on", "off"):
         raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
     return text == "on"
@@ -36,9 +36,14 @@ def register_gpu(sub) -> None:
     p.add_argument("--nodes", type=_ints, default=None, help="draft tree sizes, root included (default 8,16,64)")
     p.add_argument("--cases", type=int, default=None, help="schemas (valid documents) per tokenizer (default 2)")
     p.add_argument("--accept-rate", type=float, default=None, help="drafter per-token accept rate (default 0.8)")
-    p.add_argument("--cuda-graphs", type=_graphs, default=None,
+    p.add_argument("--cuda-graphs", type=_on_off, default=None,
                    help="on/off for the main modes (default on for CUDA; on is refused for a non-CUDA --device, "
                    "where no graphs are captured)")
+    p.add_argument("--fused-forward", type=_on_off, default=None,
+                   help="on/off: our fused decoder instead of the model's HF forward (default on where the runner "
+                   "supports it: CUDA with Triton, Llama-family models)")
+    p.add_argument("--grammar-threads", type=int, default=None,
+                   help="the worker's grammar threads (default: its own, min(8, cores // 2) for xgrammar)")
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batch sizes that also run grammar + overlap with CUDA graphs off (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode, steps pooled (default 1)")
@@ -62,7 +67,7 @@ def _config(args):
 
     overrides = dict(models=args.models, weights=args.weights, tokenizers=args.tokenizers, batches=args.batches,
                      nodes=args.nodes, cases=args.cases, accept_rate=args.accept_rate, cuda_graphs=args.cuda_graphs,
-                     eager_batches=args.eager_batches, repeats=args.repeats, budget_s=args.budget,
+                     fused_forward=args.fused_forward, grammar_threads=args.grammar_threads, eager_batches=args.eager_batches, repeats=args.repeats, budget_s=args.budget,
                      device=args.device)
     try:
         if args.quick:

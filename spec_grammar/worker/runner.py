@@ -37,6 +37,8 @@ import torch
 from ..errors import SpecGrammarError
 from ..tree import DraftTree
 from .cuda_graphs import ForwardGraphs, bucket
+from .decoder import FusedLlama, unsupported_reason
+from .decoder.ops import triton_ops
 
 __all__ = ["ModelRunner", "RunnerError"]
 
@@ -64,18 +66,30 @@ class RunnerError(SpecGrammarError, ValueError):
 
 
 class _KVStore:
-    """Per-layer K/V buffers ``(rows, kv_heads, capacity, head_dim)``, allocated lazily at the
-    first ``update`` of each layer (so a model running only its first L layers, such as a
-    self-draft, allocates L layers). Buffers are created and changed under
+    """The KV buffers of every attention layer, stacked in one tensor
+    ``(layers, 2, rows, kv_heads, capacity, head_dim)`` (K at ``[i, 0]``, V at ``[i, 1]``), so
+    that moving committed positions, moving a row or growing the cache is one operation for all
+    layers (per-layer buffers cost two index kernels per layer per step: ~2-4 ms of host time
+    per step for a 32-layer model, more than a CUDA-graph forward's launch).
+
+    Allocated at the first ``layer`` call, with that layer's heads, head size and dtype, for
+    ``num_layers`` layers (a self-draft's truncated model has fewer); a layer of another shape
+    or past ``num_layers`` gets buffers of its own. Buffers are created and changed under
     ``torch.inference_mode`` (they are inference tensors)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, num_layers: int):
         self.device = device
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
+        self.num_layers = max(1, int(num_layers))
+        self.stack: torch.Tensor | None = None
+        self.extra: dict[int, torch.Tensor] = {}  # layer -> (2, rows, heads, capacity, dim)
         self.rows = 4
         self.capacity = 256
         self.version = 0  # bumped when the buffers are reallocated (CUDA graphs address them)
+
+    def _buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """Every buffer with its row dimension."""
+        out = [(self.stack, 2)] if self.stack is not None else []
+        return out + [(buf, 1) for buf in self.extra.values()]
 
     @torch.inference_mode()
     def reserve(self, rows: int, length: int) -> None:
@@ -87,43 +101,57 @@ class _KVStore:
             new_cap *= 2
         if (new_rows, new_cap) == (self.rows, self.capacity):
             return
-        for bufs in (self.k, self.v):
-            for i, old in bufs.items():
-                r, h, c, d = old.shape
-                new = old.new_zeros(new_rows, h, new_cap, d)
-                new[:r, :, :c] = old
-                bufs[i] = new
+        if self.stack is not None:
+            self.stack = self._grown(self.stack, 2, new_rows, new_cap)
+        self.extra = {i: self._grown(buf, 1, new_rows, new_cap) for i, buf in self.extra.items()}
         self.rows, self.capacity = new_rows, new_cap
         self.version += 1
 
+    @staticmethod
+    def _grown(old: torch.Tensor, row_dim: int, rows: int, capacity: int) -> torch.Tensor:
+        shape = list(old.shape)
+        shape[row_dim], shape[row_dim + 2] = rows, capacity
+        new = old.new_zeros(shape)
+        new[(slice(None),) * row_dim + (slice(0, old.shape[row_dim]), slice(None), slice(0, old.shape[row_dim + 2]))] = old
+        return new
+
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if idx not in self.k:
-            if like.is_cuda and torch.cuda.is_current_stream_capturing():
-                # a buffer allocated inside a capture would live in the graph's private pool
-                raise RuntimeError(f"KV layer {idx} first seen during a CUDA graph capture")
-            _, h, _, d = like.shape
-            # zeros, not empty: masked positions still enter the attention matmul, and
-            # 0 * NaN from uninitialised memory would poison every row.
-            shape = (self.rows, h, self.capacity, d)
-            self.k[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-            self.v[idx] = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        return self.k[idx], self.v[idx]
+        """K and V buffers ``(rows, kv_heads, capacity, head_dim)`` of layer ``idx``; ``like``
+        ``(_, kv_heads, _, head_dim)`` gives their shape and dtype when they are created."""
+        _, h, _, d = like.shape
+        stack = self.stack
+        if stack is not None and idx < self.num_layers and stack.shape[3] == h and stack.shape[5] == d:
+            return stack[idx, 0], stack[idx, 1]
+        if idx in self.extra:
+            return self.extra[idx][0], self.extra[idx][1]
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a buffer allocated inside a capture would live in the graph's private pool
+            raise RuntimeError(f"KV layer {idx} first seen during a CUDA graph capture")
+        # zeros, not empty: masked positions still enter the attention matmul, and
+        # 0 * NaN from uninitialised memory would poison every row.
+        with torch.inference_mode():
+            if stack is None and idx < self.num_layers:
+                self.stack = torch.zeros(
+                    (self.num_layers, 2, self.rows, h, self.capacity, d), dtype=like.dtype, device=like.device
+                )
+                return self.layer(idx, like)
+            self.extra[idx] = torch.zeros((2, self.rows, h, self.capacity, d), dtype=like.dtype, device=like.device)
+        return self.extra[idx][0], self.extra[idx][1]
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
-        for bufs in (self.k, self.v):
-            for buf in bufs.values():
-                buf[dst].copy_(buf[src])
+        for buf, dim in self._buffers():
+            buf.select(dim, dst).copy_(buf.select(dim, src))
 
     @torch.inference_mode()
     def move_positions(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For each i, copy position ``src[i]`` of row ``rows[i]`` to position ``dst[i]`` (1-D
-        long tensors on the device; destinations distinct). One gather + one scatter per
-        buffer, whatever the number of requests."""
-        for bufs in (self.k, self.v):
-            for buf in bufs.values():
-                # the gather copies first, so sources overlapping destinations are safe
-                buf[rows, :, dst] = buf[rows, :, src]
+        long tensors on the device; destinations distinct). One gather + one scatter for all
+        layers, whatever the number of requests."""
+        for buf, dim in self._buffers():
+            lead = (slice(None),) * dim
+            # the gather copies first, so sources overlapping destinations are safe
+            buf[lead + (rows, slice(None), dst)] = buf[lead + (rows, slice(None), src)]
 
 
 class _BatchCache:
@@ -161,6 +189,12 @@ class ModelRunner:
         cuda_graphs: replay CUDA graphs for forwards over every live request (batch <= 64,
             trees <= 64 nodes; :mod:`.cuda_graphs`). None (default): on for CUDA devices.
             Ignored off CUDA. Graph outputs are valid until the next forward of this runner.
+        fused_forward: run the model through our fused decoder (:mod:`.decoder`: merged
+            projections, one kernel per norm / rotary + KV write / SiLU; Llama, Mistral without
+            sliding window, Qwen2) instead of its HF forward. None (default): on for CUDA
+            devices with Triton when the model is supported, else off. True: required (raises
+            :class:`RunnerError` naming why a model is unsupported); off CUDA it runs the
+            same operations in torch (they match the HF forward).
 
     Not safe for concurrent calls from several threads; a forward releases the GIL, so grammar
     work in another thread overlaps it.
@@ -173,6 +207,7 @@ class ModelRunner:
         device: torch.device | str | None = None,
         prefill_chunk: int = 512,
         cuda_graphs: bool | None = None,
+        fused_forward: bool | None = None,
     ):
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
@@ -196,7 +231,18 @@ class ModelRunner:
         )
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise RunnerError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
-        self._store = _KVStore(self.device)
+        if fused_forward is not None and not isinstance(fused_forward, bool):
+            raise RunnerError(f"fused_forward must be None, True or False, got {fused_forward!r}")
+        reason = unsupported_reason(model) or (
+            "sliding-window attention" if self._window is not None else None
+        )
+        if fused_forward and reason is not None:
+            raise RunnerError(f"fused_forward=True, but the fused decoder cannot run this model: {reason}")
+        if fused_forward is None:
+            fused_forward = reason is None and self.device.type == "cuda" and triton_ops is not None
+        self._fused = FusedLlama(model) if fused_forward else None
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self._store = _KVStore(self.device, getattr(text_config, "num_hidden_layers", 1))
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._graphs = (
             ForwardGraphs(self.device)
@@ -229,6 +275,11 @@ class ModelRunner:
         if events is None or not events[1].query():
             return None
         return events[0].elapsed_time(events[1])
+
+    @property
+    def uses_fused_forward(self) -> bool:
+        """True when forwards run our fused decoder (:mod:`.decoder`) instead of the HF forward."""
+        return self._fused is not None
 
     @property
     def graph_captures(self) -> int:
@@ -494,6 +545,9 @@ class ModelRunner:
                 else window_mask
             )
         write_pos = lens[:, None] + torch.arange(n, device=dev)
+        if self._fused is not None:
+            return self._fused.forward(tokens, positions, mask, self._store, row_idx, write_pos, rows, kv_len,
+                                       logits_to_keep)
         cache = _BatchCache(self._store, rows, row_idx, write_pos, kv_len)
         with torch.inference_mode():
             out = self.model(

@@ -1,0 +1,109 @@
+"""The fused decoder's three non-GEMM operations: a torch reference each, Triton on CUDA.
+
+The torch versions compute exactly what Hugging Face's Llama modules compute (same operations in
+the same dtypes), so on CPU the fused forward matches the HF forward; the Triton versions
+(:mod:`.triton_ops`) round the same way in one kernel each and are checked against these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from . import triton_ops
+except ImportError:  # torch without Triton (CPU wheels)
+    triton_ops = None
+
+__all__ = ["rms_norm", "rope_and_cache", "rotary_cos_sin", "silu_mul", "use_triton"]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when ``t``'s operations run as Triton kernels: a CUDA tensor of a half or single
+    precision dtype, and Triton present (the kernels compute in float32, so float64 models run
+    the torch versions and keep their precision)."""
+    return t.is_cuda and triton_ops is not None and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of ``x``, or of ``residual + x`` when ``residual`` is given.
+
+    Args:
+        x: ``(T, H)`` contiguous, model dtype.
+        weight: ``(H,)`` norm weight; eps: the variance epsilon.
+        residual: ``(T, H)`` residual stream, updated in place to ``residual + x`` (rounded to
+            the model dtype, as HF's ``residual + hidden_states``).
+
+    Returns the normalized ``(T, H)`` tensor: ``weight * (s * rsqrt(mean(s^2) + eps))`` with the
+    norm in float32 and rounded to the model dtype before the weight multiply (HF's LlamaRMSNorm).
+    """
+    if use_triton(x):
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos and sin ``(T, D / 2)`` in ``dtype`` of ``positions (T,)`` long: the angles in float32
+    (``position * inv_freq``, ``inv_freq (D / 2,)`` float32), times the rotary attention
+    ``scaling``, rounded to ``dtype``, exactly as HF's rotary embedding computes them."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    row_idx: torch.Tensor,
+    write_pos: torch.Tensor,
+    b: int,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Rotary embedding of q and k (rotate-half layout, as HF's ``apply_rotary_pos_emb``), and
+    the KV cache write.
+
+    Args:
+        qkv: ``(b * n, (heads + 2 * kv_heads) * head_dim)`` output of the merged QKV projection.
+        cos, sin: ``(b * n, head_dim // 2)`` from :func:`rotary_cos_sin`, model dtype.
+        k_buf, v_buf: ``(rows, kv_heads, capacity, head_dim)`` cache buffers (any strides with a
+            contiguous last dim): the rotated k and the v of token ``(i, j)`` are written at
+            ``[row_idx[i], :, write_pos[i, j]]``.
+        row_idx: ``(b,)`` long; write_pos: ``(b, n)`` long.
+
+    Returns the rotated queries ``(b, heads, n, head_dim)``, contiguous.
+    """
+    if use_triton(qkv):
+        return triton_ops.rope_and_cache(
+            qkv, cos, sin, k_buf, v_buf, row_idx, write_pos.reshape(-1), b, n, heads, kv_heads, head_dim
+        )
+    x = qkv.view(b * n, heads + 2 * kv_heads, head_dim)
+    rot = x[:, : heads + kv_heads]
+    half = head_dim // 2
+    x1, x2 = rot[..., :half], rot[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # (T, heads + kv_heads, D)
+    q = rotated[:, :heads].view(b, n, heads, head_dim).transpose(1, 2).contiguous()
+    k = rotated[:, heads:].view(b, n, kv_heads, head_dim)
+    v = x[:, heads + kv_heads :].view(b, n, kv_heads, head_dim)
+    # (b, n) advanced indices around a sliced head dim: the indexed result is (b, n, kv_heads, D)
+    k_buf[row_idx[:, None], :, write_pos] = k
+    v_buf[row_idx[:, None], :, write_pos] = v
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the merged gate/up projection ``(T, 2 * I)`` (gate first), as
+    HF's ``act_fn(gate_proj(x)) * up_proj(x)``. Returns ``(T, I)``."""
+    if use_triton(gate_up):
+        return triton_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
