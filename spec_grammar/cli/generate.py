@@ -64,6 +64,10 @@ def register(sub) -> None:
         help="run the forwards eagerly (CUDA graphs are used on CUDA devices only)",
     )
     p.add_argument(
+        "--no-fused-forward", action="store_true",
+        help="run the model's own Hugging Face forward (default on CUDA: our fused decoder for Llama-family models)",
+    )
+    p.add_argument(
         "--grammar-threads", type=_positive_int, default=None, metavar="N",
         help="threads sharing a step's grammar work (default: automatic, up to 8 when the backend releases the GIL)",
     )
@@ -250,6 +254,7 @@ def run(args) -> int:
         device=args.device,
         constrain_draft=args.constrain_draft,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        fused_forward=False if args.no_fused_forward else None,
         grammar_threads=args.grammar_threads,
         **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
     )

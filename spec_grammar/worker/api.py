@@ -157,10 +157,12 @@ def build_worker(
     forced_tokens: bool = DEFAULT_FORCED_TOKENS,
     cuda_graphs: bool | None = None,
     grammar_threads: int | None = None,
+    fused_forward: bool | None = None,
 ) -> SpecWorker:
     """A :class:`SpecWorker` over a model loaded by :func:`spec_grammar.models.load_model`
     (models and backends are cached per process). ``grammar_backend=None`` gives a worker for
-    plain requests only; ``cuda_graphs`` / ``grammar_threads``: see :class:`SpecWorker`. Raises
+    plain requests only; ``cuda_graphs`` / ``grammar_threads`` / ``fused_forward``: see
+    :class:`SpecWorker`. Raises
     :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend and
     :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
     dev = resolve_device(device)
@@ -182,6 +184,7 @@ def build_worker(
         forced_tokens=forced_tokens,
         cuda_graphs=cuda_graphs,
         grammar_threads=grammar_threads,
+        fused_forward=fused_forward,
     )
 
 
@@ -222,6 +225,7 @@ def generate(
     forced_tokens: bool = DEFAULT_FORCED_TOKENS,
     cuda_graphs: bool | None = None,
     grammar_threads: int | None = None,
+    fused_forward: bool | None = None,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
 
@@ -242,6 +246,8 @@ def generate(
         no_spec: plain constrained decoding; overlap: grammar work under the verify forward.
         device: ``auto`` / ``cpu`` / ``cuda``; dtype: model dtype (default float32).
         cuda_graphs: replay CUDA graphs for the forwards (CUDA devices only; None = on there).
+        fused_forward: our fused decoder instead of the model's HF forward (Llama-family
+            models; None = on for CUDA with Triton where supported; see :class:`SpecWorker`).
         grammar_threads: threads sharing a step's grammar work (None = automatic; see
             :func:`~spec_grammar.worker.engine.default_grammar_threads`).
 
@@ -280,6 +286,7 @@ def generate(
         forced_tokens=forced_tokens,
         cuda_graphs=cuda_graphs,
         grammar_threads=grammar_threads,
+        fused_forward=fused_forward,
     )
     requests = []
     for item, g in zip(items, grammars):

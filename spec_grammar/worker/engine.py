@@ -154,6 +154,8 @@ class SpecWorker:
         device: where the target runs (default: the model's device).
         cuda_graphs: passed to :class:`~spec_grammar.worker.runner.ModelRunner` (CUDA graphs
             are used on CUDA devices only; None = the runner's default).
+        fused_forward: passed to the runner too: our fused decoder for Llama-family models
+            (:mod:`~spec_grammar.worker.decoder`; None = on for CUDA with Triton where supported).
         grammar_threads: threads sharing a step's grammar work (advance + tree fill), each
             taking a contiguous group of requests; None = :func:`default_grammar_threads`.
             Outputs do not depend on it. Raises ``ValueError`` unless None or an int >= 1.
@@ -178,13 +180,16 @@ class SpecWorker:
         forced_tokens: bool = False,
         cuda_graphs: bool | None = None,
         grammar_threads: int | None = None,
+        fused_forward: bool | None = None,
     ):
         if grammar_threads is not None and (
             isinstance(grammar_threads, bool) or not isinstance(grammar_threads, int) or grammar_threads < 1
         ):
             raise ValueError(f"grammar_threads must be None or an int >= 1, got {grammar_threads!r}")
         self.runner = (
-            model if isinstance(model, ModelRunner) else ModelRunner(model, device=device, cuda_graphs=cuda_graphs)
+            model
+            if isinstance(model, ModelRunner)
+            else ModelRunner(model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward)
         )
         self.tokenizer = tokenizer
         if isinstance(backend, str):
