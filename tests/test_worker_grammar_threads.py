@@ -10,7 +10,6 @@ requests give exactly the tokens of a clean run.
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 from hypothesis import given, settings
@@ -20,7 +19,7 @@ from real_model import backend, model_and_tokenizer
 from spec_grammar import JsonSchema, Regex
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.worker import Request, SpecWorker, build_prompt
-from spec_grammar.worker.engine import default_grammar_threads, split_balanced
+from spec_grammar.worker.engine import split_balanced
 from spec_grammar.worker.sampling import SamplingParams
 
 MAX_NEW = 12
@@ -43,11 +42,10 @@ def test_split_balanced_is_contiguous_and_balanced(weights, parts):
 
 @pytest.mark.model
 def test_default_grammar_threads():
-    """Threads only for backends whose fills drop the GIL and that have no executor of their own."""
-    assert default_grammar_threads(backend("xgrammar")) == max(1, min(8, os.cpu_count() // 2))
-    assert default_grammar_threads(backend("llguidance")) == 1  # its own LLExecutor
-    assert default_grammar_threads(None) == 1
+    """One grammar thread unless asked for more; bad values are refused."""
     model, tok = model_and_tokenizer()
+    assert SpecWorker(model, tok, backend=backend("xgrammar")).grammar_threads == 1
+    assert SpecWorker(model, tok, backend=backend("xgrammar"), grammar_threads=3).grammar_threads == 3
     with pytest.raises(ValueError, match="grammar_threads must be None or an int >= 1, got 0"):
         SpecWorker(model, tok, backend=backend("xgrammar"), grammar_threads=0)
 

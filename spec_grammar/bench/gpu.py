@@ -133,7 +133,8 @@ class GpuBenchConfig(pydantic.BaseModel):
     backend: str = "xgrammar"
     accept_rate: float = pydantic.Field(0.8, gt=0.0, le=1.0)
     chain_depth: int = pydantic.Field(7, ge=1)
-    max_doc_tokens: int = pydantic.Field(120, ge=2)  # at least one token plus the stop token
+    min_doc_tokens: int = pydantic.Field(40, ge=2)  # runs of ~10+ steps: steady state, not start-up
+    max_doc_tokens: int = pydantic.Field(160, ge=2)  # at least one token plus the stop token
     prompt_tokens: int = pydantic.Field(64, ge=1)
     device: str = "cuda"
     dtype: str = "bfloat16"
@@ -200,7 +201,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     def quick(cls, **overrides: Any) -> "GpuBenchConfig":
         """A CPU smoke run (seconds): a 2-layer model, one case, batch 1 and 2, no CUDA graphs."""
         base = dict(models=["tiny"], tokenizers=["smollm2"], batches=[1, 2], nodes=[8, 16], cases=1,
-                    device="cpu", dtype="float32", max_doc_tokens=40, prompt_tokens=8, cuda_graphs=False,
+                    device="cpu", dtype="float32", min_doc_tokens=8, max_doc_tokens=40, prompt_tokens=8, cuda_graphs=False,
                     forward_reps=3)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
@@ -348,8 +349,9 @@ def _load_tokenizer(spec: str) -> tuple[str, Any]:
 
 
 def _documents(cfg: GpuBenchConfig, tokenizer: Any, backend: Any, stop: int) -> list[dict]:
-    """Up to ``cfg.cases`` (spec, name, token ids) whose ids a fresh matcher accepts in full,
-    ending with ``stop`` (the oracle for "valid document")."""
+    """Up to ``cfg.cases`` (spec, name, token ids) of ``cfg.min_doc_tokens`` to
+    ``cfg.max_doc_tokens`` tokens whose ids a fresh matcher accepts in full, ending with
+    ``stop`` (the oracle for "valid document")."""
     from .instances import load_cases, sample_instance
 
     out = []
@@ -360,7 +362,7 @@ def _documents(cfg: GpuBenchConfig, tokenizer: Any, backend: Any, stop: int) -> 
         if text is None:
             continue
         ids = list(tokenizer.encode(text, add_special_tokens=False)) + [stop]
-        if len(ids) > cfg.max_doc_tokens:
+        if not cfg.min_doc_tokens <= len(ids) <= cfg.max_doc_tokens:
             continue
         m = backend.matcher(backend.compile(case.spec))
         if m.accept_tokens(ids) == len(ids) and m.is_terminated():
@@ -422,22 +424,17 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def _run_mode(runner: ModelRunner, tokenizer: Any, backend: Any, make_drafter: Callable[[], ReplayDrafter],
-              doc: dict, batch: int, prompt: list[int], overlap: bool, grammar: bool,
-              grammar_threads: int | None = None) -> tuple[list, list[str]]:
-    """One worker run of ``batch`` requests writing ``doc``: its step stats and the ids of the
-    requests whose output is not the document."""
-    from ..worker.engine import SpecWorker
+def _run_mode(worker: Any, doc: dict, batch: int, prompt: list[int]) -> tuple[list, list[str]]:
+    """One run of ``worker`` over ``batch`` requests writing ``doc`` (constrained when the
+    worker has a backend): its step stats and the ids of the requests whose output is not the
+    document."""
     from ..worker.request import Request
     from ..worker.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=len(doc["ids"]) + 8)
-    reqs = [Request(list(prompt), doc["spec"] if grammar else None, params, rid=f"r{i}") for i in range(batch)]
-    with SpecWorker(runner, tokenizer, backend=backend if grammar else None, draft=make_drafter(),
-                    overlap=overlap, grammar_threads=grammar_threads) as worker:
-        results = worker.run(reqs)
-        stats = list(worker.step_stats)
-    return stats, [r.rid for r in results if r.token_ids != doc["ids"][:-1]]
+    spec = doc["spec"] if worker.backend is not None else None
+    results = worker.run([Request(list(prompt), spec, params, rid=f"r{i}") for i in range(batch)])
+    return list(worker.step_stats), [r.rid for r in results if r.token_ids != doc["ids"][:-1]]
 
 
 def _summary(runs: list[tuple[list, list[str]]], batch: int) -> dict:
@@ -556,10 +553,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
     )
     tokenizers = [_load_tokenizer(t) for t in cfg.tokenizers]
     setups = _build_setups(cfg, device, dtype, tokenizers, res, progress)
-    if setups:
-        from ..worker.engine import default_grammar_threads
-
-        res["env"]["grammar_threads"] = cfg.grammar_threads or default_grammar_threads(setups[0].backend)
+    res["env"]["grammar_threads"] = cfg.grammar_threads or 1
     for s in setups:  # batch 1 vs the weight-read time: as configured, HF's forward, eager
         for variant, runner in s.variants().items():
             for n in (1, *cfg.nodes):
@@ -577,7 +571,7 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
         if s.tok_name not in docs:
             docs[s.tok_name] = _documents(cfg, s.tokenizer, s.backend, s.tokenizer.eos_token_id)
             if not docs[s.tok_name]:
-                res["problems"].append(f"{s.tok_name}: no valid document within {cfg.max_doc_tokens} tokens")
+                res["problems"].append(f"{s.tok_name}: no valid document of {cfg.min_doc_tokens}-{cfg.max_doc_tokens} tokens")
     prompt = [(1000 + 37 * i) % 40000 + 10 for i in range(cfg.prompt_tokens)]
     for c in range(cfg.cases):
         live = [s for s in setups if c < len(docs[s.tok_name])]
@@ -611,27 +605,32 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
 
 def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, prompt: list[int],
                 wrong: Callable[[int, int], int], problems: list[str]) -> dict:
-    """Every mode of one configuration, each after an untimed warm-up where its runner first
-    sees the shape (new shapes allocate device and pinned host blocks and capture graphs, new
-    grammars compile: seen 2-4x slower steps)."""
-
-    def drafter() -> ReplayDrafter:
-        return ReplayDrafter(doc["ids"], num_draft_tokens=n, chain_depth=cfg.chain_depth,
-                             accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
+    """Every mode of one configuration. Each mode keeps one worker for all its runs, as a server
+    keeps its worker (its reused host buffers, e.g. the pinned bitmask ring, are allocated
+    once), and runs once untimed first: new shapes allocate device and pinned host blocks and
+    capture graphs, new grammar positions build their masks (seen 2-4x slower steps)."""
+    from ..worker.engine import SpecWorker
 
     plan = [(m, s.runner, m == "overlap", m != "plain") for m in MODES]
     if batch in cfg.eager_batches and s.eager is not None:
         plan.append(("eager", s.eager, True, True))
-    warmed: set[int] = set()
-    for _, runner, _, _ in plan:
-        if id(runner) not in warmed:
-            _run_mode(runner, s.tokenizer, s.backend, drafter, doc, batch, prompt, True, True, cfg.grammar_threads)
-            warmed.add(id(runner))
-    runs: dict[str, list] = {mode: [] for mode, *_ in plan}
-    for _ in range(cfg.repeats):  # the modes take turns
-        for mode, runner, overlap, grammar in plan:
-            runs[mode].append(_run_mode(runner, s.tokenizer, s.backend, drafter, doc, batch, prompt, overlap, grammar,
-                                        cfg.grammar_threads))
+    drafter = ReplayDrafter(doc["ids"], num_draft_tokens=n, chain_depth=cfg.chain_depth,
+                            accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
+    workers = {
+        mode: SpecWorker(runner, s.tokenizer, backend=s.backend if grammar else None, draft=drafter,
+                         overlap=overlap, grammar_threads=cfg.grammar_threads)
+        for mode, runner, overlap, grammar in plan
+    }
+    runs: dict[str, list] = {mode: [] for mode in workers}
+    try:
+        for mode, worker in workers.items():
+            _run_mode(worker, doc, batch, prompt)
+        for _ in range(cfg.repeats):  # the modes take turns
+            for mode, worker in workers.items():
+                runs[mode].append(_run_mode(worker, doc, batch, prompt))
+    finally:
+        for worker in workers.values():
+            worker.close()
     row: dict[str, Any] = {}
     for mode in runs:
         row[mode] = _summary(runs[mode], batch)

@@ -43,7 +43,7 @@ def register_gpu(sub) -> None:
                    help="on/off: our fused decoder instead of the model's HF forward (default on where the runner "
                    "supports it: CUDA with Triton, Llama-family models)")
     p.add_argument("--grammar-threads", type=int, default=None,
-                   help="the worker's grammar threads (default: its own, min(8, cores // 2) for xgrammar)")
+                   help="the worker's grammar threads (default 1)")
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batch sizes that also run grammar + overlap with CUDA graphs off (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode, steps pooled (default 1)")

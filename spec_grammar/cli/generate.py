@@ -69,7 +69,7 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--grammar-threads", type=_positive_int, default=None, metavar="N",
-        help="threads sharing a step's grammar work (default: automatic, up to 8 when the backend releases the GIL)",
+        help="threads sharing a step's grammar work (default 1: more measured slower with xgrammar)",
     )
     p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
     p.add_argument("--batch-file", metavar="FILE.jsonl", help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '

@@ -248,8 +248,8 @@ def generate(
         cuda_graphs: replay CUDA graphs for the forwards (CUDA devices only; None = on there).
         fused_forward: our fused decoder instead of the model's HF forward (Llama-family
             models; None = on for CUDA with Triton where supported; see :class:`SpecWorker`).
-        grammar_threads: threads sharing a step's grammar work (None = automatic; see
-            :func:`~spec_grammar.worker.engine.default_grammar_threads`).
+        grammar_threads: threads sharing a step's grammar work (None = 1; see
+            :class:`~spec_grammar.worker.engine.SpecWorker`).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
