@@ -1,7 +1,11 @@
-"""xgrammar adapter: lazy mask-cache compilation (the default, ``dynamic_compilation=True``)
-gives exactly the masks of eager compilation, along real BFCL tool-call outputs (every row of
-the accepted path) and on random draft trees over them (``fill_tree_bitmask`` rows and
-validity), so a fault in xgrammar's lazy path would show here."""
+"""xgrammar adapter: two settings that change how masks are computed but must not change them,
+checked along real BFCL tool-call outputs (every row of the accepted path) and on random draft
+trees over them (``fill_tree_bitmask`` rows, at a row offset, and validity):
+
+* lazy mask-cache compilation (the default, ``dynamic_compilation=True``) against eager;
+* a model head wider than the tokenizer (xgrammar then fills tokenizer-wide rows that the
+  adapter copies into the model-wide bitmask) against a head of the tokenizer's width: same
+  bits, padding ids never allowed."""
 
 import json
 import random
@@ -18,34 +22,50 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def backends():
+def tok():
     from spec_grammar.models import load_tokenizer
-    from spec_grammar.registry import get_backend
 
-    tok = load_tokenizer("smollm2")
-    return tok, get_backend("xgrammar", tok), get_backend("xgrammar", tok, dynamic_compilation=False)
+    return load_tokenizer("smollm2")
 
 
-def test_lazy_compilation_masks_equal_eager(backends):
-    tok, lazy, eager = backends
+def _same_masks(tok, a_backend, b_backend) -> None:
+    """``b``'s rows equal ``a``'s on ``a``'s width and are zero past it."""
+    width = allocate_token_bitmask(1, a_backend.vocab_size).shape[1]
     rng = random.Random(0)
     for case in bfcl_cases()[:6]:
         spec = ToolCalls(case["tools"], whitespace="spaced")
         ids = tok.encode(json.dumps(case["example_output"], separators=(", ", ": ")), add_special_tokens=False)
-        a, b = lazy.matcher(lazy.compile(spec)), eager.matcher(eager.compile(spec))
-        rows_a, rows_b = allocate_token_bitmask(1, lazy.vocab_size), allocate_token_bitmask(1, eager.vocab_size)
+        a, b = a_backend.matcher(a_backend.compile(spec)), b_backend.matcher(b_backend.compile(spec))
+        rows_a, rows_b = allocate_token_bitmask(2, a_backend.vocab_size), allocate_token_bitmask(2, b_backend.vocab_size)
         for t in ids:
-            a.fill_next_token_bitmask(rows_a, 0)
-            b.fill_next_token_bitmask(rows_b, 0)
-            assert torch.equal(rows_a, rows_b)
+            a.fill_next_token_bitmask(rows_a, 1)
+            b.fill_next_token_bitmask(rows_b, 1)
+            assert torch.equal(rows_a[1], rows_b[1, :width]) and not rows_b[1, width:].any()
             if a.accept_tokens([t]) != 1:  # the example left the grammar: stop this walk
                 break
             assert b.accept_tokens([t]) == 1
             if rng.random() < 0.3:  # a tree of the true next tokens and random siblings
                 pos = a.num_accepted
                 nxt = ids[pos : pos + 4]
-                tree = DraftTree([t] + nxt + [rng.randrange(lazy.vocab_size) for _ in range(3)],
+                tree = DraftTree([t] + nxt + [rng.randrange(len(tok)) for _ in range(3)],
                                  [-1] + list(range(len(nxt))) + [rng.randrange(len(nxt) + 1) for _ in range(3)])
-                ta, tb = allocate_token_bitmask(tree.num_nodes, lazy.vocab_size), allocate_token_bitmask(tree.num_nodes, eager.vocab_size)
-                va, vb = a.fill_tree_bitmask(tree, ta, 0), b.fill_tree_bitmask(tree, tb, 0)
-                assert torch.equal(va, vb) and torch.equal(ta, tb)
+                ta = allocate_token_bitmask(tree.num_nodes + 3, a_backend.vocab_size)
+                tb = allocate_token_bitmask(tree.num_nodes + 3, b_backend.vocab_size)
+                va, vb = a.fill_tree_bitmask(tree, ta, 3), b.fill_tree_bitmask(tree, tb, 3)
+                assert torch.equal(va, vb)
+                assert torch.equal(ta[3:], tb[3:, :width]) and not tb[3:, width:].any()
+
+
+def test_lazy_compilation_masks_equal_eager(tok):
+    from spec_grammar.registry import get_backend
+
+    _same_masks(tok, get_backend("xgrammar", tok), get_backend("xgrammar", tok, dynamic_compilation=False))
+
+
+def test_head_wider_than_tokenizer_same_masks(tok):
+    """128,256 logits (Llama-3's head) over SmolLM2's 49,152-token tokenizer."""
+    from spec_grammar.registry import get_backend
+
+    exact, wide = get_backend("xgrammar", tok), get_backend("xgrammar", tok, vocab_size=128256)
+    assert wide._narrow and not exact._narrow
+    _same_masks(tok, exact, wide)

@@ -9,12 +9,14 @@ since xgrammar 0.2.9 has no non-mutating validate.
 from __future__ import annotations
 
 import importlib.metadata
+import threading
 import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from spec_grammar.bitmask import bitmask_width
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
@@ -52,7 +54,12 @@ class XGrammarMatcher(SpecGrammar):
         return XGrammarMatcher(self._backend, self._m.fork())
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._m.fill_next_token_bitmask(bitmask, row)
+        narrow = self._backend._narrow_rows(1)
+        if narrow is None:
+            self._m.fill_next_token_bitmask(bitmask, row)
+            return
+        self._m.fill_next_token_bitmask(narrow, 0)
+        bitmask[row, : narrow.shape[1]] = narrow[0]  # the padding words: the protocol zeroes them
 
     def _is_terminated(self) -> bool:
         return self._m.is_terminated()
@@ -68,12 +75,24 @@ class XGrammarMatcher(SpecGrammar):
         if n > 1 and (tokens[1:].min() < 0 or tokens[1:].max() >= self.info.tokenizer_vocab_size):
             # Out-of-range ids must never reach the library's bit test.
             return super()._fill_tree_bitmask(tree, bitmask, row_offset)
-        rows = bitmask[row_offset : row_offset + n]
+        narrow = self._backend._narrow_rows(n)
+        rows = bitmask[row_offset : row_offset + n] if narrow is None else narrow
         self._m.traverse_draft_tree(
             tree.retrieve_next_token, tree.retrieve_next_sibling, tree.tokens, rows
         )
-        if n == 1:
-            return torch.ones(1, dtype=torch.bool)
+        if n > 1:
+            valid = self._fix_stale_rows(tree, rows)
+        else:
+            valid = torch.ones(1, dtype=torch.bool)
+        if narrow is not None:
+            bitmask[row_offset : row_offset + n, : narrow.shape[1]] = narrow
+        return valid
+
+    def _fix_stale_rows(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
+        """Node validity ``(N,)`` bool of a traversed ``tree`` whose rows are ``rows``; rows of
+        dead nodes zeroed in place."""
+        n = tree.num_nodes
+        tokens = tree.tokens.numpy()
         # xgrammar zeroes the rows of rejected nodes but leaves their descendants' rows stale
         # (G8): recompute validity (child bit set in the parent's row, parent not a stop token,
         # every ancestor valid) vectorized, then zero every row that is not a live state.
@@ -160,15 +179,32 @@ class XGrammarBackend(GrammarBackend):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._xgr_info = xgr.TokenizerInfo.from_huggingface(
-                info.hf_tokenizer, vocab_size=info.vocab_size, stop_token_ids=list(info.stop_token_ids)
+                info.hf_tokenizer, vocab_size=info.tokenizer_vocab_size, stop_token_ids=list(info.stop_token_ids)
             )
         self._stop_array = np.asarray(info.stop_token_ids, dtype=np.int64)
+        # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids
+        # too, it treats them as special tokens that every mask rejects one by one, and a model
+        # head wider than its tokenizer (here: 128k rows, a 49k tokenizer) made tree fills ~15x
+        # slower. Its rows are then filled narrow and copied into the wide bitmask.
+        self._xgr_width = bitmask_width(info.tokenizer_vocab_size)
+        self._narrow = self._xgr_width < bitmask_width(info.vocab_size)
+        self._scratch = threading.local()  # per thread: grammar threads fill side by side
         self._compiler = xgr.GrammarCompiler(
             self._xgr_info,
             max_threads=max_threads,
             cache_enabled=False,
             enable_dynamic_compilation=bool(dynamic_compilation),
         )
+
+    def _narrow_rows(self, n: int) -> torch.Tensor | None:
+        """A contiguous ``(n, W_tokenizer)`` int32 scratch of this thread for xgrammar to fill,
+        or None when the model's bitmask is xgrammar's own width."""
+        if not self._narrow:
+            return None
+        buf = getattr(self._scratch, "rows", None)
+        if buf is None or buf.shape[0] < n:
+            buf = self._scratch.rows = torch.empty((max(n, 64), self._xgr_width), dtype=torch.int32)
+        return buf[:n]
 
     @classmethod
     def library_version(cls) -> str:

@@ -55,6 +55,7 @@ def verify_greedy_batch(
     selected: Sequence[int],
     *,
     bitmask: torch.Tensor | None = None,
+    device_bitmask: torch.Tensor | None = None,
     offsets: Sequence[int | None] = (),
     valids: Sequence[torch.Tensor | None] = (),
     stop_token_ids: Sequence[Collection[int]] = (),
@@ -70,6 +71,9 @@ def verify_greedy_batch(
             queued ``non_blocking`` on the current stream: the caller keeps the buffer unchanged
             until that copy has run (the worker reuses buffers only after a CUDA event recorded
             after the step; :mod:`~spec_grammar.worker.host_bitmask`).
+        device_bitmask: ``bitmask`` already on the logits' device (an upload started while the
+            forward ran, :meth:`~.host_bitmask.HostBitmaskRing.upload`), used instead of
+            uploading ``bitmask`` here when every one of its rows is needed.
         offsets: per batch index, the first bitmask row of its tree, or None (no grammar).
         valids: per batch index, ``(N,)`` bool node validity from the tree fill, or None.
         stop_token_ids: per batch index, tokens never expanded.
@@ -100,11 +104,14 @@ def verify_greedy_batch(
             n = trees[i].num_nodes
             idx.extend(position[i] * n_max + j for j in range(n))
             mrows.extend(range(off, off + n))
+        pin = flat.is_cuda
         if mrows != list(range(bitmask.shape[0])):
             # a batch mixing greedy and sampled grammar requests: take only the rows needed
-            bitmask = bitmask[torch.tensor(mrows, dtype=torch.long)]
-        pin = flat.is_cuda
-        dev_mask = bitmask.to(flat.device, non_blocking=True)
+            dev_mask = bitmask[torch.tensor(mrows, dtype=torch.long)].to(flat.device, non_blocking=True)
+        elif device_bitmask is not None:
+            dev_mask = device_bitmask
+        else:
+            dev_mask = bitmask.to(flat.device, non_blocking=True)
         dev_idx = torch.tensor(idx, dtype=torch.long, pin_memory=pin).to(flat.device, non_blocking=True)
         best[dev_idx] = masked_argmax(sub, dev_mask, dev_idx)
     host = best.tolist()  # the step's one device-to-host synchronization

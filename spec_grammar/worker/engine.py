@@ -89,10 +89,11 @@ def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
 class _GrammarWork:
     """What the grammar work of one step (or of one group of its requests) hands back."""
 
-    __slots__ = ("bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
+    __slots__ = ("bitmask", "device_bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
 
     def __init__(self) -> None:
         self.bitmask: torch.Tensor | None = None
+        self.device_bitmask: torch.Tensor | None = None  # ``bitmask`` on the logits' device
         self.offsets: dict[str, int] = {}
         self.valid: dict[str, torch.Tensor] = {}
         self.errors: dict[str, str] = {}
@@ -569,6 +570,8 @@ class SpecWorker:
                 torch.cuda.current_stream(logits.device).synchronize()
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask)
+        if bitmask is not None and logits.is_cuda:
+            work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
         t3 = time.perf_counter()
         self._apply_errors(work, draining, t3)
         verified = self._verify_batch(live, trees, logits, work)
@@ -625,6 +628,7 @@ class SpecWorker:
             trees,
             selected,
             bitmask=work.bitmask,
+            device_bitmask=work.device_bitmask,
             offsets=[work.offsets.get(st.rid) for st in live],
             valids=[work.valid.get(st.rid) for st in live],
             stop_token_ids=[
@@ -648,9 +652,8 @@ class SpecWorker:
         bitmask = valid = None
         if verified is None and st.matcher is not None:
             off = work.offsets[st.rid]
-            bitmask = work.bitmask[off : off + tree.num_nodes]
-            if logits.device.type != "cpu":
-                bitmask = bitmask.to(logits.device, non_blocking=True)
+            rows = work.device_bitmask if work.device_bitmask is not None else work.bitmask
+            bitmask = rows[off : off + tree.num_nodes]
             valid = work.valid[st.rid]
         stops = () if params.ignore_eos and st.matcher is None else self.stop_token_ids
         if verified is not None:

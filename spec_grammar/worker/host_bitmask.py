@@ -44,6 +44,7 @@ class HostBitmaskRing:
         self._events: list[torch.cuda.Event | None] = [None] * size
         self._next = 0
         self._last: int | None = None
+        self._stream: torch.cuda.Stream | None = None
 
     def acquire(self, rows: int) -> torch.Tensor:
         """The next buffer's first ``rows`` rows: a contiguous ``(rows, W)`` int32 host view
@@ -63,6 +64,24 @@ class HostBitmaskRing:
             self.allocations += 1
         self._last = i
         return buf[:rows]
+
+    def upload(self, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Start copying ``rows`` (a view of the buffer last acquired) to ``device`` and return
+        the device tensor. On CUDA the copy runs on a side stream, so the copy engine moves it
+        while the verify forward still computes (on the forward's stream it would wait for the
+        forward: 0.2 ms of exposed copy at 8 x 16 rows of Gemma-3's 262k vocabulary, 2.6 ms at
+        32 x 64); the current stream waits for it before anything queued after this call.
+        Elsewhere (or unpinned): a plain ``.to(device)``."""
+        if not self.pin or device.type != "cuda":
+            return rows.to(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self._stream):
+            uploaded = rows.to(device, non_blocking=True)
+        current.wait_stream(self._stream)
+        uploaded.record_stream(current)  # its memory is not reused before the verify reads it
+        return uploaded
 
     def record_upload(self, device: torch.device) -> None:
         """Mark every copy queued so far on ``device``'s current stream as reading the buffer
