@@ -136,10 +136,12 @@ class SpecWorker:
             (:mod:`~spec_grammar.worker.decoder`; None = on for CUDA with Triton where supported).
         grammar_threads: threads sharing a step's grammar work (advance + tree fill), each
             taking a contiguous group of requests; None = 1. Outputs do not depend on it.
-            More threads have not paid off anywhere we measured (xgrammar, whose fills drop the
-            GIL only inside the library call): inside the worker a step of 8 requests x 8 nodes
-            took 7.1 ms with 8 threads against 2.8 ms with one on a 16-core H200 host, and a
-            second thread was 0.76x on 2 cores. Raises ``ValueError`` unless None or an int >= 1.
+            More threads pay only where the backend's own native work dominates a fill (its
+            GIL-free part): with xgrammar on a 16-core H200 host, 8 threads were up to 2.5x
+            slower than one for 8-16-node trees (7.1 vs 2.8 ms at 8 requests x 8 nodes) and
+            faster only for 64-node trees whose fills were inflated by padding ids (since
+            fixed); a second thread was 0.76x on 2 cores
+            (``benchmarks/results/grammar-threads-h200.md``). Raises ``ValueError`` unless None or an int >= 1.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
     """
