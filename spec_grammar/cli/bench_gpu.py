@@ -24,7 +24,7 @@ def register_gpu(sub) -> None:
         "(default benchmarks/results/gpu-h200.*). Recipe for a GPU machine: scripts/gpu/README.md.",
     )
     p.add_argument("--out", default="benchmarks/results", help="output directory")
-    p.add_argument("--name", default="gpu-h200", help="file name stem (default gpu-h200)")
+    p.add_argument("--name", default=None, help="file name stem (default gpu-h200, gpu-quick with --quick)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: 2-layer model, batch 1 and 2")
     p.add_argument("--models", type=_csv, default=None,
                    help="llama-3.1-8b, smollm2-135m-real, smollm2-135m (default llama-3.1-8b,smollm2-135m-real)")
@@ -95,12 +95,13 @@ def _run_gpu(args) -> int:
     from ..bench.gpu import run_gpu_bench, write_gpu_report
 
     cfg = _config(args)
+    name = args.name or ("gpu-quick" if args.quick else "gpu-h200")
 
     def partial(res: dict) -> None:  # a crash or time-out keeps the finished rows on disk
-        write_gpu_report(res, args.out, args.name, plots=False)
+        write_gpu_report(res, args.out, name, plots=False)
 
     res = run_gpu_bench(cfg, progress=lambda msg: print(msg, flush=True), on_partial=partial)
-    for kind, path in write_gpu_report(res, args.out, args.name).items():
+    for kind, path in write_gpu_report(res, args.out, name).items():
         print(f"{kind}: {path}")
     for p in res["problems"]:
         print(f"check failed: {p}")

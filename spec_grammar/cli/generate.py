@@ -2,7 +2,7 @@
 
 One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: ``prompt`` plus
 its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
-``tools``, and optional sampling fields such as ``max_new_tokens`` / ``temperature`` / ``seed``
+``tools`` (file paths relative to the batch file), and optional sampling fields such as ``max_new_tokens`` / ``temperature`` / ``seed``
 / ``stop``: any :class:`~spec_grammar.worker.sampling.SamplingParams` field). A line with an
 unknown key, one that cannot be turned into a request, or whose grammar fails to compile, is
 reported as failed; the other requests complete. Exit code 0 when every request succeeded, 1
@@ -73,7 +73,9 @@ def register(sub) -> None:
     )
     p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
     p.add_argument("--batch-file", metavar="FILE.jsonl", help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '
-                   'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}')
+                   'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}; '
+                   'json_schema / tools take an object or a file path, ebnf / lark grammar text or a file path, '
+                   'paths relative to the batch file')
     p.add_argument("--json", action="store_true", help="print per-request results and stats as JSON")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.set_defaults(func=run)
@@ -141,8 +143,12 @@ def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files
             raise ValueError(f"a JSON schema must be an object or boolean, got {_json_type(value)}")
         return JsonSchema(value) if key == "json_schema" else ToolCalls(value)
     what = key.upper() if key == "ebnf" else "Lark"
-    if files_only or ("\n" not in value and Path(path(value)).is_file()):
+    one_line = "\n" not in value
+    if files_only or (one_line and Path(path(value)).is_file()):
         value = _read_text(path(value), what)
+    elif one_line and Path(value).suffix.lower() in (".gbnf", ".ebnf", ".lark"):
+        # a grammar-file name that does not exist, not one-line grammar text
+        raise ValueError(f"{what} grammar file {path(value)} not found")
     return Ebnf(value) if key == "ebnf" else Lark(value)
 
 

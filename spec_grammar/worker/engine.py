@@ -194,6 +194,8 @@ class SpecWorker:
                 forced_tokens=forced_tokens,
                 target_model=self.runner.model,
                 device=self.runner.device,
+                cuda_graphs=cuda_graphs,
+                fused_forward=fused_forward,
                 topk=topk,
                 num_steps=num_steps,
                 num_draft_tokens=num_draft_tokens,

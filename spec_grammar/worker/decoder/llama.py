@@ -37,11 +37,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # rotary variants whose inverse frequencies are fixed at load time (dynamic ones change with length)
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
-# merged weights per first module of a merge (q_proj, gate_proj): (weight, bias) shared by every
-# FusedLlama over the same layers
-_MERGED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[torch.Tensor, torch.Tensor | None]]" = (
+# merged weights per first module of a merge (q_proj, gate_proj), shared by every FusedLlama
+# over the same layers: weak references, so that dropping the runners (then moving the model)
+# frees them
+_MERGED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref, weakref.ref | None]]" = (
     weakref.WeakKeyDictionary()
 )
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -64,38 +67,61 @@ def unsupported_reason(model: Any) -> str | None:
         return "sliding-window attention layers"
     if model_type == "mistral" and getattr(config, "sliding_window", None):
         return "sliding-window attention"
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")) or hasattr(attn, "q_norm"):
-            return f"attention module {type(attn).__name__} is not Llama's"
-        if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            return f"MLP module {type(mlp).__name__} is not Llama's"
+    if len(layers) == 0:
+        return "the model has no decoder layers"
+    for i, layer in enumerate(layers):
+        attn = getattr(layer, "self_attn", None)
+        if hasattr(attn, "q_norm"):
+            return f"attention module {type(attn).__name__} normalizes q/k (not Llama's)"
+        for path in _PROJECTIONS:
+            module = layer.get_submodule(path) if _has_submodule(layer, path) else None
+            # exactly nn.Linear: a subclass (quantized, scaled) or an adapter wrapper (PEFT LoRA)
+            # computes something else than F.linear over its weight
+            if type(module) is not torch.nn.Linear:
+                return f"layer {i} {path} is {type(module).__name__}, not a plain torch.nn.Linear"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if not hasattr(getattr(layer, norm, None), "variance_epsilon"):
+                return f"layer {i} {norm} is not an RMSNorm with variance_epsilon"
     return None
+
+
+def _has_submodule(module: torch.nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _merged(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One ``(sum of out_features, in_features)`` weight (and bias) for ``linears``; their
-    parameters become views of it."""
+    parameters' data become views of it (the same ``Parameter`` objects, ``requires_grad``
+    kept, so optimizers and the HF forward see what the fused forward computes with)."""
     first = linears[0]
     cached = _MERGED.get(first)
-    if cached is not None and cached[0].data_ptr() == first.weight.data_ptr():
-        return cached
+    if cached is not None:
+        weight, bias = cached[0](), cached[1]() if cached[1] is not None else None
+        if weight is not None and weight.data_ptr() == first.weight.data_ptr() and (
+            (bias is None) == (first.bias is None)
+        ):
+            return weight, bias
     with torch.no_grad():
         weight = torch.cat([lin.weight.detach() for lin in linears])
         bias = None if first.bias is None else torch.cat([lin.bias.detach() for lin in linears])
         start = 0
         for lin in linears:
             stop = start + lin.weight.shape[0]
-            lin.weight = torch.nn.Parameter(weight[start:stop], requires_grad=False)
+            lin.weight.data = weight[start:stop]
             if bias is not None:
-                lin.bias = torch.nn.Parameter(bias[start:stop], requires_grad=False)
+                lin.bias.data = bias[start:stop]
             start = stop
-    _MERGED[first] = (weight, bias)
+    _MERGED[first] = (weakref.ref(weight), weakref.ref(bias) if bias is not None else None)
     return weight, bias
 
 
 class _Layer:
-    __slots__ = ("qkv_w", "qkv_b", "o", "gate_up_w", "gate_up_b", "down", "in_norm", "post_norm", "eps", "scaling")
+    __slots__ = ("qkv_w", "qkv_b", "o", "gate_up_w", "gate_up_b", "down", "in_norm", "post_norm", "eps",
+                 "post_eps", "scaling")
 
     def __init__(self, layer: Any):
         attn, mlp = layer.self_attn, layer.mlp
@@ -104,6 +130,7 @@ class _Layer:
         self.o, self.down = attn.o_proj, mlp.down_proj
         self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = float(layer.input_layernorm.variance_epsilon)
+        self.post_eps = float(layer.post_attention_layernorm.variance_epsilon)
         self.scaling = float(attn.scaling)
 
 
@@ -181,7 +208,7 @@ class FusedLlama:
             )
             # (memory-efficient attention may return a non-contiguous output: reshape, not view)
             attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2).reshape(t, -1)
-            x = ops.rms_norm(layer.o(attn), layer.post_norm, layer.eps, residual=h)
+            x = ops.rms_norm(layer.o(attn), layer.post_norm, layer.post_eps, residual=h)
             mlp = layer.down(ops.silu_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b)))
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x = ops.rms_norm(

@@ -53,6 +53,7 @@ def _rope_cache_kernel(
     n, heads, kv_heads,
     k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
     HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)  # b * n + i
     head = tl.program_id(1)
@@ -60,31 +61,32 @@ def _rope_cache_kernel(
     i = tok % n
     dim = 2 * HALF
     width = (heads + 2 * kv_heads) * dim
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, BLOCK)  # BLOCK: HALF rounded up to a power of two (tl.arange needs one)
+    ok = d < HALF
     dt = q_ptr.dtype.element_ty
-    cos = tl.load(cos_ptr + tok * HALF + d).to(tl.float32)
-    sin = tl.load(sin_ptr + tok * HALF + d).to(tl.float32)
+    cos = tl.load(cos_ptr + tok * HALF + d, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * HALF + d, mask=ok, other=0.0).to(tl.float32)
     src = qkv_ptr + tok * width + head * dim
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + HALF + d).to(tl.float32)
+    x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
     # rounded like HF's q * cos + rotate_half(q) * sin: each product, then the sum
     o1 = ((x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)).to(dt)
     if head < heads:
         dst = q_ptr + ((b * heads + head) * n + i) * dim
-        tl.store(dst + d, o1)
-        tl.store(dst + HALF + d, o2)
+        tl.store(dst + d, o1, mask=ok)
+        tl.store(dst + HALF + d, o2, mask=ok)
     else:
         kh = head - heads
         row = tl.load(row_ptr + b).to(tl.int64)
         wp = tl.load(wpos_ptr + tok).to(tl.int64)
         kdst = k_ptr + row * k_s0 + kh * k_s1 + wp * k_s2
-        tl.store(kdst + d, o1)
-        tl.store(kdst + HALF + d, o2)
+        tl.store(kdst + d, o1, mask=ok)
+        tl.store(kdst + HALF + d, o2, mask=ok)
         vsrc = qkv_ptr + tok * width + (heads + kv_heads + kh) * dim
         vdst = v_ptr + row * v_s0 + kh * v_s1 + wp * v_s2
-        tl.store(vdst + d, tl.load(vsrc + d))
-        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d))
+        tl.store(vdst + d, tl.load(vsrc + d, mask=ok), mask=ok)
+        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d, mask=ok), mask=ok)
 
 
 def rope_and_cache(qkv, cos, sin, k_buf, v_buf, row_idx, write_pos, b, n, heads, kv_heads, head_dim):
@@ -94,7 +96,7 @@ def rope_and_cache(qkv, cos, sin, k_buf, v_buf, row_idx, write_pos, b, n, heads,
         qkv, cos, sin, q, k_buf, v_buf, row_idx, write_pos,
         n, heads, kv_heads,
         k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-        HALF=head_dim // 2, num_warps=1,
+        HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1,
     )
     return q
 

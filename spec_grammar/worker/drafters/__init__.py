@@ -24,6 +24,8 @@ def make_drafter(
     *,
     target_model: Any = None,
     device: Any = None,
+    cuda_graphs: bool | None = None,
+    fused_forward: bool | None = None,
     topk: int = 1,
     num_steps: int = 4,
     num_draft_tokens: int = 8,
@@ -32,7 +34,9 @@ def make_drafter(
     instance is returned as is.
 
     ``target_model`` is needed by ``self:L`` (its layers are shared). The draft model of
-    ``model:PATH`` is loaded with the target's dtype. Raises ``ValueError`` naming the accepted
+    ``model:PATH`` is loaded with the target's dtype. ``cuda_graphs`` / ``fused_forward``: the
+    draft model's :class:`~spec_grammar.worker.runner.ModelRunner` settings (the worker passes
+    its own). Raises ``ValueError`` naming the accepted
     forms on an unknown name, and :class:`~spec_grammar.models.ModelNotFoundError` when the
     path does not exist.
     """
@@ -62,7 +66,7 @@ def make_drafter(
         draft_model = load_model(arg, dtype=dtype)
     vocab_limit = target_model.config.vocab_size if target_model is not None else None
     return ModelDrafter(
-        ModelRunner(draft_model, device=device),
+        ModelRunner(draft_model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward),
         topk=topk,
         num_steps=num_steps,
         num_draft_tokens=num_draft_tokens,
