@@ -40,12 +40,9 @@ class XGrammarMatcher(SpecGrammar):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._m = matcher
-        self._stop_array = backend._stop_array
 
     def _accept_token(self, token: int) -> bool:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return self._m.accept_token(token)
+        return self._m.accept_token(token)
 
     def _rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
@@ -71,46 +68,49 @@ class XGrammarMatcher(SpecGrammar):
 
     def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
         n = tree.num_nodes
-        tokens = tree.tokens.numpy()
-        if n > 1 and (tokens[1:].min() < 0 or tokens[1:].max() >= self.info.tokenizer_vocab_size):
+        tokens = tree.token_list
+        if n > 1 and (min(tokens[1:]) < 0 or max(tokens[1:]) >= self.info.tokenizer_vocab_size):
             # Out-of-range ids must never reach the library's bit test.
             return super()._fill_tree_bitmask(tree, bitmask, row_offset)
         narrow = self._backend._narrow_rows(n)
         rows = bitmask[row_offset : row_offset + n] if narrow is None else narrow
+        # numpy link arrays (xgrammar takes any DLPack array): a third of the cost of torch
+        # tensors, which dominated the fill of a small tree with the validity pass below
         self._m.traverse_draft_tree(
-            tree.retrieve_next_token, tree.retrieve_next_sibling, tree.tokens, rows
+            np.array(tree.first_child_list, dtype=np.int64),
+            np.array(tree.next_sibling_list, dtype=np.int64),
+            np.array(tokens, dtype=np.int64),
+            rows,
         )
-        if n > 1:
-            valid = self._fix_stale_rows(tree, rows)
-        else:
-            valid = torch.ones(1, dtype=torch.bool)
+        valid = self._fix_stale_rows(tree, rows.numpy()) if n > 1 else [True]
         if narrow is not None:
             bitmask[row_offset : row_offset + n, : narrow.shape[1]] = narrow
-        return valid
+        return torch.tensor(valid, dtype=torch.bool)
 
-    def _fix_stale_rows(self, tree: DraftTree, rows: torch.Tensor) -> torch.Tensor:
-        """Node validity ``(N,)`` bool of a traversed ``tree`` whose rows are ``rows``; rows of
-        dead nodes zeroed in place."""
+    def _fix_stale_rows(self, tree: DraftTree, words: np.ndarray) -> list[bool]:
+        """Node validity of a traversed ``tree`` whose rows are ``words`` ``(N, W)`` int32;
+        rows of dead nodes zeroed in place.
+
+        xgrammar zeroes the rows of rejected nodes but leaves their descendants' rows stale
+        (G8). A node is valid when its token's bit is set in its parent's row, its parent is
+        valid and not a stop token; its row is dead when it is invalid or a stop token. Nodes
+        come after their parents, so one pass in node order settles every ancestor."""
         n = tree.num_nodes
-        tokens = tree.tokens.numpy()
-        # xgrammar zeroes the rows of rejected nodes but leaves their descendants' rows stale
-        # (G8): recompute validity (child bit set in the parent's row, parent not a stop token,
-        # every ancestor valid) vectorized, then zero every row that is not a live state.
-        words = rows.numpy()
-        parents = tree.parents.numpy()[1:]
-        child = tokens[1:]
-        is_stop = tokens == self._stop_array[0]
-        for stop in self._stop_array[1:]:  # usually one stop id: np.isin costs ~8 us here
-            is_stop |= tokens == stop
-        bit = (words[parents, child >> 5] >> (child & 31)) & 1
-        valid = np.ones(n, dtype=bool)
-        valid[1:] = (bit != 0) & ~(is_stop[parents] & (parents != 0))
-        for _ in range(tree.max_depth - 1):  # ancestors: one level per pass
-            valid[1:] &= valid[parents]
-        dead = ~valid | is_stop
-        dead[0] = False
-        words[dead] = 0
-        return torch.from_numpy(valid)
+        parents, tokens, stops = tree.parent_list, tree.token_list, self._backend._stop_set
+        par = np.array(parents[1:], dtype=np.int64)
+        child = np.array(tokens[1:], dtype=np.int64)
+        bits = ((words[par, child >> 5] >> (child & 31)) & 1).tolist()
+        valid = [True] * n
+        dead = []
+        for i in range(1, n):
+            p = parents[i]
+            ok = bits[i - 1] == 1 and valid[p] and (p == 0 or tokens[p] not in stops)
+            valid[i] = ok
+            if not ok or tokens[i] in stops:
+                dead.append(i)
+        if dead:
+            words[dead] = 0
+        return valid
 
 
 class XGrammarBackend(GrammarBackend):
@@ -181,7 +181,7 @@ class XGrammarBackend(GrammarBackend):
             self._xgr_info = xgr.TokenizerInfo.from_huggingface(
                 info.hf_tokenizer, vocab_size=info.tokenizer_vocab_size, stop_token_ids=list(info.stop_token_ids)
             )
-        self._stop_array = np.asarray(info.stop_token_ids, dtype=np.int64)
+        self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
         # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids
         # too, it treats them as special tokens that every mask rejects one by one, and a model
         # head wider than its tokenizer (here: 128k rows, a 49k tokenizer) made tree fills ~15x
