@@ -4,7 +4,6 @@ import json
 import threading
 
 import pytest
-import torch
 from pydantic import BaseModel
 
 from spec_grammar.errors import GrammarSpecError

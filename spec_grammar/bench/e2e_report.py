@@ -191,7 +191,7 @@ def render_e2e_markdown(res: dict[str, Any], image_dir: str | None = None) -> st
     lines.append("")
     # divergences
     div = [x for x in res["samples"] if "divergence" in x]
-    lines += [f"### Token-identity with HF generate + xgrammar (greedy, no speculation)", ""]
+    lines += ["### Token-identity with HF generate + xgrammar (greedy, no speculation)", ""]
     if div:
         causes: dict[str, int] = {}
         for x in div:

@@ -16,9 +16,12 @@ Grouped-query attention folds each KV head's query heads into query rows: q view
 once per forward.
 
 The weights stay the model's: the q/k/v (and gate/up) weights are copied once into one merged
-tensor per layer and the HF modules' parameters are re-pointed to views of it, so no memory is
-duplicated and the HF forward still works (a self-draft that shares the target's layers reuses
-the merged tensors).
+tensor per layer and the HF parameters' data become views of it (the same ``Parameter``
+objects, ``requires_grad`` kept), so no memory is duplicated, the HF forward still works and
+an optimizer built earlier still updates what this forward reads (a self-draft that shares the
+target's layers reuses the merged tensors). Only plain ``torch.nn.Linear`` projections are
+accepted: a subclass (quantized, scaled) or an adapter wrapper (PEFT LoRA) computes something
+else than ``F.linear`` over its weight.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ class FusedLlama:
 
     Args:
         model: the HF causal LM, already on its device (its q/k/v and gate/up parameters are
-            re-pointed to views of merged tensors; see the module docstring).
+            data re-pointed to views of merged tensors; see the module docstring).
 
     Raises ``ValueError`` naming the reason when :func:`unsupported_reason` finds one.
     """
