@@ -308,3 +308,26 @@ def test_kv_store_stacks_layers_and_keeps_odd_ones_apart():
             expect[0] = expect[2]
             assert torch.equal(new[:4, :, :256], expect), i
             assert not new[4:].any() and not new[:, :, 256:].any()
+
+
+def test_device_ancestors_equal_the_trees_own():
+    """``ancestors`` (pointer doubling on the device) gives each tree's ancestor mask and depths
+    (the oracle: ``DraftTree.ancestor_mask`` / ``depth_list``), for padded batches of random
+    trees of 1-70 nodes, padding nodes seeing only themselves at depth 0."""
+    import random
+
+    from spec_grammar.worker.runner import ancestors
+
+    rng = random.Random(0)
+    for n_max in (1, 2, 5, 8, 33, 70):
+        trees = [DraftTree([0] * n, [-1] + [rng.randrange(i) for i in range(1, n)])
+                 for n in (rng.randint(1, n_max) for _ in range(6))]
+        parents = torch.full((len(trees), n_max), -1, dtype=torch.long)
+        for k, t in enumerate(trees):
+            parents[k, : t.num_nodes] = torch.tensor(t.parent_list)
+        anc, depth = ancestors(parents)
+        for k, t in enumerate(trees):
+            n = t.num_nodes
+            assert torch.equal(anc[k, :n, :n], t.ancestor_mask)
+            assert depth[k, :n].tolist() == t.depth_list
+            assert torch.equal(anc[k, n:], torch.eye(n_max, dtype=torch.bool)[n:]) and not depth[k, n:].any()
