@@ -76,14 +76,9 @@ class BrokenMatcher(XGrammarMatcher):
 
     def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
         if "tree_stale_rows" in self.bugs:
-            narrow = self._backend._narrow_rows(tree.num_nodes)  # xgrammar's width, when narrower
-            rows = bitmask[row_offset : row_offset + tree.num_nodes] if narrow is None else narrow
             safe = tree.tokens.clamp(0, self.info.tokenizer_vocab_size - 1)
             # xgrammar's native walk alone (gotcha G8: descendants of rejected nodes keep stale rows)
-            self._m.traverse_draft_tree(tree.retrieve_next_token, tree.retrieve_next_sibling, safe, rows)
-            if narrow is not None:
-                bitmask[row_offset : row_offset + tree.num_nodes, : narrow.shape[1]] = narrow
-            words = rows.numpy()
+            words = self._traverse(tree, safe.numpy(), bitmask, row_offset)
             return torch.tensor(
                 [i == 0 or bool((int(words[p, t >> 5]) >> (t & 31)) & 1)
                  for i, (p, t) in enumerate(zip(tree.parent_list, safe.tolist()))],

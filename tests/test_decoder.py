@@ -14,9 +14,9 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from real_model import backend, model_and_tokenizer, replays
+from runner_churn import compare_under_churn
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.specs import JsonSchema
-from spec_grammar.tree import DraftTree
 from spec_grammar.worker.decoder import FusedLlama, unsupported_reason
 from spec_grammar.worker.drafters.model import truncated_model
 from spec_grammar.worker.engine import SpecWorker
@@ -41,10 +41,6 @@ def _small(kind: str):
     return model.to(torch.float64).eval()
 
 
-def _tree(rng: random.Random, root: int, n: int) -> DraftTree:
-    return DraftTree([root] + [rng.randrange(500) for _ in range(n - 1)], [-1] + [rng.randrange(i) for i in range(1, n)])
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "llama3-rope", "mha"])
 def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     """float64: the fused forward runs the HF modules' operations in the same dtypes, so logits
@@ -54,29 +50,12 @@ def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     hf = ModelRunner(model, fused_forward=False, prefill_chunk=7)
     fused = ModelRunner(model, fused_forward=True, prefill_chunk=7)
     assert fused.uses_fused_forward and not hf.uses_fused_forward
-    rng = random.Random(0)
-    roots = {}
-    for step in range(12):
-        if step % 4 == 0:
-            rid, prompt = f"r{step}", [rng.randrange(500) for _ in range(rng.choice([2, 9, 30]))]
-            for r in (hf, fused):
-                r.add(rid, prompt)
-            roots[rid] = prompt[-1]
-        rids = sorted(roots)
-        if step % 3 == 2:  # a subset, reversed
-            rids = rids[::-2]
-        trees = [_tree(rng, roots[rid], rng.choice([1, 3, 6])) for rid in rids]
-        a, b = hf.forward_trees(rids, trees), fused.forward_trees(rids, trees)
-        for i, t in enumerate(trees):
-            assert torch.allclose(a[i, : t.num_nodes], b[i, : t.num_nodes], rtol=0, atol=1e-10), (kind, step)
-        for rid, t in zip(rids, trees):
-            path = [0]
-            while path[-1] in t.parent_list[1:]:
-                path.append(t.parent_list.index(path[-1], 1))
-            for r in (hf, fused):
-                r.commit(rid, path)
-            roots[rid] = t.token_list[path[-1]]
-            assert hf.cache_len(rid) == fused.cache_len(rid)
+
+    def check(x, y, step):
+        assert torch.allclose(x, y, rtol=0, atol=1e-10), (kind, step)
+
+    compare_under_churn(hf, fused, random.Random(0), steps=12, new_every=4, prompt_lens=[2, 9, 30],
+                        tree_sizes=[1, 3, 6], vocab=500, check=check, subsets=True)
 
 
 def test_fused_worker_outputs_equal_hf_on_real_smollm2():

@@ -14,20 +14,16 @@ import random
 import pytest
 import torch
 
+from runner_churn import random_tree
 from spec_grammar.bench.gpu import build_model
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.specs import JsonSchema
-from spec_grammar.tree import DraftTree
 from spec_grammar.worker.engine import SpecWorker
 from spec_grammar.worker.request import Request
 from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _random_tree(rng: random.Random, root: int, n: int) -> DraftTree:
-    return DraftTree([root] + [rng.randrange(1000) for _ in range(n - 1)], [-1] + [rng.randrange(i) for i in range(1, n)])
 
 
 @pytest.mark.parametrize("arch,evict", [("llama", False), ("gemma3", False), ("llama", True)])
@@ -62,7 +58,7 @@ def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch, evict):
                 r.remove(gone)
             del roots[gone]
         rids = sorted(roots)
-        trees = [_random_tree(rng, roots[r], rng.randint(1, 20)) for r in rids]
+        trees = [random_tree(rng, roots[r], rng.randint(1, 20), 1000) for r in rids]
         a = graph.forward_trees(rids, trees).clone()
         b = eager.forward_trees(rids, trees)
         for i, t in enumerate(trees):

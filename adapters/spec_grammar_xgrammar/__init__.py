@@ -72,20 +72,28 @@ class XGrammarMatcher(SpecGrammar):
         if n > 1 and (min(tokens[1:]) < 0 or max(tokens[1:]) >= self.info.tokenizer_vocab_size):
             # Out-of-range ids must never reach the library's bit test.
             return super()._fill_tree_bitmask(tree, bitmask, row_offset)
+        words = self._traverse(tree, np.array(tokens, dtype=np.int64), bitmask, row_offset)
+        valid = self._fix_stale_rows(tree, words) if n > 1 else [True]
+        return torch.tensor(valid, dtype=torch.bool)
+
+    def _traverse(self, tree: DraftTree, tokens: np.ndarray, bitmask: torch.Tensor, row_offset: int) -> np.ndarray:
+        """xgrammar's own walk of ``tree`` (with ``tokens (N,)`` int64 in place of its tokens)
+        into rows ``[row_offset, row_offset + N)`` of ``bitmask``; returns those rows as a
+        writable numpy view. Rows below rejected nodes are left stale (G8)."""
+        n = tree.num_nodes
+        rows = bitmask[row_offset : row_offset + n]
         narrow = self._backend._narrow_rows(n)
-        rows = bitmask[row_offset : row_offset + n] if narrow is None else narrow
         # numpy link arrays (xgrammar takes any DLPack array): a third of the cost of torch
-        # tensors, which dominated the fill of a small tree with the validity pass below
+        # tensors, which dominated the fill of a small tree with the validity pass
         self._m.traverse_draft_tree(
             np.array(tree.first_child_list, dtype=np.int64),
             np.array(tree.next_sibling_list, dtype=np.int64),
-            np.array(tokens, dtype=np.int64),
-            rows,
+            tokens,
+            rows if narrow is None else narrow,
         )
-        valid = self._fix_stale_rows(tree, rows.numpy()) if n > 1 else [True]
         if narrow is not None:
-            bitmask[row_offset : row_offset + n, : narrow.shape[1]] = narrow
-        return torch.tensor(valid, dtype=torch.bool)
+            rows[:, : narrow.shape[1]] = narrow  # the padding words: the protocol zeroes them
+        return rows.numpy()
 
     def _fix_stale_rows(self, tree: DraftTree, words: np.ndarray) -> list[bool]:
         """Node validity of a traversed ``tree`` whose rows are ``words`` ``(N, W)`` int32;

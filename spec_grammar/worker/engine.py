@@ -54,6 +54,7 @@ from .verify import verify
 
 __all__ = ["SpecWorker", "cut_tree_depth", "split_balanced"]
 
+
 def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     """``tree`` without the nodes deeper than ``max_depth`` (node order kept)."""
     depth = tree.depth_list
@@ -141,7 +142,8 @@ class SpecWorker:
             slower than one for 8-16-node trees (7.1 vs 2.8 ms at 8 requests x 8 nodes) and
             faster only for 64-node trees whose fills were inflated by padding ids (since
             fixed); a second thread was 0.76x on 2 cores
-            (``benchmarks/results/grammar-threads-h200.md``). Raises ``ValueError`` unless None or an int >= 1.
+            (``benchmarks/results/grammar-threads-h200.md``). Raises ``ValueError`` unless None
+            or an int >= 1.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
     """

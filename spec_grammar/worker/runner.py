@@ -102,22 +102,20 @@ class _KVStore:
 
     Allocated at the first ``layer`` call, with that layer's heads, head size and dtype, for
     ``num_layers`` layers (a self-draft's truncated model has fewer); a layer of another shape
-    or past ``num_layers`` gets buffers of its own. Buffers are created and changed under
-    ``torch.inference_mode`` (they are inference tensors)."""
+    or past ``num_layers`` gets a stack of its own (one layer, same layout). Buffers are
+    created and changed under ``torch.inference_mode`` (they are inference tensors)."""
 
     def __init__(self, device: torch.device, num_layers: int):
         self.device = device
         self.num_layers = max(1, int(num_layers))
         self.stack: torch.Tensor | None = None
-        self.extra: dict[int, torch.Tensor] = {}  # layer -> (2, rows, heads, capacity, dim)
+        self.extra: dict[int, torch.Tensor] = {}  # layer -> (1, 2, rows, heads, capacity, dim)
         self.rows = 4
         self.capacity = 256
         self.version = 0  # bumped when the buffers are reallocated (CUDA graphs address them)
 
-    def _buffers(self) -> list[tuple[torch.Tensor, int]]:
-        """Every buffer with its row dimension."""
-        out = [(self.stack, 2)] if self.stack is not None else []
-        return out + [(buf, 1) for buf in self.extra.values()]
+    def _buffers(self) -> list[torch.Tensor]:
+        return ([self.stack] if self.stack is not None else []) + list(self.extra.values())
 
     @torch.inference_mode()
     def reserve(self, rows: int, length: int) -> None:
@@ -129,19 +127,18 @@ class _KVStore:
             new_cap *= 2
         if (new_rows, new_cap) == (self.rows, self.capacity):
             return
+
+        def grown(old: torch.Tensor) -> torch.Tensor:
+            layers, _, r, h, c, d = old.shape
+            new = old.new_zeros(layers, 2, new_rows, h, new_cap, d)
+            new[:, :, :r, :, :c] = old
+            return new
+
         if self.stack is not None:
-            self.stack = self._grown(self.stack, 2, new_rows, new_cap)
-        self.extra = {i: self._grown(buf, 1, new_rows, new_cap) for i, buf in self.extra.items()}
+            self.stack = grown(self.stack)
+        self.extra = {i: grown(buf) for i, buf in self.extra.items()}
         self.rows, self.capacity = new_rows, new_cap
         self.version += 1
-
-    @staticmethod
-    def _grown(old: torch.Tensor, row_dim: int, rows: int, capacity: int) -> torch.Tensor:
-        shape = list(old.shape)
-        shape[row_dim], shape[row_dim + 2] = rows, capacity
-        new = old.new_zeros(shape)
-        new[(slice(None),) * row_dim + (slice(0, old.shape[row_dim]), slice(None), slice(0, old.shape[row_dim + 2]))] = old
-        return new
 
     def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V buffers ``(rows, kv_heads, capacity, head_dim)`` of layer ``idx``; ``like``
@@ -150,36 +147,37 @@ class _KVStore:
         stack = self.stack
         if stack is not None and idx < self.num_layers and stack.shape[3] == h and stack.shape[5] == d:
             return stack[idx, 0], stack[idx, 1]
-        if idx in self.extra:
-            return self.extra[idx][0], self.extra[idx][1]
-        if like.is_cuda and torch.cuda.is_current_stream_capturing():
-            # a buffer allocated inside a capture would live in the graph's private pool
-            raise RuntimeError(f"KV layer {idx} first seen during a CUDA graph capture")
-        # zeros, not empty: masked positions still enter the attention matmul, and
-        # 0 * NaN from uninitialised memory would poison every row.
-        with torch.inference_mode():
-            if stack is None and idx < self.num_layers:
-                self.stack = torch.zeros(
-                    (self.num_layers, 2, self.rows, h, self.capacity, d), dtype=like.dtype, device=like.device
+        if idx not in self.extra:
+            if like.is_cuda and torch.cuda.is_current_stream_capturing():
+                # a buffer allocated inside a capture would live in the graph's private pool
+                raise RuntimeError(f"KV layer {idx} first seen during a CUDA graph capture")
+            to_stack = stack is None and idx < self.num_layers
+            with torch.inference_mode():
+                # zeros, not empty: masked positions still enter the attention matmul, and
+                # 0 * NaN from uninitialised memory would poison every row.
+                buf = torch.zeros(
+                    (self.num_layers if to_stack else 1, 2, self.rows, h, self.capacity, d),
+                    dtype=like.dtype, device=like.device,
                 )
-                return self.layer(idx, like)
-            self.extra[idx] = torch.zeros((2, self.rows, h, self.capacity, d), dtype=like.dtype, device=like.device)
-        return self.extra[idx][0], self.extra[idx][1]
+            if to_stack:
+                self.stack = buf
+                return buf[idx, 0], buf[idx, 1]
+            self.extra[idx] = buf
+        return self.extra[idx][0, 0], self.extra[idx][0, 1]
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int) -> None:
-        for buf, dim in self._buffers():
-            buf.select(dim, dst).copy_(buf.select(dim, src))
+        for buf in self._buffers():
+            buf[:, :, dst].copy_(buf[:, :, src])
 
     @torch.inference_mode()
     def move_positions(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """For each i, copy position ``src[i]`` of row ``rows[i]`` to position ``dst[i]`` (1-D
         long tensors on the device; destinations distinct). One gather + one scatter for all
         layers, whatever the number of requests."""
-        for buf, dim in self._buffers():
-            lead = (slice(None),) * dim
+        for buf in self._buffers():
             # the gather copies first, so sources overlapping destinations are safe
-            buf[lead + (rows, slice(None), dst)] = buf[lead + (rows, slice(None), src)]
+            buf[:, :, rows, :, dst] = buf[:, :, rows, :, src]
 
 
 class _BatchCache:

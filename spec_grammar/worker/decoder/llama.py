@@ -77,7 +77,7 @@ def unsupported_reason(model: Any) -> str | None:
         if hasattr(attn, "q_norm"):
             return f"attention module {type(attn).__name__} normalizes q/k (not Llama's)"
         for path in _PROJECTIONS:
-            module = layer.get_submodule(path) if _has_submodule(layer, path) else None
+            module = _submodule(layer, path)
             # exactly nn.Linear: a subclass (quantized, scaled) or an adapter wrapper (PEFT LoRA)
             # computes something else than F.linear over its weight
             if type(module) is not torch.nn.Linear:
@@ -88,12 +88,11 @@ def unsupported_reason(model: Any) -> str | None:
     return None
 
 
-def _has_submodule(module: torch.nn.Module, path: str) -> bool:
+def _submodule(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:
-        module.get_submodule(path)
+        return module.get_submodule(path)
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 def _merged(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
