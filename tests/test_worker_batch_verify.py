@@ -44,17 +44,21 @@ def _oracle(logits, tree, bitmask, valid, stops):
         return type(e)
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["mixed", "full"])
 @pytest.mark.parametrize("seed", range(40))
-def test_batch_equals_per_request_oracle(seed):
+def test_batch_equals_per_request_oracle(seed, full):
+    """``full``: every request has a grammar and a tree of ``N_max`` nodes and is verified (the
+    path without row indices); else a random mix of sizes, grammars and selections."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     b = rng.randint(1, 5)
-    trees = [_random_tree(rng, rng.randint(1, 9)) for _ in range(b)]
+    size = rng.randint(1, 9)
+    trees = [_random_tree(rng, size if full else rng.randint(1, 9)) for _ in range(b)]
     n_max = max(t.num_nodes for t in trees)
     # low-resolution logits: ties are frequent, so first-index tie-breaking is exercised
     logits = torch.randint(-3, 4, (b, n_max, VOCAB)).float()
-    grammar = [rng.random() < 0.7 for _ in range(b)]
-    selected = [i for i in range(b) if rng.random() < 0.8]
+    grammar = [full or rng.random() < 0.7 for _ in range(b)]
+    selected = [i for i in range(b) if full or rng.random() < 0.8]
     stops = [frozenset({rng.randrange(8)}) for _ in range(b)]
     parts, offsets, valids, rows = [], [], [], 0
     for i, tree in enumerate(trees):

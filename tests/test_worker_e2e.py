@@ -25,6 +25,7 @@ from spec_grammar.worker import Request, SpecWorker, build_prompt
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
 
+from emulated_graphs import make_runner
 from real_model import JSON_BACKENDS, backend, model_and_tokenizer, replays
 
 pytestmark = pytest.mark.model
@@ -160,6 +161,34 @@ def test_speculative_output_equals_no_spec(name, config):
             assert g.error == r.error
     spec_steps = sum(g.steps for g in got)
     assert spec_steps < sum(r.steps for r in ref), "speculation never accepted a draft token"
+
+
+def test_graph_replay_starts_the_grammar_thread():
+    """With CUDA graphs (emulated on CPU: the captured function runs at the replay) the grammar
+    work starts at the replay, in the worker's grammar thread, never on the calling thread;
+    the outputs equal plain constrained decoding."""
+    import threading
+
+    name = "xgrammar"
+    model, tok = model_and_tokenizer()
+    _, reqs = batch(name)
+    indices = small(name)
+    runner = make_runner(model, "emulated")
+    threads: set[str] = set()
+    with SpecWorker(runner, tok, backend=backend(name), draft="ngram", num_draft_tokens=6) as worker:
+        grammar_work = worker._grammar_work
+
+        def observed(*args):
+            threads.add(threading.current_thread().name)
+            return grammar_work(*args)
+
+        worker._grammar_work = observed
+        got = worker.run([reqs[i] for i in indices])
+    assert runner._graphs.launches > 0
+    assert threads and all(t.startswith("spec-grammar") for t in threads), threads
+    for i, g in zip(indices, got):
+        r = reference(name)[i]
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
 
 
 class OracleDrafter(Drafter):

@@ -9,6 +9,8 @@ import torch
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.runner import ModelRunner, RunnerError
 
+from emulated_graphs import make_runner
+
 pytestmark = pytest.mark.model
 
 ATOL = 5e-4  # fp32; a wrong mask or position shifts logits by O(1)
@@ -68,32 +70,6 @@ def assert_tree_logits(model, cases: list[tuple[torch.Tensor, list[int], DraftTr
 PROMPT_A = [504, 3575, 282, 4649, 314]
 PROMPT_B = [26843]
 PROMPT_C = [2705, 827, 1296, 1876]
-
-
-class _ReplayEagerly:
-    """Stands in for :class:`~spec_grammar.worker.cuda_graphs.ForwardGraphs` where CUDA is
-    absent: runs the very function a graph would capture, on the bucket-padded inputs, so the
-    padding of the graph path (idle rows, self-attending nodes, kv buckets) is checked on CPU."""
-
-    captures = 0
-
-    def __init__(self):
-        self.keys = set()
-
-    def clear(self):
-        pass
-
-    def run(self, key, inputs, forward):
-        self.keys.add(key)
-        return forward(**inputs)
-
-
-def make_runner(m, graphs, **kw) -> ModelRunner:
-    if graphs != "emulated":
-        return ModelRunner(m, cuda_graphs=graphs, **kw)
-    runner = ModelRunner(m, **kw)
-    runner._graphs = _ReplayEagerly()
-    return runner
 
 
 def check_tree_logits_and_commit(m, atol=ATOL, graphs=None, fused=None):

@@ -22,8 +22,8 @@ Setup:
   document as a trained model agrees with a well-formed answer. It does so for real weights
   too: SmolLM2 would not write the chosen document by itself, and every mode must commit the
   same tokens in the same number of steps for the step times to compare. The grammar mask is
-  still fully applied. The logit edit happens outside the model, so it works the same with
-  and without CUDA graphs;
+  still fully applied. The logit edit runs on the device after the model, inside the
+  forward's CUDA graph (no host work), and the same way without graphs;
 * drafter (:class:`ReplayDrafter`): the next ``k`` document tokens as a chain, each replaced by
   a wrong token with probability ``1 - accept_rate`` (so accept lengths are realistic), plus,
   in trees wider than the chain, sibling nodes (the right token where the chain is wrong, else
@@ -62,7 +62,7 @@ import torch
 
 from ..tree import DraftTree
 from ..worker.drafters import Drafter
-from ..worker.runner import ModelRunner
+from ..worker.runner import ModelRunner, ancestors
 
 __all__ = [
     "GpuBenchConfig", "ReplayDrafter", "MODEL_SHAPES", "REAL_MODELS", "build_model", "run_gpu_bench",
@@ -230,35 +230,38 @@ class _ReplayRunner(ModelRunner):
 
     Node ``n`` of a request sits at position ``p = cache_len + depth[n]`` and its logits row
     predicts committed index ``p + 1``, i.e. document token ``p + 1 - prompt_len``. The edit is
-    one gather + scatter on the returned float32 logits, queued after the forward (no sync)."""
+    one table gather + scatter-add on the forward's float32 logits, done on the device inside
+    the forward (so inside its CUDA graph: it adds no host work to a step, which would count
+    against the overlap, since the grammar work starts once the forward is launched). The
+    table is one persistent device tensor (a graph reads it by address), rewritten in place."""
 
-    _table: torch.Tensor | None = None
+    _TABLE_SIZE = 1 << 15  # positions; longer contexts are left as the model writes them
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._table = torch.full((self._TABLE_SIZE,), -1, dtype=torch.long, device=self.device)
 
     def agree_with(self, prompt_len: int | None, document: Sequence[int] = ()) -> None:
-        """Favour ``document`` after a ``prompt_len``-token prompt from now on; None: stop."""
-        if prompt_len is None:
-            self._table = None
-            return
-        table = torch.full((prompt_len + len(document) + 64,), -1, dtype=torch.long)
-        table[prompt_len - 1 : prompt_len - 1 + len(document)] = torch.tensor([int(t) for t in document])
-        self._table = table.to(self.device)
+        """Favour ``document`` after a ``prompt_len``-token prompt from now on; None: stop.
+        Raises ``ValueError`` when the prompt and document do not fit the table."""
+        table = torch.full((self._TABLE_SIZE,), -1, dtype=torch.long)
+        if prompt_len is not None:
+            if prompt_len + len(document) > self._TABLE_SIZE:
+                raise ValueError(f"prompt + document exceed {self._TABLE_SIZE} positions")
+            table[prompt_len - 1 : prompt_len - 1 + len(document)] = torch.tensor([int(t) for t in document])
+        self._table.copy_(table)
 
-    def forward_trees(self, rids: Sequence[str], trees: Sequence[DraftTree]) -> torch.Tensor:
-        logits = super().forward_trees(rids, trees)
-        if self._table is None or not rids:
+    def _device_forward(self, tokens, parents, lens, row_idx, *, rows, kv_len, logits_to_keep):
+        logits = super()._device_forward(
+            tokens, parents, lens, row_idx, rows=rows, kv_len=kv_len, logits_to_keep=logits_to_keep
+        )
+        if logits.shape[1] != tokens.shape[1]:  # only the last rows kept (prefill): no tree rows
             return logits
-        pos = torch.full(logits.shape[:2], -1, dtype=torch.long)
-        for i, (rid, tree) in enumerate(zip(rids, trees)):
-            pos[i, : tree.num_nodes] = self.cache_len(rid) + tree.depth
-        if self.device.type == "cuda":
-            pos = pos.pin_memory().to(self.device, non_blocking=True)
-        else:
-            pos = pos.to(self.device)
+        pos = lens[:, None] + ancestors(parents)[1]
         with torch.inference_mode():  # the runner's logits are inference tensors
-            target = torch.where(pos >= 0, self._table[pos.clamp(0, self._table.numel() - 1)], -1)
-            idx = target.clamp(min=0)[..., None]
-            bonus = torch.where(target[..., None] >= 0, _AGREE_LOGIT, 0.0).to(logits.dtype)
-            logits.scatter_add_(2, idx, bonus)
+            target = self._table[pos.clamp(0, self._TABLE_SIZE - 1)]
+            bonus = torch.where(target >= 0, _AGREE_LOGIT, 0.0).to(logits.dtype)
+            logits.scatter_add_(2, target.clamp(min=0)[..., None], bonus[..., None])
         return logits
 
 

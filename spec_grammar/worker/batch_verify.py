@@ -93,8 +93,20 @@ def verify_greedy_batch(
         sel = torch.tensor(list(selected), dtype=torch.long)
         rows = (sel[:, None] * n_max + torch.arange(n_max)).flatten()
         sub, position = flat[rows.to(flat.device, non_blocking=True)], {i: k for k, i in enumerate(selected)}
-    best = sub.argmax(dim=-1)
     masked = sorted((offsets[i], i) for i in selected if i < len(offsets) and offsets[i] is not None)
+    if (
+        len(masked) == b
+        and bitmask is not None
+        and bitmask.shape[0] == b * n_max
+        and all(off == k * n_max and trees[i].num_nodes == n_max for k, (off, i) in enumerate(masked))
+    ):
+        # every logits row is a grammar row, in bitmask order (an all-grammar batch of full
+        # trees, the common step): one masked argmax, no index upload, no unmasked argmax
+        dev_mask = device_bitmask if device_bitmask is not None else bitmask.to(flat.device, non_blocking=True)
+        best = masked_argmax(flat, dev_mask)
+        masked = []
+    else:
+        best = sub.argmax(dim=-1)
     if masked:
         if bitmask is None:
             raise BitmaskError("grammar requests need the step's bitmask")

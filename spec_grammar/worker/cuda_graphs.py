@@ -78,9 +78,15 @@ class ForwardGraphs:
         self._pool = None
 
     def run(
-        self, key: tuple, inputs: dict[str, torch.Tensor], forward: Callable[..., torch.Tensor]
+        self,
+        key: tuple,
+        inputs: dict[str, torch.Tensor],
+        forward: Callable[..., torch.Tensor],
+        *,
+        before_launch: Callable[[], None] | None = None,
     ) -> torch.Tensor | None:
-        """Replay the graph of ``key`` on host ``inputs`` (CPU tensors of the bucket's shapes).
+        """Replay the graph of ``key`` on host ``inputs`` (CPU tensors of the bucket's shapes);
+        ``before_launch`` is called right before the replay (after a capture, if any).
 
         ``forward(**device_inputs) -> logits`` is captured on the first call of a key: it must
         run the same kernels for every input of those shapes, never synchronize with the host,
@@ -103,6 +109,8 @@ class ForwardGraphs:
         g.copied.record()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        if before_launch is not None:
+            before_launch()
         g.graph.replay()
         end.record()
         self.last_events = (start, end)

@@ -7,11 +7,12 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
 1. **Draft**: one tree per live request (``Drafter.propose``), root = last committed token;
    trees deeper than the request's remaining token budget are cut.
 2. **Verify forward**: ``ModelRunner.forward_trees`` over every node of every tree.
-3. **Grammar work**, while step 2 runs when ``overlap=True`` (after it otherwise): on CUDA with
-   graphs, on the calling thread right after the graph launch returns (measured on an H200: a
-   worker thread there slowed the launch 2-5x by holding the GIL, and the overlapped step took
-   up to 2x the in-thread one); on CPU or eager CUDA in a worker thread, since the forward call
-   itself keeps the calling thread busy. Every matcher is first advanced with the tokens the PREVIOUS step committed
+3. **Grammar work**, while step 2 runs when ``overlap=True`` (after it otherwise), in a worker
+   thread: on CUDA with graphs it starts once the forward's inputs are prepared, right before
+   the graph replay, whose host-side launch (0.3-1 ms on an H200) releases the GIL (measured
+   there: a thread started before the input preparation fought it for the GIL and slowed the
+   launch 2-5x); on CPU or eager CUDA it starts with the step, since the forward call itself
+   keeps the calling thread busy. Every matcher is first advanced with the tokens the PREVIOUS step committed
    (each committed token reaches its matcher exactly once; a finished request's last run is
    fed too), then the tree rows of this step are filled (``GrammarBackend.fill_tree_bitmasks``).
    Advance-then-fill is forced by the tree semantics: row n is the allowed set after
@@ -35,7 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Sequence
 
 import torch
@@ -118,10 +119,9 @@ class SpecWorker:
         topk / num_steps / num_draft_tokens: tree shape (model drafters use all three; the
             n-gram drafter uses ``num_draft_tokens``, the node cap root included).
         no_spec: plain constrained decoding (root-only trees) through the same code path.
-        overlap: do the grammar work while the verify forward runs: on the calling thread
-            right after a CUDA-graph forward is launched (it returns at once), else in a
-            worker thread (a CPU forward or an eager CUDA launch keeps the calling thread busy).
-            ``False``: strictly in order (on CUDA the forward is waited for first).
+        overlap: do the grammar work in a worker thread while the verify forward runs
+            (with CUDA graphs it starts right before the replay, whose launch releases the
+            GIL). ``False``: strictly in order (on CUDA the forward is waited for first).
         constrain_draft: grammar-constrained drafting: only legal tokens enter the tree and
             the rows computed while drafting are reused for verification
             (:mod:`~spec_grammar.worker.drafters.constrained`); ``draft="grammar"`` drafts
@@ -253,9 +253,8 @@ class SpecWorker:
         return [s for s in live if s.rid not in hit]
 
     def _open_pools(self) -> None:
-        """Start the grammar threads (again after :meth:`close`). With CUDA graphs the
-        overlapped grammar work runs on the calling thread, so no worker thread is started."""
-        if self.overlap and not self.runner.uses_cuda_graphs and self._pool is None:
+        """Start the grammar threads (again after :meth:`close`)."""
+        if self.overlap and self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spec-grammar")
         # the thread running a step's grammar work takes the first group itself, so the group
         # pool is a second pool (no pool ever waits on its own workers)
@@ -556,11 +555,23 @@ class SpecWorker:
         """Verify forward (grammar work under it), then mask, verify and commit."""
         inline = self.overlap and self.runner.uses_cuda_graphs
         if inline:
-            # a CUDA-graph forward returns once launched: this thread does the grammar work
-            # while the GPU computes (a second thread would only fight it for the GIL)
-            logits = self.runner.forward_trees(rids, trees)
+            # The grammar thread starts when the inputs are ready, right before the graph
+            # replay: the replay's host-side launch (0.3-1 ms) releases the GIL, so the two
+            # share no Python time (a thread started before the input preparation fought it
+            # for the GIL). With no replay (an eager bucket) this thread does the grammar work
+            # after the launch while the GPU computes.
+            started: list[Future] = []
+
+            def start_grammar() -> None:
+                started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask))
+
+            try:
+                logits = self.runner.forward_trees(rids, trees, before_launch=start_grammar)
+            except BaseException:
+                wait(started)  # the grammar work writes the bitmask: let it end before the buffer is reused
+                raise
             t2 = time.perf_counter()
-            work = self._grammar_work(live, trees, draining, bitmask)
+            work = started[0].result() if started else self._grammar_work(live, trees, draining, bitmask)
         elif self._pool is not None:
             fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
             try:

@@ -169,8 +169,8 @@ class StepStats(BaseModel):
     previous step's tokens + tree bitmask fill); ``grammar_exposed_ms`` is the part of it that
     made the step longer than the verify forward alone (all of it with ``overlap=False``).
     The other parts are phases of the calling thread and need not add up to ``step_ms``: with
-    CUDA graphs the grammar work runs on the calling thread while the GPU computes, so the
-    later wait for the logits (in ``sample_ms``) is shorter by the hidden part.
+    overlap the grammar work runs in a worker thread while the GPU computes, so the later wait
+    for the logits (in ``sample_ms``) is shorter by the hidden part.
     """
 
     batch_size: int

@@ -31,7 +31,7 @@ attention paths both add the mask to the scores.
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -373,7 +373,13 @@ class ModelRunner:
             self._len[row] += c
 
     # -- verify -----------------------------------------------------------------------------
-    def forward_trees(self, rids: Sequence[str], trees: Sequence[DraftTree]) -> torch.Tensor:
+    def forward_trees(
+        self,
+        rids: Sequence[str],
+        trees: Sequence[DraftTree],
+        *,
+        before_launch: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """One forward over every node of every request's draft tree.
 
         Args:
@@ -381,6 +387,10 @@ class ModelRunner:
             trees: one :class:`DraftTree` per request; node 0 is the request's last committed
                 token. Tokens outside ``[0, vocab_size)`` (invalid drafts, padding) are run as
                 token 0: their rows are garbage and verification never accepts them.
+            before_launch: called once, right before a CUDA-graph replay, when the inputs are
+                prepared: the replay releases the GIL for its whole host-side launch (~1 us per
+                kernel node: 0.3-0.5 ms for a 30-layer model), so a thread started here (the
+                worker's grammar work) runs meanwhile. Not called when no graph replays.
 
         Returns:
             ``(len(rids), N_max, vocab_size)`` float32 logits on the runner's device; row ``n``
@@ -422,7 +432,8 @@ class ModelRunner:
         lens[:b] = [self._len[rows[i]] for i in order]
         inputs = dict(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents), lens=torch.from_numpy(lens))
         sorted_rows = [rows[i] for i in order]
-        logits = self._forward(sorted_rows, inputs, logits_to_keep=0, graph=graph)[:b, :n_max]
+        logits = self._forward(sorted_rows, inputs, logits_to_keep=0, graph=graph,
+                               before_launch=before_launch)[:b, :n_max]
         for i in order:
             self._pending[rids[i]] = (self._len[rows[i]], trees[i])
         if order == list(range(b)):
@@ -473,7 +484,13 @@ class ModelRunner:
             raise RunnerError(f"token ids {bad[:8]} are outside [0, {self.vocab_size})")
 
     def _forward(
-        self, rows: list[int], inputs: dict[str, torch.Tensor], *, logits_to_keep: int, graph: bool
+        self,
+        rows: list[int],
+        inputs: dict[str, torch.Tensor],
+        *,
+        logits_to_keep: int,
+        graph: bool,
+        before_launch: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run a batch for ascending ``rows``. ``inputs`` (CPU tensors): ``tokens``, ``parents``
         ``(B, N)`` long (-1 for roots), ``lens (B,)`` long.
@@ -481,7 +498,7 @@ class ModelRunner:
         graph bucket ``B = bucket(b)``, ``N = bucket(n)`` (idle rows: length 0, past the live
         rows, so their writes touch no live KV; padded nodes: token 0, parent -1, so they
         attend to themselves); otherwise ``B = len(rows)``. Returns ``(B, N or logits_to_keep, V)``
-        float32 logits."""
+        float32 logits. ``before_launch``: as in :meth:`forward_trees`."""
         self._flush_moves()
         if self._graphs is not None:
             self._graphs.last_events = None
@@ -502,7 +519,7 @@ class ModelRunner:
                     tokens, parents, lens, row_idx, rows=slice(0, bb), kv_len=kv_len, logits_to_keep=0
                 )
 
-            out = self._graphs.run((bb, nb, kv_len), inputs, forward)
+            out = self._graphs.run((bb, nb, kv_len), inputs, forward, before_launch=before_launch)
             if out is not None:
                 return out
             b = len(rows)  # this bucket cannot be captured: run the live rows eagerly

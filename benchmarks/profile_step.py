@@ -1,0 +1,135 @@
+"""Where a speculative step's host time goes, one ``bench gpu`` configuration at a time.
+
+For each ``--config MODEL:TOKENIZER:BATCH:NODES`` the bench's setup is built (random-weight
+shape or real weights, replay drafter, document agreement), each ``--modes`` worker runs the
+document ``--runs`` times after one untimed run, and this prints:
+
+* the mean step phases (``StepStats``: draft, forward launch, grammar, verify + commit);
+* the host functions with the most own time, then the project's functions by cumulative
+  time (``cProfile`` over the timed runs), which names
+  the host work on the critical path of an overlapped step (launch + grammar before the GPU's
+  forward ends, verify + commit after it);
+* with ``--trace DIR``, a ``torch.profiler`` chrome trace of one run per mode (CPU + CUDA) and
+  the GPU's busy fraction during it.
+
+    python benchmarks/profile_step.py --tokenizer smollm2=DIR --config smollm2-135m:smollm2:1:64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from pathlib import Path
+
+import torch
+
+from spec_grammar.bench.gpu import (
+    GpuBenchConfig,
+    ReplayDrafter,
+    _build_setups,
+    _documents,
+    _load_tokenizer,
+    _mean,
+    _run_mode,
+    _wrong_tokens,
+)
+from spec_grammar.worker.engine import SpecWorker
+
+
+def gpu_busy_fraction(prof) -> float:
+    """Union of CUDA kernel/memcpy intervals over the span from the first to the last one."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not spans:
+        return 0.0
+    busy, cur_s, cur_e = 0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    return busy / max(1, spans[-1][1] - spans[0][0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", required=True, help="MODEL:TOKENIZER:BATCH:NODES (repeatable)")
+    ap.add_argument("--tokenizer", action="append", default=[], help="NAME=DIR or a known name (repeatable)")
+    ap.add_argument("--modes", default="plain,overlap")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--grammar-threads", type=int, default=None)
+    ap.add_argument("--trace", type=Path, default=None, help="write chrome traces here")
+    args = ap.parse_args()
+
+    tok_specs = {spec.partition("=")[0]: spec for spec in args.tokenizer}
+    for config in args.config:
+        model, tok, batch, nodes = config.split(":")
+        batch, nodes = int(batch), int(nodes)
+        cfg = GpuBenchConfig(models=[model], tokenizers=[tok_specs.get(tok, tok)], batches=[batch],
+                             nodes=[nodes], cases=1, device=args.device, dtype=args.dtype, eager_batches=[],
+                             grammar_threads=args.grammar_threads,
+                             cuda_graphs=None if args.device.startswith("cuda") else False)
+        res = dict(skipped=[])
+        setups = _build_setups(cfg, torch.device(args.device), getattr(torch, args.dtype),
+                               [_load_tokenizer(t) for t in cfg.tokenizers], res, print)
+        if not setups:
+            print(f"{config}: skipped {res['skipped']}")
+            continue
+        s = setups[0]
+        docs = _documents(cfg, s.tokenizer, s.backend, s.tokenizer.eos_token_id)
+        if not docs:
+            print(f"{config}: no document")
+            continue
+        doc = docs[0]
+        s.runner.agree_with(cfg.prompt_tokens, doc["ids"])
+        prompt = [(1000 + 37 * i) % 40000 + 10 for i in range(cfg.prompt_tokens)]
+        wrong = _wrong_tokens(doc["ids"], frozenset(s.backend.tokenizer_info.stop_token_ids))
+        drafter = ReplayDrafter(doc["ids"], num_draft_tokens=nodes, chain_depth=cfg.chain_depth,
+                                accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
+        for mode in args.modes.split(","):
+            worker = SpecWorker(s.runner, s.tokenizer, backend=None if mode == "plain" else s.backend,
+                                draft=drafter, overlap=mode == "overlap", grammar_threads=cfg.grammar_threads)
+            try:
+                _run_mode(worker, doc, batch, prompt)  # untimed: captures, allocations
+                prof = cProfile.Profile()
+                stats = []
+                for _ in range(args.runs):
+                    prof.enable()
+                    run, _ = _run_mode(worker, doc, batch, prompt)
+                    prof.disable()
+                    stats += [x for x in run if x.batch_size == batch]
+                print(f"\n=== {config} {mode}: {len(stats)} full-batch steps; mean ms: step "
+                      f"{_mean([x.step_ms for x in stats]):.3f}, draft {_mean([x.draft_ms for x in stats]):.3f}, "
+                      f"launch {_mean([x.verify_forward_ms for x in stats]):.3f}, grammar "
+                      f"{_mean([x.grammar_ms for x in stats]):.3f}, verify+commit {_mean([x.sample_ms for x in stats]):.3f}")
+                out = io.StringIO()
+                st = pstats.Stats(prof, stream=out)
+                st.sort_stats("tottime").print_stats(args.top)
+                st.sort_stats("cumulative").print_stats("spec_grammar", args.top)
+                print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+                if args.trace is not None:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    args.trace.mkdir(parents=True, exist_ok=True)
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+                        _run_mode(worker, doc, batch, prompt)
+                    path = args.trace / f"{config.replace(':', '_')}_{mode}.json"
+                    tp.export_chrome_trace(str(path))
+                    print(f"trace {path}; GPU busy {gpu_busy_fraction(tp):.0%} of the traced span")
+            finally:
+                worker.close()
+        s.runner.agree_with(None)
+
+
+if __name__ == "__main__":
+    main()
