@@ -10,6 +10,10 @@ time reported: the best is the least disturbed by other load on a shared host), 
 every thread count must give the rows and validity of one thread (a mismatch is printed).
 The worker benchmark (``bench_worker.py --grammar-threads``) times the same work inside whole
 runs; this one isolates it from the forward (a 2-core host shares its cores with it).
+``--placements caller,thread,thread+busy,pinned`` also times where the work runs: on the
+calling thread, in a worker thread while the caller waits for it, in a worker thread while the
+caller first runs 0.1 ms of Python (as the worker's thread does after a graph replay returns),
+or in a worker thread pinned to the core next to the caller's (both pinned; Linux only).
 
     python benchmarks/bench_grammar_threads.py --batches 16,32 --nodes 16,64 --threads 1,2
 """
@@ -21,6 +25,7 @@ import os
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -78,7 +83,30 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--placements", default="caller", help="caller, thread, thread+busy (comma-separated)")
     args = ap.parse_args()
+    placements = args.placements.split(",")
+    pool = ThreadPoolExecutor(max_workers=1)
+    pinned_pool = None
+    if "pinned" in placements:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[0]})
+        pinned_pool = ThreadPoolExecutor(max_workers=1, initializer=os.sched_setaffinity,
+                                         initargs=(0, {cores[1 % len(cores)]}))
+
+    def timed(worker, live, trees, mask, placement):
+        """(wall ms seen by the caller, the work's own ms)."""
+        t0 = time.perf_counter()
+        if placement == "caller":
+            work = worker._grammar_work(live, trees, [], mask)
+        else:
+            fut = (pinned_pool if placement == "pinned" else pool).submit(worker._grammar_work, live, trees, [], mask)
+            if placement == "thread+busy":
+                end = time.perf_counter() + 1e-4
+                while time.perf_counter() < end:
+                    pass
+            work = fut.result()
+        return (time.perf_counter() - t0) * 1e3, work
 
     from spec_grammar.bench.gpu import _load_tokenizer, build_model
     from spec_grammar.registry import get_backend
@@ -101,7 +129,8 @@ def main() -> None:
             break
     print(f"grammar work of one step ({args.backend}, {name} tokenizer, {os.cpu_count()} cores), "
           f"matchers walked {args.walk} tokens in, {args.reps} reps")
-    print(f"{'batch':>5} {'nodes':>5} {'threads':>7} {'best ms':>8} {'x 1st':>6} {'median ms':>9} {'x 1st':>6} {'us/node':>8}")
+    print(f"{'batch':>5} {'nodes':>5} {'threads':>7} {'placement':>11} {'best ms':>8} {'x 1st':>6} {'median ms':>9} "
+          f"{'x 1st':>6} {'us/node':>8} {'inner med':>9}")
     params = SamplingParams()
     for batch in [int(b) for b in args.batches.split(",")]:
         for nodes in [int(n) for n in args.nodes.split(",")]:
@@ -115,26 +144,31 @@ def main() -> None:
                 live.append(st)
                 trees.append(legal_tree(m, walked[-1] if walked else 0, nodes, rng, row, stops))
             rows = sum(t.num_nodes for t in trees)
-            times = {t: [] for t in threads}
+            keys = [(t, p) for t in threads for p in placements]
+            times = {k: [] for k in keys}
+            inner = {k: [] for k in keys}
             results = {}
             for _ in range(args.reps):
-                for t in threads:
+                for t, p in keys:
                     mask = workers[t]._bitmasks.acquire(rows)  # the worker's reused host buffers
-                    t0 = time.perf_counter()
-                    work = workers[t]._grammar_work(live, trees, [], mask)
-                    times[t].append((time.perf_counter() - t0) * 1e3)
-                    results[t] = (mask.clone(), {k: v.tolist() for k, v in work.valid.items()}, dict(work.errors))
-            best0, med0 = min(times[threads[0]]), statistics.median(times[threads[0]])
-            for t in threads:
-                best, med = min(times[t]), statistics.median(times[t])
-                print(f"{batch:5d} {nodes:5d} {t:7d} {best:8.2f} {best0 / best:6.2f} {med:9.2f} {med0 / med:6.2f} "
-                      f"{best * 1e3 / rows:8.1f}")
-                ref_mask, ref_valid, ref_err = results[threads[0]]
-                mask, valid, err = results[t]
+                    ms, work = timed(workers[t], live, trees, mask, p)
+                    times[t, p].append(ms)
+                    inner[t, p].append(work.ms)
+                    results[t, p] = (mask.clone(), {k: v.tolist() for k, v in work.valid.items()}, dict(work.errors))
+            best0, med0 = min(times[keys[0]]), statistics.median(times[keys[0]])
+            for k in keys:
+                best, med = min(times[k]), statistics.median(times[k])
+                print(f"{batch:5d} {nodes:5d} {k[0]:7d} {k[1]:>11} {best:8.2f} {best0 / best:6.2f} {med:9.2f} "
+                      f"{med0 / med:6.2f} {best * 1e3 / rows:8.1f} {statistics.median(inner[k]):9.2f}")
+                ref_mask, ref_valid, ref_err = results[keys[0]]
+                mask, valid, err = results[k]
                 if not (torch.equal(mask, ref_mask) and valid == ref_valid and err == ref_err):
-                    print(f"  !! grammar_threads={t} rows differ from grammar_threads={threads[0]}")
+                    print(f"  !! {k} rows differ from {keys[0]}")
     for w in workers.values():
         w.close()
+    pool.shutdown()
+    if pinned_pool is not None:
+        pinned_pool.shutdown()
 
 
 if __name__ == "__main__":

@@ -163,10 +163,11 @@ def test_speculative_output_equals_no_spec(name, config):
     assert spec_steps < sum(r.steps for r in ref), "speculation never accepted a draft token"
 
 
-def test_graph_replay_starts_the_grammar_thread():
-    """With CUDA graphs (emulated on CPU: the captured function runs at the replay) the grammar
-    work starts at the replay, in the worker's grammar thread, never on the calling thread;
-    the outputs equal plain constrained decoding."""
+def test_graph_steps_place_grammar_work_inline_or_in_thread():
+    """With CUDA graphs (emulated on CPU: the captured function runs at the replay) each step's
+    grammar work runs inline on the calling thread or in the grammar thread, as its
+    ``StepStats`` says (the placement policy tries both first); the outputs equal plain
+    constrained decoding."""
     import threading
 
     name = "xgrammar"
@@ -174,18 +175,21 @@ def test_graph_replay_starts_the_grammar_thread():
     _, reqs = batch(name)
     indices = small(name)
     runner = make_runner(model, "emulated")
-    threads: set[str] = set()
+    threads: list[str] = []
     with SpecWorker(runner, tok, backend=backend(name), draft="ngram", num_draft_tokens=6) as worker:
         grammar_work = worker._grammar_work
 
         def observed(*args):
-            threads.add(threading.current_thread().name)
+            threads.append(threading.current_thread().name)
             return grammar_work(*args)
 
         worker._grammar_work = observed
         got = worker.run([reqs[i] for i in indices])
-    assert runner._graphs.launches > 0
-    assert threads and all(t.startswith("spec-grammar") for t in threads), threads
+        flags = [s.grammar_in_thread for s in worker.step_stats]
+    assert runner._graphs.launches == len(flags) == len(threads)
+    assert True in flags and False in flags
+    for flag, thread in zip(flags, threads):
+        assert thread.startswith("spec-grammar") if flag else thread == threading.main_thread().name
     for i, g in zip(indices, got):
         r = reference(name)[i]
         assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)

@@ -7,12 +7,13 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
 1. **Draft**: one tree per live request (``Drafter.propose``), root = last committed token;
    trees deeper than the request's remaining token budget are cut.
 2. **Verify forward**: ``ModelRunner.forward_trees`` over every node of every tree.
-3. **Grammar work**, while step 2 runs when ``overlap=True`` (after it otherwise), in a worker
-   thread: on CUDA with graphs it starts once the forward's inputs are prepared, right before
-   the graph replay, whose host-side launch (0.3-1 ms on an H200) releases the GIL (measured
-   there: a thread started before the input preparation fought it for the GIL and slowed the
-   launch 2-5x); on CPU or eager CUDA it starts with the step, since the forward call itself
-   keeps the calling thread busy. Every matcher is first advanced with the tokens the PREVIOUS step committed
+3. **Grammar work**, while step 2 runs when ``overlap=True`` (after it otherwise). On CUDA with
+   graphs either inline once the replay returns, or in the grammar thread started right
+   before the replay, whose host-side launch (0.3-1 ms on an H200) releases the GIL: whichever
+   the measured times predict faster (:mod:`.placement`; a thread started before the input
+   preparation fought it for the GIL and slowed the launch 2-5x). On CPU or eager CUDA in the
+   grammar thread from the start of the step, since the forward call itself keeps the calling
+   thread busy. Every matcher is first advanced with the tokens the PREVIOUS step committed
    (each committed token reaches its matcher exactly once; a finished request's last run is
    fed too), then the tree rows of this step are filled (``GrammarBackend.fill_tree_bitmasks``).
    Advance-then-fill is forced by the tree semantics: row n is the allowed set after
@@ -47,6 +48,7 @@ from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
 from .host_bitmask import HostBitmaskRing
+from .placement import GrammarPlacement
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
 from .batch_verify import batch_greedy_eligible, verify_greedy_batch
 from .runner import ModelRunner
@@ -91,7 +93,7 @@ def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
 class _GrammarWork:
     """What the grammar work of one step (or of one group of its requests) hands back."""
 
-    __slots__ = ("bitmask", "device_bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
+    __slots__ = ("bitmask", "device_bitmask", "offsets", "valid", "errors", "ms", "done_at", "per_request_ms")
 
     def __init__(self) -> None:
         self.bitmask: torch.Tensor | None = None
@@ -100,6 +102,7 @@ class _GrammarWork:
         self.valid: dict[str, torch.Tensor] = {}
         self.errors: dict[str, str] = {}
         self.ms = 0.0
+        self.done_at = 0.0  # time.perf_counter() at the end
         self.per_request_ms: dict[str, float] = {}
 
 
@@ -119,9 +122,9 @@ class SpecWorker:
         topk / num_steps / num_draft_tokens: tree shape (model drafters use all three; the
             n-gram drafter uses ``num_draft_tokens``, the node cap root included).
         no_spec: plain constrained decoding (root-only trees) through the same code path.
-        overlap: do the grammar work in a worker thread while the verify forward runs
-            (with CUDA graphs it starts right before the replay, whose launch releases the
-            GIL). ``False``: strictly in order (on CUDA the forward is waited for first).
+        overlap: do the grammar work while the verify forward runs (in a worker thread; with
+            CUDA graphs inline after the replay or in the thread during it, as measured
+            fastest). ``False``: strictly in order (on CUDA the forward is waited for first).
         constrain_draft: grammar-constrained drafting: only legal tokens enter the tree and
             the rows computed while drafting are reused for verification
             (:mod:`~spec_grammar.worker.drafters.constrained`); ``draft="grammar"`` drafts
@@ -213,6 +216,7 @@ class SpecWorker:
         self.stop_token_ids = frozenset(int(t) for t in stops)
         self.step_stats: list[StepStats] = []
         self.grammar_threads = grammar_threads or 1
+        self._placement = GrammarPlacement()
         self._pool: ThreadPoolExecutor | None = None
         self._group_pool: ThreadPoolExecutor | None = None
         self._open_pools()
@@ -354,7 +358,8 @@ class SpecWorker:
             work.valid.update(part.valid)
             work.errors.update(part.errors)
             work.per_request_ms.update(part.per_request_ms)
-        work.ms = (time.perf_counter() - t0) * 1e3
+        work.done_at = time.perf_counter()
+        work.ms = (work.done_at - t0) * 1e3
         return work
 
     def _group_work(
@@ -554,24 +559,40 @@ class SpecWorker:
     ) -> StepStats:
         """Verify forward (grammar work under it), then mask, verify and commit."""
         inline = self.overlap and self.runner.uses_cuda_graphs
+        in_thread = False
         if inline:
-            # The grammar thread starts when the inputs are ready, right before the graph
-            # replay: the replay's host-side launch (0.3-1 ms) releases the GIL, so the two
-            # share no Python time (a thread started before the input preparation fought it
-            # for the GIL). With no replay (an eager bucket) this thread does the grammar work
-            # after the launch while the GPU computes.
+            # The grammar work runs inline after the graph replay returns, or in the grammar
+            # thread started right before the replay (whose host-side launch releases the GIL;
+            # a thread started before the input preparation fought it for the GIL), whichever
+            # the measured times predict faster (:mod:`.placement`). With no replay (an eager
+            # bucket) it runs inline after the launch while the GPU computes.
+            units = (0 if bitmask is None else bitmask.shape[0]) + len(draining) + sum(
+                st.matcher is not None for st in live
+            )
+            want_thread = units > 0 and self._placement.use_thread(units)
             started: list[Future] = []
+            launched: list[float] = []
 
-            def start_grammar() -> None:
-                started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask))
+            def before_launch() -> None:
+                launched.append(time.perf_counter())
+                if want_thread:
+                    started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask))
 
             try:
-                logits = self.runner.forward_trees(rids, trees, before_launch=start_grammar)
+                logits = self.runner.forward_trees(rids, trees, before_launch=before_launch)
             except BaseException:
                 wait(started)  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
             t2 = time.perf_counter()
-            work = started[0].result() if started else self._grammar_work(live, trees, draining, bitmask)
+            in_thread = bool(started)
+            if in_thread:
+                work = started[0].result()
+                grammar_ms = (work.done_at - launched[0]) * 1e3  # wake-up included
+            else:
+                work = self._grammar_work(live, trees, draining, bitmask)
+                grammar_ms = work.ms
+            if launched and units:
+                self._placement.record(in_thread, units, grammar_ms, (t2 - launched[0]) * 1e3)
         elif self._pool is not None:
             fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
             try:
@@ -624,6 +645,7 @@ class SpecWorker:
             grammar_exposed_ms=exposed,
             sample_ms=(t4 - t3) * 1e3,
             committed_tokens=committed,
+            grammar_in_thread=in_thread,
         )
 
     @staticmethod

@@ -182,3 +182,6 @@ class StepStats(BaseModel):
     grammar_exposed_ms: float
     sample_ms: float
     committed_tokens: int
+    grammar_in_thread: bool = False
+    """With CUDA graphs and overlap: the grammar work ran in the grammar thread (started before
+    the replay) rather than inline after it (:mod:`~spec_grammar.worker.placement`)."""

@@ -1,0 +1,75 @@
+"""Where a CUDA-graph step's grammar work runs: the choice made from the step times measured.
+
+With CUDA graphs the forward returns once launched, but launching is not free: the graph
+replay takes the host 0.3-1 ms (about 1 us per kernel node) and releases the GIL meanwhile.
+The grammar work (advance + tree fill) can then run
+
+* **inline**: on the calling thread after the replay returns; the host's part of the step is
+  ``launch + grammar``;
+* **in the grammar thread**, started right before the replay; the host's part is
+  ``max(launch, grammar')``, where ``grammar'`` is the same work measured in that thread from
+  its submission (wake-up included).
+
+``grammar'`` is not ``grammar``: on the H200 machine this project measures on (a 16-vCPU
+virtual machine) the same fills took 1.3-1.9x longer in the second thread while the first one
+launched (0.21 -> 0.42 ms for one 8-node tree, 18 -> 29 ms for 32 x 64 nodes), while a
+bare 2-core host showed 1.05x. So neither placement wins everywhere: hiding a 0.5 ms launch
+pays for small grammar work, not for 10 ms of it. :class:`GrammarPlacement` keeps the
+per-unit cost of each placement and the launch time as moving averages, picks the placement
+with the smaller predicted host time each step, and tries the other one every
+``explore_every`` steps so that its estimate follows the load. Outputs never depend on it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GrammarPlacement"]
+
+
+class GrammarPlacement:
+    """Online choice between inline and threaded grammar work for CUDA-graph steps.
+
+    Args:
+        explore_every: every this many decisions the placement not predicted best runs once
+            (its estimate would otherwise go stale when the load changes).
+        alpha: weight of a new measurement in the moving averages, in ``(0, 1]``.
+
+    Work is counted in *units* (the caller's measure of a step's grammar work, e.g. tree rows
+    plus requests); times are milliseconds. Raises ``ValueError`` on bad arguments.
+    """
+
+    def __init__(self, *, explore_every: int = 50, alpha: float = 0.2):
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.explore_every = explore_every
+        self.alpha = alpha
+        self.launch_ms: float | None = None
+        self.unit_ms: dict[bool, float | None] = {True: None, False: None}  # key: in the thread
+        self._decisions = 0
+
+    def use_thread(self, units: int) -> bool:
+        """True: run this step's grammar work in the grammar thread (started before the
+        replay); False: inline after it. Each placement runs first once to be measured."""
+        self._decisions += 1
+        for thread in (True, False):
+            if self.unit_ms[thread] is None:
+                return thread
+        best = self.predict(units, True) < self.predict(units, False)
+        return (not best) if self._decisions % self.explore_every == 0 else best
+
+    def predict(self, units: int, thread: bool) -> float:
+        """Predicted host milliseconds of launch + grammar work for ``units`` of work."""
+        launch = self.launch_ms or 0.0
+        grammar = (self.unit_ms[thread] or 0.0) * units
+        return max(launch, grammar) if thread else launch + grammar
+
+    def record(self, thread: bool, units: int, grammar_ms: float, launch_ms: float) -> None:
+        """A step's measurements: the grammar work's milliseconds (in the thread: from its
+        submission to its end) and the replay's host milliseconds."""
+        self.launch_ms = self._average(self.launch_ms, launch_ms)
+        if units > 0:
+            self.unit_ms[thread] = self._average(self.unit_ms[thread], grammar_ms / units)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)

@@ -1,0 +1,42 @@
+"""The grammar-work placement policy of CUDA-graph steps, on measured-time sequences."""
+
+import pytest
+
+from spec_grammar.worker.placement import GrammarPlacement
+
+
+def test_measures_both_then_picks_the_faster():
+    p = GrammarPlacement(explore_every=1000)
+    assert p.use_thread(10) is True
+    p.record(True, 10, grammar_ms=1.0, launch_ms=0.5)  # 0.1 ms/unit in the thread
+    assert p.use_thread(10) is False
+    p.record(False, 10, grammar_ms=0.5, launch_ms=0.5)  # 0.05 ms/unit inline
+    # small work: max(0.5, 0.1 * 4) < 0.5 + 0.05 * 4 -> thread; large: 0.5 + 5 < 10 -> inline
+    assert p.predict(4, True) == pytest.approx(0.5) and p.predict(4, False) == pytest.approx(0.7)
+    assert p.use_thread(4) is True
+    assert p.use_thread(100) is False
+
+
+def test_explores_the_other_placement_and_follows_the_load():
+    p = GrammarPlacement(explore_every=5, alpha=1.0)
+    p.record(True, 10, grammar_ms=10.0, launch_ms=0.5)
+    p.record(False, 10, grammar_ms=1.0, launch_ms=0.5)
+    choices = [p.use_thread(10) for _ in range(10)]
+    assert choices == [False, False, False, False, True] * 2  # every 5th decision explores
+    p.record(True, 10, grammar_ms=0.2, launch_ms=0.5)  # the thread got fast (alpha 1: replaced)
+    assert p.use_thread(10) is True
+
+
+def test_launch_and_unit_costs_are_moving_averages():
+    p = GrammarPlacement(alpha=0.5)
+    p.record(False, 4, grammar_ms=4.0, launch_ms=1.0)
+    p.record(False, 4, grammar_ms=8.0, launch_ms=3.0)
+    assert p.unit_ms[False] == pytest.approx(1.5) and p.launch_ms == pytest.approx(2.0)
+    p.record(False, 0, grammar_ms=5.0, launch_ms=2.0)  # no grammar units: only the launch counts
+    assert p.unit_ms[False] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("kw", [dict(explore_every=1), dict(alpha=0.0), dict(alpha=1.5)])
+def test_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        GrammarPlacement(**kw)
