@@ -233,13 +233,16 @@ class _ReplayRunner(ModelRunner):
     one table gather + scatter-add on the forward's float32 logits, done on the device inside
     the forward (so inside its CUDA graph: it adds no host work to a step, which would count
     against the overlap, since the grammar work starts once the forward is launched). The
-    table is one persistent device tensor (a graph reads it by address), rewritten in place."""
+    table is one persistent device tensor (a graph reads it by address), rewritten in place.
+    Without a document the forward is the runner's own (no edit kernels: the forward table
+    times it), so switching between the two drops the captured graphs."""
 
     _TABLE_SIZE = 1 << 15  # positions; longer contexts are left as the model writes them
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._table = torch.full((self._TABLE_SIZE,), -1, dtype=torch.long, device=self.device)
+        self._editing = False
 
     def agree_with(self, prompt_len: int | None, document: Sequence[int] = ()) -> None:
         """Favour ``document`` after a ``prompt_len``-token prompt from now on; None: stop.
@@ -250,12 +253,15 @@ class _ReplayRunner(ModelRunner):
                 raise ValueError(f"prompt + document exceed {self._TABLE_SIZE} positions")
             table[prompt_len - 1 : prompt_len - 1 + len(document)] = torch.tensor([int(t) for t in document])
         self._table.copy_(table)
+        if self._editing != (prompt_len is not None):
+            self._editing = prompt_len is not None
+            self.clear_graphs()  # graphs captured with (without) the edit must not replay now
 
     def _device_forward(self, tokens, parents, lens, row_idx, *, rows, kv_len, logits_to_keep):
         logits = super()._device_forward(
             tokens, parents, lens, row_idx, rows=rows, kv_len=kv_len, logits_to_keep=logits_to_keep
         )
-        if logits.shape[1] != tokens.shape[1]:  # only the last rows kept (prefill): no tree rows
+        if not self._editing or logits.shape[1] != tokens.shape[1]:  # prefill keeps no tree rows
             return logits
         pos = lens[:, None] + ancestors(parents)[1]
         with torch.inference_mode():  # the runner's logits are inference tensors

@@ -11,10 +11,12 @@ The grammar work (advance + tree fill) can then run
   its submission (wake-up included).
 
 ``grammar'`` is not ``grammar``: on the H200 machine this project measures on (a 16-vCPU
-virtual machine) the same fills took 1.3-1.9x longer in the second thread while the first one
-launched (0.21 -> 0.42 ms for one 8-node tree, 18 -> 29 ms for 32 x 64 nodes), while a
-bare 2-core host showed 1.05x. So neither placement wins everywhere: hiding a 0.5 ms launch
-pays for small grammar work, not for 10 ms of it. :class:`GrammarPlacement` keeps the
+virtual machine) the same grammar work took up to 2x longer in the second thread while the
+first one launched (0.21 -> 0.42 ms for one 8-node tree, 18 -> 29 ms for 32 x 64 nodes; 1.0x
+in a few configurations), while a bare 2-core host showed 1.05x. So neither placement wins
+everywhere: hiding a 0.5 ms launch pays for small grammar work, not for 10 ms of it
+(``benchmarks/results/placement/``: 15/23 configurations on target always in the thread,
+16/23 always inline, 19/24 with the measured choice). :class:`GrammarPlacement` keeps the
 per-unit cost of each placement and the launch time as moving averages, picks the placement
 with the smaller predicted host time each step, and tries the other one every
 ``explore_every`` steps so that its estimate follows the load. Outputs never depend on it.
