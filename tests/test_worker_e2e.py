@@ -297,6 +297,8 @@ def test_cli_generate_json(tmp_path):
     if res["finish_reason"] == "grammar":
         jsonschema.Draft202012Validator(schema).validate(json.loads(res["text"]))
     assert out["summary"]["requests"] == 1 and out["summary"]["errors"] == 0
+    # on CPU: the model's own forward, no graphs
+    assert out["runner"] == {"device": "cpu", "decoder": "hf", "cuda_graphs": False}
 
 
 @pytest.mark.parametrize(

@@ -298,7 +298,13 @@ def run(args) -> int:
             shown.add(tuple(r.warnings))
             print(f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"results": [r.model_dump() for r in final], "summary": summary.model_dump()}, indent=2))
+        runner = {  # what ran: the GPU speed depends on it
+            "device": str(worker.runner.device),
+            "decoder": "fused" if worker.runner.uses_fused_forward else "hf",
+            "cuda_graphs": worker.runner.uses_cuda_graphs,
+        }
+        print(json.dumps({"results": [r.model_dump() for r in final], "summary": summary.model_dump(),
+                          "runner": runner}, indent=2))
     else:
         for r in final:
             if len(final) > 1:

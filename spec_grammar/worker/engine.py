@@ -558,9 +558,9 @@ class SpecWorker:
         t1: float,
     ) -> StepStats:
         """Verify forward (grammar work under it), then mask, verify and commit."""
-        inline = self.overlap and self.runner.uses_cuda_graphs
+        graph_overlap = self.overlap and self.runner.uses_cuda_graphs
         in_thread = False
-        if inline:
+        if graph_overlap:
             # The grammar work runs inline after the graph replay returns, or in the grammar
             # thread started right before the replay (whose host-side launch releases the GIL;
             # a thread started before the input preparation fought it for the GIL), whichever
@@ -627,7 +627,7 @@ class SpecWorker:
                 self._release(st)
         t4 = time.perf_counter()
         exposed = (t3 - t2) * 1e3
-        if inline:  # exposed: what the grammar work took beyond the GPU's forward
+        if graph_overlap:  # exposed: what the grammar work took beyond the GPU's forward
             gpu_ms = self.runner.last_forward_gpu_ms()
             exposed = max(0.0, exposed - gpu_ms) if gpu_ms is not None else exposed
         frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
