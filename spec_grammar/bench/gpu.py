@@ -246,9 +246,16 @@ class _ReplayRunner(ModelRunner):
 
     def agree_with(self, prompt_len: int | None, document: Sequence[int] = ()) -> None:
         """Favour ``document`` after a ``prompt_len``-token prompt from now on; None: stop.
-        Raises ``ValueError`` when the prompt and document do not fit the table."""
+        Raises ``ValueError`` for a prompt length below 1, a token outside ``[0, vocab_size)``
+        or a prompt + document longer than the table (checked before anything changes: an
+        index error inside a CUDA graph would be a device-side assert)."""
         table = torch.full((self._TABLE_SIZE,), -1, dtype=torch.long)
         if prompt_len is not None:
+            if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+                raise ValueError(f"prompt_len must be an int >= 1, got {prompt_len!r}")
+            bad = [t for t in document if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"document tokens {bad[:8]} are outside [0, {self.vocab_size})")
             if prompt_len + len(document) > self._TABLE_SIZE:
                 raise ValueError(f"prompt + document exceed {self._TABLE_SIZE} positions")
             table[prompt_len - 1 : prompt_len - 1 + len(document)] = torch.tensor([int(t) for t in document])

@@ -98,7 +98,7 @@ def verify_greedy_batch(
         len(masked) == b
         and bitmask is not None
         and bitmask.shape[0] == b * n_max
-        and all(off == k * n_max and trees[i].num_nodes == n_max for k, (off, i) in enumerate(masked))
+        and all(offsets[i] == i * n_max and trees[i].num_nodes == n_max for i in range(b))
     ):
         # every logits row is a grammar row, in bitmask order (an all-grammar batch of full
         # trees, the common step): one masked argmax, no index upload, no unmasked argmax

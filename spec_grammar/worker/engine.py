@@ -569,7 +569,8 @@ class SpecWorker:
             units = (0 if bitmask is None else bitmask.shape[0]) + len(draining) + sum(
                 st.matcher is not None for st in live
             )
-            want_thread = units > 0 and self._placement.use_thread(units)
+            # (no pool: the caller closed the worker inside this run, e.g. from on_step)
+            want_thread = units > 0 and self._pool is not None and self._placement.use_thread(units)
             started: list[Future] = []
             launched: list[float] = []
 

@@ -24,6 +24,8 @@ with the smaller predicted host time each step, and tries the other one every
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["GrammarPlacement"]
 
 
@@ -68,7 +70,11 @@ class GrammarPlacement:
 
     def record(self, thread: bool, units: int, grammar_ms: float, launch_ms: float) -> None:
         """A step's measurements: the grammar work's milliseconds (in the thread: from its
-        submission to its end) and the replay's host milliseconds."""
+        submission to its end) and the replay's host milliseconds. Raises ``ValueError`` on a
+        time that is not a finite number >= 0 (it would stay in the averages for good)."""
+        for name, ms in (("grammar_ms", grammar_ms), ("launch_ms", launch_ms)):
+            if not math.isfinite(ms) or ms < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {ms}")
         self.launch_ms = self._average(self.launch_ms, launch_ms)
         if units > 0:
             self.unit_ms[thread] = self._average(self.unit_ms[thread], grammar_ms / units)
