@@ -190,6 +190,26 @@ def test_masked_argmax_ties_pick_first_and_ignores_disallowed_maximum():
     assert torch.equal(masked_argmax(ties, mask), expected_argmax(ties, mask))
 
 
+def test_masked_argmax_when_the_plain_argmax_is_or_is_not_allowed():
+    """Rows whose plain argmax is allowed (it is then the answer) mixed with rows where it is
+    not: an equal maximum before an allowed one, the maximum past the mask's width, NaN-free
+    rows of -inf but one allowed token."""
+    logits = torch.full((4, 40), -1.0)
+    logits[0, 7] = 4.0  # allowed maximum
+    logits[1, 3] = logits[1, 5] = 6.0  # first maximum disallowed, the equal one at 5 allowed
+    logits[2, 35] = 9.0  # maximum past the 32 tokens the one-word mask covers
+    logits[2, 10] = 2.0
+    logits[3] = NEG_INF
+    logits[3, 20] = 0.5
+    mask = torch.zeros(4, 1, dtype=torch.int32)
+    mask[0, 0] = 1 << 7
+    mask[1, 0] = (1 << 5) | (1 << 9)
+    mask[2, 0] = (1 << 10) | (1 << 11)
+    mask[3, 0] = (1 << 20) | (1 << 2)
+    assert masked_argmax(logits, mask).tolist() == [7, 5, 10, 20]
+    assert masked_argmax(logits, mask[[2, 0]], indices=[2, 0]).tolist() == [10, 7]
+
+
 def test_masked_argmax_row_with_only_neg_inf_allowed_is_minus_one():
     logits = torch.tensor([[NEG_INF, 2.0]])
     assert masked_argmax(logits, torch.tensor([[0b01]], dtype=torch.int32)).tolist() == [-1]
