@@ -135,3 +135,12 @@ def test_cuda_without_cuda_is_one_line(capsys, tmp_path, no_bench_run):
     rc = main(["bench", "gpu", "--device", "cuda", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--device cuda: CUDA is not available" in err, err
+
+
+def test_default_result_names_follow_the_gpu_model():
+    from spec_grammar.cli.bench_gpu import default_name
+
+    assert default_name("NVIDIA H200") == "gpu-h200"
+    assert default_name("NVIDIA GeForce RTX 4090") == "gpu-rtx-4090"
+    assert default_name("Tesla V100-SXM2-16GB") == "gpu-v100-sxm2-16gb"
+    assert default_name("") == "gpu-cuda"

@@ -24,7 +24,7 @@ def register_gpu(sub) -> None:
         "(default benchmarks/results/gpu-h200.*). Recipe for a GPU machine: scripts/gpu/README.md.",
     )
     p.add_argument("--out", default="benchmarks/results", help="output directory")
-    p.add_argument("--name", default=None, help="file name stem (default gpu-h200, gpu-quick with --quick)")
+    p.add_argument("--name", default=None, help="file name stem (default gpu-<GPU model>, e.g. gpu-h200; gpu-quick with --quick, gpu-cpu off CUDA)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: 2-layer model, batch 1 and 2")
     p.add_argument("--models", type=_csv, default=None,
                    help="llama-3.1-8b, smollm2-135m-real, smollm2-135m (default llama-3.1-8b,smollm2-135m-real)")
@@ -95,7 +95,18 @@ def _run_gpu(args) -> int:
     from ..bench.gpu import run_gpu_bench, write_gpu_report
 
     cfg = _config(args)
-    name = args.name or ("gpu-quick" if args.quick else "gpu-h200")
+    cuda = "cuda" in cfg.device
+    if args.name:
+        name = args.name
+    elif args.quick or not cuda:
+        name = "gpu-quick" if args.quick else "gpu-cpu"
+    else:
+        import torch
+
+        name = default_name(torch.cuda.get_device_name(cfg.device))
+    smoke = "SMOKE RUN off CUDA: it checks that the bench runs end to end; its times and verdicts say nothing about a GPU"
+    if not cuda:
+        print(smoke, flush=True)
 
     def partial(res: dict) -> None:  # a crash or time-out keeps the finished rows on disk
         write_gpu_report(res, args.out, name, plots=False)
@@ -105,4 +116,15 @@ def _run_gpu(args) -> int:
         print(f"{kind}: {path}")
     for p in res["problems"]:
         print(f"check failed: {p}")
+    if not cuda:
+        print(smoke)
     return 1 if res["problems"] else 0
+
+
+def default_name(gpu_name: str) -> str:
+    """File stem for a GPU's results: ``gpu-`` + its model, e.g. ``gpu-h200`` for "NVIDIA
+    H200", ``gpu-rtx-4090`` for "NVIDIA GeForce RTX 4090"; ``gpu-cuda`` for an empty name."""
+    import re
+
+    words = [w for w in re.split(r"[^a-z0-9]+", gpu_name.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    return "gpu-" + "-".join(words) if words else "gpu-cuda"

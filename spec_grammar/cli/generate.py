@@ -48,11 +48,11 @@ def register(sub) -> None:
     p.add_argument("--topk", type=int, default=1, help="branches per draft step (model drafters)")
     p.add_argument("--num-steps", type=int, default=4, help="draft depth (model drafters)")
     p.add_argument("--num-draft-tokens", type=int, default=8, help="draft tree size, root included")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="output token budget per request")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
@@ -77,7 +77,7 @@ def register(sub) -> None:
                    'json_schema / tools take an object or a file path, ebnf / lark grammar text or a file path, '
                    'paths relative to the batch file')
     p.add_argument("--json", action="store_true", help="print per-request results and stats as JSON")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = CUDA when available")
     p.set_defaults(func=run)
 
 
