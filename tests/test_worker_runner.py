@@ -307,3 +307,22 @@ def test_device_ancestors_equal_the_trees_own():
             assert torch.equal(anc[k, :n, :n], t.ancestor_mask)
             assert depth[k, :n].tolist() == t.depth_list
             assert torch.equal(anc[k, n:], torch.eye(n_max, dtype=torch.bool)[n:]) and not depth[k, n:].any()
+
+
+def test_models_not_on_one_device_are_refused():
+    """Offloaded (meta) weights or a model split over devices: a RunnerError naming the problem
+    at construction, not a device mismatch inside a forward."""
+    from spec_grammar.bench.gpu import build_model
+
+    torch.manual_seed(0)
+    offloaded = build_model("tiny", "cpu", torch.float32)
+    offloaded.model.layers[0].to("meta")
+    for device in (None, "cpu"):
+        with pytest.raises(RunnerError, match="meta device"):
+            ModelRunner(offloaded, device=device)
+    with pytest.raises(RunnerError, match="no parameters"):
+        ModelRunner(torch.nn.Module())
+    # one device: accepted, with or without naming it
+    whole = build_model("tiny", "cpu", torch.float32)
+    for device in (None, "cpu"):
+        assert ModelRunner(whole, device=device).device.type == "cpu"

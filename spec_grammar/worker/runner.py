@@ -31,6 +31,7 @@ attention paths both add the mask to the scores.
 from __future__ import annotations
 
 import inspect
+import itertools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -235,9 +236,23 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         fused_forward: bool | None = None,
     ):
-        param = next(model.parameters())
+        param = next(model.parameters(), None)
+        if param is None:
+            raise RunnerError("the model has no parameters")
+        # one KV store and one graph per forward: the whole model must sit on one device
+        devices = {t.device for t in model.parameters()}
+        if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
+            raise RunnerError(
+                "some model weights are on the meta device (offloaded or not loaded, e.g. by "
+                "device_map='auto'); load the whole model on one device"
+            )
+        if device is None and len(devices) > 1:
+            raise RunnerError(
+                f"the model is split over {', '.join(sorted(map(str, devices)))} (e.g. by device_map); "
+                "load it on one device or pass device= to move it there"
+            )
         self.device = torch.device(device) if device is not None else param.device
-        if param.device != self.device:
+        if devices != {self.device}:
             model.to(self.device)
         self.model = model
         self.dtype = param.dtype
