@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--placements", default="caller", help="caller, thread, thread+busy (comma-separated)")
+    ap.add_argument("--placements", default="caller", help="caller, thread, thread+busy, pinned (comma-separated)")
     args = ap.parse_args()
     placements = args.placements.split(",")
     pool = ThreadPoolExecutor(max_workers=1)

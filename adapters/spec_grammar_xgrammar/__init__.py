@@ -51,12 +51,7 @@ class XGrammarMatcher(SpecGrammar):
         return XGrammarMatcher(self._backend, self._m.fork())
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        narrow = self._backend._narrow_rows(1)
-        if narrow is None:
-            self._m.fill_next_token_bitmask(bitmask, row)
-            return
-        self._m.fill_next_token_bitmask(narrow, 0)
-        bitmask[row, : narrow.shape[1]] = narrow[0]  # the padding words: the protocol zeroes them
+        self._fill_rows(bitmask[row : row + 1], lambda rows: self._m.fill_next_token_bitmask(rows, 0))
 
     def _is_terminated(self) -> bool:
         return self._m.is_terminated()
@@ -80,20 +75,24 @@ class XGrammarMatcher(SpecGrammar):
         """xgrammar's own walk of ``tree`` (with ``tokens (N,)`` int64 in place of its tokens)
         into rows ``[row_offset, row_offset + N)`` of ``bitmask``; returns those rows as a
         writable numpy view. Rows below rejected nodes are left stale (G8)."""
-        n = tree.num_nodes
-        rows = bitmask[row_offset : row_offset + n]
-        narrow = self._backend._narrow_rows(n)
+        rows = bitmask[row_offset : row_offset + tree.num_nodes]
         # numpy link arrays (xgrammar takes any DLPack array): a third of the cost of torch
         # tensors, which dominated the fill of a small tree with the validity pass
-        self._m.traverse_draft_tree(
-            np.array(tree.first_child_list, dtype=np.int64),
-            np.array(tree.next_sibling_list, dtype=np.int64),
-            tokens,
-            rows if narrow is None else narrow,
-        )
-        if narrow is not None:
-            rows[:, : narrow.shape[1]] = narrow  # the padding words: the protocol zeroes them
+        first_child = np.array(tree.first_child_list, dtype=np.int64)
+        next_sibling = np.array(tree.next_sibling_list, dtype=np.int64)
+        self._fill_rows(rows, lambda out: self._m.traverse_draft_tree(first_child, next_sibling, tokens, out))
         return rows.numpy()
+
+    def _fill_rows(self, rows: torch.Tensor, fill) -> None:
+        """``fill(out)`` writes xgrammar's rows into ``out``: ``rows`` itself, or the thread's
+        tokenizer-wide scratch copied into ``rows`` when the model's head is wider (the padding
+        words are left to the protocol, which zeroes them)."""
+        narrow = self._backend._narrow_rows(rows.shape[0])
+        if narrow is None:
+            fill(rows)
+            return
+        fill(narrow)
+        rows[:, : narrow.shape[1]] = narrow
 
     def _fix_stale_rows(self, tree: DraftTree, words: np.ndarray) -> list[bool]:
         """Node validity of a traversed ``tree`` whose rows are ``words`` ``(N, W)`` int32;

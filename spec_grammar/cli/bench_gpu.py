@@ -21,7 +21,7 @@ def register_gpu(sub) -> None:
         "gpu",
         help="GPU step time: no grammar vs grammar with / without overlap (8B-shaped and real SmolLM2 targets)",
         description="Writes <name>.json, <name>.md, <name>-step.png and <name>-ratio.png into --out "
-        "(default benchmarks/results/gpu-h200.*). Recipe for a GPU machine: scripts/gpu/README.md.",
+        "(default benchmarks/results; --name gives the file stem). Recipe for a GPU machine: scripts/gpu/README.md.",
     )
     p.add_argument("--out", default="benchmarks/results", help="output directory")
     p.add_argument("--name", default=None, help="file name stem (default gpu-<GPU model>, e.g. gpu-h200; gpu-quick with --quick, gpu-cpu off CUDA)")

@@ -94,20 +94,20 @@ def verify_greedy_batch(
         rows = (sel[:, None] * n_max + torch.arange(n_max)).flatten()
         sub, position = flat[rows.to(flat.device, non_blocking=True)], {i: k for k, i in enumerate(selected)}
     masked = sorted((offsets[i], i) for i in selected if i < len(offsets) and offsets[i] is not None)
-    if (
+
+    def whole_mask() -> torch.Tensor:
+        return device_bitmask if device_bitmask is not None else bitmask.to(flat.device, non_blocking=True)
+
+    # every logits row a grammar row, in bitmask order (an all-grammar batch of full trees, the
+    # common step): one masked argmax, no index upload, no unmasked argmax
+    aligned = (
         len(masked) == b
         and bitmask is not None
         and bitmask.shape[0] == b * n_max
         and all(offsets[i] == i * n_max and trees[i].num_nodes == n_max for i in range(b))
-    ):
-        # every logits row is a grammar row, in bitmask order (an all-grammar batch of full
-        # trees, the common step): one masked argmax, no index upload, no unmasked argmax
-        dev_mask = device_bitmask if device_bitmask is not None else bitmask.to(flat.device, non_blocking=True)
-        best = masked_argmax(flat, dev_mask)
-        masked = []
-    else:
-        best = sub.argmax(dim=-1)
-    if masked:
+    )
+    best = masked_argmax(flat, whole_mask()) if aligned else sub.argmax(dim=-1)
+    if masked and not aligned:
         if bitmask is None:
             raise BitmaskError("grammar requests need the step's bitmask")
         idx: list[int] = []
@@ -120,10 +120,8 @@ def verify_greedy_batch(
         if mrows != list(range(bitmask.shape[0])):
             # a batch mixing greedy and sampled grammar requests: take only the rows needed
             dev_mask = bitmask[torch.tensor(mrows, dtype=torch.long)].to(flat.device, non_blocking=True)
-        elif device_bitmask is not None:
-            dev_mask = device_bitmask
         else:
-            dev_mask = bitmask.to(flat.device, non_blocking=True)
+            dev_mask = whole_mask()
         dev_idx = torch.tensor(idx, dtype=torch.long, pin_memory=pin).to(flat.device, non_blocking=True)
         best[dev_idx] = masked_argmax(sub, dev_mask, dev_idx)
     host = best.tolist()  # the step's one device-to-host synchronization
