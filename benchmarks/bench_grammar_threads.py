@@ -13,7 +13,9 @@ runs; this one isolates it from the forward (a 2-core host shares its cores with
 ``--placements caller,thread,thread+busy,pinned`` also times where the work runs: on the
 calling thread, in a worker thread while the caller waits for it, in a worker thread while the
 caller first runs 0.1 ms of Python (as the worker's thread does after a graph replay returns),
-or in a worker thread pinned to the core next to the caller's (both pinned; Linux only).
+in a worker thread while the caller keeps a core busy for 0.5 ms without the GIL (hashing, as
+a graph replay's launch does), or in a worker thread pinned to the core next to the caller's
+(both pinned; Linux only).
 
     python benchmarks/bench_grammar_threads.py --batches 16,32 --nodes 16,64 --threads 1,2
 """
@@ -21,6 +23,7 @@ or in a worker thread pinned to the core next to the caller's (both pinned; Linu
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import statistics
@@ -74,6 +77,15 @@ def legal_tree(matcher, root: int, nodes: int, rng: random.Random, row, stops) -
     return DraftTree(tokens, parents)
 
 
+def _spin_bytes(seconds: float) -> bytes:
+    """A buffer that sha256 takes about ``seconds`` to hash on this host."""
+    probe = bytes(1 << 20)
+    t0 = time.perf_counter()
+    hashlib.sha256(probe)
+    per_byte = (time.perf_counter() - t0) / len(probe)
+    return bytes(max(4096, int(seconds / per_byte)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", default="smollm2", help="smollm2, gemma3, NAME=DIR or DIR (with tokenizer.json)")
@@ -83,11 +95,12 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--placements", default="caller", help="caller, thread, thread+busy, pinned (comma-separated)")
+    ap.add_argument("--placements", default="caller", help="caller, thread, thread+busy, thread+spin, pinned (comma-separated)")
     args = ap.parse_args()
     placements = args.placements.split(",")
     pool = ThreadPoolExecutor(max_workers=1)
     pinned_pool = None
+    spin_bytes = _spin_bytes(0.5e-3) if "thread+spin" in placements else b""
     if "pinned" in placements:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[0]})
@@ -105,6 +118,8 @@ def main() -> None:
                 end = time.perf_counter() + 1e-4
                 while time.perf_counter() < end:
                     pass
+            elif placement == "thread+spin":
+                hashlib.sha256(spin_bytes)  # releases the GIL while it hashes
             work = fut.result()
         return (time.perf_counter() - t0) * 1e3, work
 

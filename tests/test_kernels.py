@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import spec_grammar
 from spec_grammar.errors import BitmaskError
-from spec_grammar.kernels import masked_argmax, masked_softmax
+from spec_grammar.kernels import bitmask_allows, masked_argmax, masked_softmax, row_argmax
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NEG_INF = float("-inf")
@@ -208,6 +208,26 @@ def test_masked_argmax_when_the_plain_argmax_is_or_is_not_allowed():
     mask[3, 0] = (1 << 20) | (1 << 2)
     assert masked_argmax(logits, mask).tolist() == [7, 5, 10, 20]
     assert masked_argmax(logits, mask[[2, 0]], indices=[2, 0]).tolist() == [10, 7]
+
+
+def test_row_argmax_first_maximum_and_minus_one_for_dead_rows():
+    logits = torch.tensor([[1.0, 3.0, 3.0], [NEG_INF, NEG_INF, NEG_INF], [NEG_INF, -5.0, NEG_INF], [2.0, 0.0, 2.0]])
+    assert row_argmax(logits).tolist() == [1, -1, 1, 0]
+    batched = logits.reshape(2, 2, 3)
+    assert row_argmax(batched).tolist() == [[1, -1], [1, 0]]
+    # where the mask allows it, it is the masked argmax (the verifier's shortcut)
+    everything = torch.full((4, 1), -1, dtype=torch.int32)
+    assert row_argmax(logits).tolist() == masked_argmax(logits, everything).tolist()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bitmask_allows_reads_the_tokens_bit(seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(-(2**31), 2**31 - 1, (6, 3), dtype=torch.int32, generator=g)
+    rows = torch.randint(0, 6, (50,), generator=g)
+    tokens = torch.randint(-3, 100, (50,), generator=g)  # past 96 and below 0: never allowed
+    want = [0 <= t < 96 and bool((int(mask[r, t // 32]) >> (t % 32)) & 1) for r, t in zip(rows.tolist(), tokens.tolist())]
+    assert bitmask_allows(mask, rows, tokens).tolist() == want
 
 
 def test_masked_argmax_row_with_only_neg_inf_allowed_is_minus_one():

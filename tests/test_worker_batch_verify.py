@@ -1,4 +1,5 @@
-"""Batched greedy verification (one mask upload, one read-back) against the per-request oracle
+"""Batched greedy verification (one read-back, the mask applied only where the greedy token is
+forbidden) against the per-request oracle
 ``process_tree_logits`` + ``verify_greedy``, on random trees, logits and grammar rows that
 include invalid nodes, fully masked (terminated) rows, stop tokens and mixed batches."""
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from spec_grammar.bitmask import allocate_token_bitmask
-from spec_grammar.errors import GrammarStateError
+from spec_grammar import kernels
+from spec_grammar.errors import BitmaskError, GrammarStateError
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.batch_verify import batch_greedy_eligible, verify_greedy_batch
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
@@ -82,6 +84,41 @@ def test_batch_equals_per_request_oracle(seed, full):
         want = _oracle(logits[i, : tree.num_nodes], tree, rows_i, valids[i], stops[i])
         have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
         assert have == want, (i, tree, have, want)
+
+
+def test_rows_past_the_mask_dead_rows_and_the_forwards_argmax():
+    """Logits wider than the mask (the maximum past it is forbidden), rows of only -inf, rows
+    whose maximum the grammar forbids, an explicitly passed ``row_argmax``: the oracle's
+    answers."""
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    vocab, b, n = 80, 3, 5
+    trees = [_random_tree(rng, n) for _ in range(b)]
+    logits = torch.randint(-3, 4, (b, n, vocab)).float()
+    logits[:, :, 70] = 9.0  # everyone's maximum, past the 64 tokens a 2-word mask covers
+    logits[1, 2] = NEG_INF = float("-inf")
+    logits[2, 0, 5] = NEG_INF
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (b * n, 2), dtype=torch.int32)
+    bitmask[4] = 0  # a terminated node
+    offsets = [i * n for i in range(b)]
+    valids = [torch.ones(n, dtype=torch.bool) for _ in range(b)]
+    stops = [frozenset()] * b
+    for top in (None, kernels.row_argmax(logits)):
+        got = verify_greedy_batch(logits, trees, list(range(b)), bitmask=bitmask, offsets=offsets, valids=valids,
+                                  stop_token_ids=stops, row_argmax=top)
+        for i in range(b):
+            want = _oracle(logits[i], trees[i], bitmask[i * n : (i + 1) * n], valids[i], stops[i])
+            have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
+            assert have == want, (i, have, want)
+
+
+def test_grammar_rows_outside_the_bitmask_are_refused():
+    trees = [DraftTree([1, 2], [-1, 0])]
+    logits = torch.zeros(1, 2, VOCAB)
+    with pytest.raises(BitmaskError, match="bitmask rows 1..2"):
+        verify_greedy_batch(logits, trees, [0], bitmask=allocate_token_bitmask(2, VOCAB), offsets=[1])
+    with pytest.raises(BitmaskError, match="need the step's bitmask"):
+        verify_greedy_batch(logits, trees, [0], offsets=[0])
 
 
 def test_eligibility():

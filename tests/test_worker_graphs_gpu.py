@@ -59,10 +59,13 @@ def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch, evict):
             del roots[gone]
         rids = sorted(roots)
         trees = [random_tree(rng, roots[r], rng.randint(1, 20), 1000) for r in rids]
-        a = graph.forward_trees(rids, trees).clone()
+        a, top = graph.forward_trees(rids, trees, with_argmax=True)
+        a, top = a.clone(), top.clone()
         b = eager.forward_trees(rids, trees)
         for i, t in enumerate(trees):
             torch.testing.assert_close(a[i, : t.num_nodes], b[i, : t.num_nodes], atol=1e-5, rtol=0)
+            # the graph's own argmax belongs to this replay's logits, in the caller's order
+            assert torch.equal(top[i, : t.num_nodes], a[i, : t.num_nodes].argmax(-1))
         for rid, t in zip(rids, trees):
             node = rng.randrange(t.num_nodes)
             path = t.path_nodes(node)

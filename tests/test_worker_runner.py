@@ -169,6 +169,25 @@ def test_graph_padded_path_on_cpu(model):
     assert runner._graphs.keys == {(4, 8, 64)}  # 3 requests -> 4 rows, 5 nodes -> 8
 
 
+@pytest.mark.parametrize("graphs", [False, "emulated"])
+def test_forward_returns_the_row_argmax_of_its_logits(model, graphs):
+    """``with_argmax``: computed inside the graph's function (emulated) or after an eager
+    forward, it is the row argmax of the very logits returned, in the caller's order."""
+    from spec_grammar.kernels import row_argmax
+
+    runner = make_runner(model, graphs)
+    for rid, p in {"a": PROMPT_A, "b": PROMPT_B}.items():
+        runner.add(rid, p)
+    trees = [DraftTree.from_parents([26843, 28, 253], [-1, 0, 0]), DraftTree.chain(314, [253, 260])]
+    logits, top = runner.forward_trees(["b", "a"], trees, with_argmax=True)
+    assert top.shape == (2, 3) and top.dtype == torch.long
+    assert torch.equal(top, row_argmax(logits))
+    runner.commit("b", [0, 1])
+    runner.commit("a", [0])
+    plain = runner.forward_trees(["a", "b"], [DraftTree.chain(253, [])] * 2)
+    assert plain.shape == (2, 1, runner.vocab_size)  # without the flag: the logits alone
+
+
 def test_chunked_prefill_and_extend(model):
     check_chunked_prefill_and_extend(model)
 

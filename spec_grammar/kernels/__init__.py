@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ..errors import BitmaskError
-from .cpu import apply_token_bitmask_inplace_torch, masked_argmax_torch, masked_softmax_torch
+from .cpu import apply_token_bitmask_inplace_torch, bitmask_allows, masked_argmax_torch, masked_softmax_torch
 
 try:
     from .fused import masked_argmax_triton, masked_softmax_triton
@@ -29,7 +29,9 @@ try:
 except ImportError:  # torch without Triton (CPU wheels): CUDA tensors take the torch path
     HAS_TRITON = False
 
-__all__ = ["apply_token_bitmask_inplace", "masked_argmax", "masked_softmax", "HAS_TRITON"]
+__all__ = [
+    "apply_token_bitmask_inplace", "bitmask_allows", "masked_argmax", "masked_softmax", "row_argmax", "HAS_TRITON",
+]
 
 Indices = torch.Tensor | Sequence[int] | None
 
@@ -134,6 +136,23 @@ def masked_argmax(
     if _use_triton(logits):
         return masked_argmax_triton(logits, bitmask.contiguous(), indices=idx)
     return masked_argmax_torch(logits, bitmask, indices=idx if idx is None else idx.long())
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The unmasked greedy choice of each row, in a form :func:`masked_argmax` can reuse.
+
+    Args:
+        logits: ``(..., V)`` floating, any device, ``V >= 1``.
+
+    Returns ``(...)`` int64 on ``logits.device``: the first index of each row's largest logit,
+    ``-1`` where every logit is ``-inf``. Where a grammar allows that token it is also the row's
+    :func:`masked_argmax` (no allowed token before it ties with it), and a ``-1`` row is ``-1``
+    under any mask, so a verifier checks one bitmask word per row on the host and masks only the
+    other rows (:func:`bitmask_allows`). Two kernels on CUDA, no host synchronization
+    (capturable in a CUDA graph).
+    """
+    best, arg = logits.max(dim=-1)
+    return arg.masked_fill_(best == float("-inf"), -1)
 
 
 def masked_softmax(

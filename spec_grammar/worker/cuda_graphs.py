@@ -30,25 +30,30 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+Output = torch.Tensor | tuple[torch.Tensor, ...]
+
+
 class _Captured:
     """One graph: its static device inputs, a pinned host copy of them, and its output."""
 
-    __slots__ = ("graph", "inputs", "staging", "copied", "output")
+    __slots__ = ("graph", "inputs", "staging", "copied", "output", "output_bytes")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor], output: torch.Tensor):
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor], output: Output):
         self.graph, self.inputs, self.output = graph, inputs, output
+        outputs = output if isinstance(output, tuple) else (output,)
+        self.output_bytes = sum(t.numel() * t.element_size() for t in outputs)
         self.staging = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in inputs.items()}
         self.copied = torch.cuda.Event()  # the staging buffers may be rewritten after this
         self.copied.record()
 
 
 class ForwardGraphs:
-    """Lazily captured CUDA graphs of ``forward(**inputs) -> logits``, one per bucket key.
+    """Lazily captured CUDA graphs of ``forward(**inputs) -> outputs``, one per bucket key.
 
     Args:
         device: the CUDA device.
-        max_output_bytes: the graphs' output tensors (one ``(B, N, V)`` float32 logits tensor
-            each, 2 GiB at 64 x 64 x 128k) stay allocated while a graph is kept; beyond this
+        max_output_bytes: the graphs' output tensors (a ``(B, N, V)`` float32 logits tensor
+            each, 2 GiB at 64 x 64 x 128k, and what else the forward returns) stay allocated while a graph is kept; beyond this
             total the least recently replayed graphs are dropped (a server whose contexts grow
             leaves old KV-length buckets behind) and captured again if needed.
 
@@ -81,18 +86,19 @@ class ForwardGraphs:
         self,
         key: tuple,
         inputs: dict[str, torch.Tensor],
-        forward: Callable[..., torch.Tensor],
+        forward: Callable[..., Output],
         *,
         before_launch: Callable[[], None] | None = None,
-    ) -> torch.Tensor | None:
+    ) -> Output | None:
         """Replay the graph of ``key`` on host ``inputs`` (CPU tensors of the bucket's shapes);
         ``before_launch`` is called right before the replay (after a capture, if any).
 
-        ``forward(**device_inputs) -> logits`` is captured on the first call of a key: it must
+        ``forward(**device_inputs)`` (a tensor or a tuple of tensors) is captured on the first
+        call of a key: it must
         run the same kernels for every input of those shapes, never synchronize with the host,
         and only touch memory that outlives the graph (the KV buffers) besides what it
-        allocates. Returns the graph's output tensor, valid until the next replay of the same
-        graph, or None when this bucket cannot be captured."""
+        allocates. Returns the graph's output (what ``forward`` returned), valid until the next
+        replay of the same graph, or None when this bucket cannot be captured."""
         if key in self._failed:
             return None
         g = self._graphs.get(key)
@@ -119,13 +125,11 @@ class ForwardGraphs:
     def _evict(self) -> None:
         """Drop least recently replayed graphs (never the one just captured: it is the most
         recent) while their outputs exceed the budget."""
-        while len(self._graphs) > 1 and sum(
-            g.output.numel() * g.output.element_size() for g in self._graphs.values()
-        ) > self.max_output_bytes:
+        while len(self._graphs) > 1 and sum(g.output_bytes for g in self._graphs.values()) > self.max_output_bytes:
             self._graphs.popitem(last=False)
 
     def _capture(
-        self, key: tuple, inputs: dict[str, torch.Tensor], forward: Callable[..., torch.Tensor]
+        self, key: tuple, inputs: dict[str, torch.Tensor], forward: Callable[..., Output]
     ) -> _Captured | None:
         static = {k: v.to(self.device) for k, v in inputs.items()}
         current = torch.cuda.current_stream(self.device)

@@ -21,8 +21,11 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
    ``grammar_threads > 1`` the requests are split into contiguous groups of about equal node
    count and each group's advance + fill runs in its own thread, into its own rows of the
    step's host bitmask (a reused buffer of :class:`~.host_bitmask.HostBitmaskRing`).
-4. **Accept**: ``process_tree_logits`` (penalties, grammar mask, temperature) then
-   ``verify_greedy`` / ``verify_stochastic``; the committed run (accepted path tokens + bonus)
+4. **Accept**: greedy requests without penalties all at once: the forward's greedy token of
+   every row (computed in its CUDA graph) is read back once and checked against one word of the
+   host bitmask; only rows whose grammar forbids it are masked on the device
+   (:mod:`.batch_verify`). Other requests: ``process_tree_logits`` (penalties, grammar mask,
+   temperature) then ``verify_greedy`` / ``verify_stochastic``. The committed run (accepted path tokens + bonus)
    is truncated at a stop token (EOS / grammar completion), a stop string or
    ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
 
@@ -93,7 +96,7 @@ def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
 class _GrammarWork:
     """What the grammar work of one step (or of one group of its requests) hands back."""
 
-    __slots__ = ("bitmask", "device_bitmask", "offsets", "valid", "errors", "ms", "done_at", "per_request_ms")
+    __slots__ = ("bitmask", "device_bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
 
     def __init__(self) -> None:
         self.bitmask: torch.Tensor | None = None
@@ -102,7 +105,6 @@ class _GrammarWork:
         self.valid: dict[str, torch.Tensor] = {}
         self.errors: dict[str, str] = {}
         self.ms = 0.0
-        self.done_at = 0.0  # time.perf_counter() at the end
         self.per_request_ms: dict[str, float] = {}
 
 
@@ -358,8 +360,7 @@ class SpecWorker:
             work.valid.update(part.valid)
             work.errors.update(part.errors)
             work.per_request_ms.update(part.per_request_ms)
-        work.done_at = time.perf_counter()
-        work.ms = (work.done_at - t0) * 1e3
+        work.ms = (time.perf_counter() - t0) * 1e3
         return work
 
     def _group_work(
@@ -560,6 +561,9 @@ class SpecWorker:
         """Verify forward (grammar work under it), then mask, verify and commit."""
         graph_overlap = self.overlap and self.runner.uses_cuda_graphs
         in_thread = False
+        greedy = [batch_greedy_eligible(st.sampling) for st in live]
+        # the greedy tokens of every row come from the forward's graph (no argmax launch)
+        fwd = dict(with_argmax=any(greedy))
         if graph_overlap:
             # The grammar work runs inline after the graph replay returns, or in the grammar
             # thread started right before the replay (whose host-side launch releases the GIL;
@@ -580,7 +584,7 @@ class SpecWorker:
                     started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask))
 
             try:
-                logits = self.runner.forward_trees(rids, trees, before_launch=before_launch)
+                out = self.runner.forward_trees(rids, trees, before_launch=before_launch, **fwd)
             except BaseException:
                 wait(started)  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
@@ -588,7 +592,9 @@ class SpecWorker:
             in_thread = bool(started)
             if in_thread:
                 work = started[0].result()
-                grammar_ms = (work.done_at - launched[0]) * 1e3  # wake-up included
+                # from the thread's start to this thread running again: both wake-ups count (on
+                # a virtual machine a blocked thread can take a millisecond to run again)
+                grammar_ms = (time.perf_counter() - launched[0]) * 1e3
             else:
                 work = self._grammar_work(live, trees, draining, bitmask)
                 grammar_ms = work.ms
@@ -597,23 +603,26 @@ class SpecWorker:
         elif self._pool is not None:
             fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
             try:
-                logits = self.runner.forward_trees(rids, trees)
+                out = self.runner.forward_trees(rids, trees, **fwd)
             except BaseException:
                 wait([fut])  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
             t2 = time.perf_counter()
             work = fut.result()
         else:
-            logits = self.runner.forward_trees(rids, trees)
-            if logits.is_cuda:  # in order: the forward ends before the grammar work starts
-                torch.cuda.current_stream(logits.device).synchronize()
+            out = self.runner.forward_trees(rids, trees, **fwd)
+            if self.runner.device.type == "cuda":  # in order: the forward ends before the grammar work starts
+                torch.cuda.current_stream(self.runner.device).synchronize()
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask)
-        if bitmask is not None and logits.is_cuda:
+        logits, top = out if fwd["with_argmax"] else (out, None)
+        if bitmask is not None and logits.is_cuda and not all(
+            g for st, g in zip(live, greedy) if st.matcher is not None
+        ):  # the per-request path of sampled grammar requests masks on the device
             work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
         t3 = time.perf_counter()
         self._apply_errors(work, draining, t3)
-        verified = self._verify_batch(live, trees, logits, work)
+        verified = self._verify_batch(live, trees, logits, top, greedy, work)
         committed = 0
         for i, (st, tree) in enumerate(zip(live, trees)):
             st.steps += 1
@@ -656,24 +665,29 @@ class SpecWorker:
                 st.finish("error", st.end_s or now, work.errors[st.rid])
 
     def _verify_batch(
-        self, live: Sequence[RequestState], trees: Sequence[DraftTree], logits: torch.Tensor, work: _GrammarWork
+        self,
+        live: Sequence[RequestState],
+        trees: Sequence[DraftTree],
+        logits: torch.Tensor,
+        top: torch.Tensor | None,
+        greedy: Sequence[bool],
+        work: _GrammarWork,
     ) -> dict:
-        """Greedy verification of every eligible request at once (one non-blocking mask upload,
-        masked argmax on the forward's stream, one read-back; :mod:`.batch_verify`)."""
-        selected = [
-            i for i, st in enumerate(live) if st.rid not in work.errors and batch_greedy_eligible(st.sampling)
-        ]
+        """Greedy verification of every eligible request at once (``greedy``): the forward's
+        greedy tokens (``top``, from its graph) read back once, masked on the device only where
+        a grammar forbids them (:mod:`.batch_verify`)."""
+        selected = [i for i, st in enumerate(live) if st.rid not in work.errors and greedy[i]]
         return verify_greedy_batch(
             logits,
             trees,
             selected,
             bitmask=work.bitmask,
-            device_bitmask=work.device_bitmask,
             offsets=[work.offsets.get(st.rid) for st in live],
             valids=[work.valid.get(st.rid) for st in live],
             stop_token_ids=[
                 () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids for st in live
             ],
+            row_argmax=top,
         )
 
     def _accept(

@@ -7,8 +7,9 @@ The grammar work (advance + tree fill) can then run
 * **inline**: on the calling thread after the replay returns; the host's part of the step is
   ``launch + grammar``;
 * **in the grammar thread**, started right before the replay; the host's part is
-  ``max(launch, grammar')``, where ``grammar'`` is the same work measured in that thread from
-  its submission (wake-up included).
+  ``max(launch, grammar')``, where ``grammar'`` is the same work measured from its submission
+  until the calling thread runs again after it (both threads' wake-ups included: on a virtual
+  machine a thread blocked on the other can take a millisecond to run again).
 
 ``grammar'`` is not ``grammar``: on the H200 machine this project measures on (a 16-vCPU
 virtual machine) the same grammar work took up to 2x longer in the second thread while the
@@ -70,7 +71,7 @@ class GrammarPlacement:
 
     def record(self, thread: bool, units: int, grammar_ms: float, launch_ms: float) -> None:
         """A step's measurements: the grammar work's milliseconds (in the thread: from its
-        submission to its end) and the replay's host milliseconds. Raises ``ValueError`` on a
+        submission until the caller runs again after its end) and the replay's host milliseconds. Raises ``ValueError`` on a
         time that is not a finite number >= 0 (it would stay in the averages for good)."""
         for name, ms in (("grammar_ms", grammar_ms), ("launch_ms", launch_ms)):
             if not math.isfinite(ms) or ms < 0:

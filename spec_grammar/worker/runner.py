@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import SpecGrammarError
+from ..kernels import row_argmax
 from ..tree import DraftTree
 from .cuda_graphs import ForwardGraphs, bucket
 from .decoder import FusedLlama, unsupported_reason
@@ -394,7 +395,8 @@ class ModelRunner:
         trees: Sequence[DraftTree],
         *,
         before_launch: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+        with_argmax: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward over every node of every request's draft tree.
 
         Args:
@@ -406,11 +408,16 @@ class ModelRunner:
                 prepared: the replay releases the GIL for its whole host-side launch (~1 us per
                 kernel node: 0.3-0.5 ms for a 30-layer model), so a thread started here (the
                 worker's grammar work) runs meanwhile. Not called when no graph replays.
+            with_argmax: also return each row's :func:`~spec_grammar.kernels.row_argmax`
+                (greedy verification reads it instead of launching its own argmax). A CUDA graph
+                computes it in the replay (no launch); an eager forward launches it after.
 
         Returns:
             ``(len(rids), N_max, vocab_size)`` float32 logits on the runner's device; row ``n``
             of request ``i`` is the distribution of the token after the path root..n. Rows at
-            or past ``trees[i].num_nodes`` are garbage.
+            or past ``trees[i].num_nodes`` are garbage. With ``with_argmax``, the tuple
+            ``(logits, row_argmax)`` with ``row_argmax`` ``(len(rids), N_max)`` int64 on the
+            same device.
 
         Cache lengths do not change: the tree KV waits in scratch until :meth:`commit` (a later
         forward that includes the same request replaces it). Raises :class:`RunnerError` on
@@ -421,7 +428,8 @@ class ModelRunner:
         if len(set(rids)) != len(rids):
             raise RunnerError("duplicate request ids in one forward")
         if not rids:
-            return torch.empty(0, 0, self.vocab_size, device=self.device)
+            empty = torch.empty(0, 0, self.vocab_size, device=self.device)
+            return (empty, torch.empty(0, 0, dtype=torch.long, device=self.device)) if with_argmax else empty
         rows = [self._row_of(r) for r in rids]
         order = sorted(range(len(rids)), key=rows.__getitem__)
         n_max = max(t.num_nodes for t in trees)
@@ -447,15 +455,19 @@ class ModelRunner:
         lens[:b] = [self._len[rows[i]] for i in order]
         inputs = dict(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents), lens=torch.from_numpy(lens))
         sorted_rows = [rows[i] for i in order]
-        logits = self._forward(sorted_rows, inputs, logits_to_keep=0, graph=graph,
-                               before_launch=before_launch)[:b, :n_max]
+        logits, top = self._forward(sorted_rows, inputs, logits_to_keep=0, graph=graph, before_launch=before_launch)
+        logits = logits[:b, :n_max]
+        if with_argmax:
+            top = row_argmax(logits) if top is None else top[:b, :n_max]
         for i in order:
             self._pending[rids[i]] = (self._len[rows[i]], trees[i])
-        if order == list(range(b)):
-            return logits
-        inverse = torch.empty(b, dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(b)
-        return logits[_upload(inverse, self.device)]
+        if order != list(range(b)):
+            inverse = torch.empty(b, dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(b)
+            inverse = _upload(inverse, self.device)
+            logits = logits[inverse]
+            top = top[inverse] if with_argmax else None
+        return (logits, top) if with_argmax else logits
 
     def commit(self, rid: str, accepted_nodes: Sequence[int]) -> None:
         """Keep the KV of ``accepted_nodes`` (root first: ``[0, a1, .., ak]``, each the parent of
@@ -506,14 +518,16 @@ class ModelRunner:
         logits_to_keep: int,
         graph: bool,
         before_launch: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a batch for ascending ``rows``. ``inputs`` (CPU tensors): ``tokens``, ``parents``
         ``(B, N)`` long (-1 for roots), ``lens (B,)`` long.
         With ``graph``, ``rows`` are every live row (0..b-1) and ``inputs`` are padded to the
         graph bucket ``B = bucket(b)``, ``N = bucket(n)`` (idle rows: length 0, past the live
         rows, so their writes touch no live KV; padded nodes: token 0, parent -1, so they
         attend to themselves); otherwise ``B = len(rows)``. Returns ``(B, N or logits_to_keep, V)``
-        float32 logits. ``before_launch``: as in :meth:`forward_trees`."""
+        float32 logits and, from a graph replay, their ``(B, N)`` :func:`row_argmax` (computed in
+        the graph, a few microseconds of GPU time), else None. ``before_launch``: as in
+        :meth:`forward_trees`."""
         self._flush_moves()
         if self._graphs is not None:
             self._graphs.last_events = None
@@ -530,9 +544,10 @@ class ModelRunner:
                 # indices live in the graph's pool (a tensor from outside would be freed and its
                 # memory reused while the graph still reads it)
                 row_idx = torch.arange(bb, device=tokens.device)
-                return self._device_forward(
+                logits = self._device_forward(
                     tokens, parents, lens, row_idx, rows=slice(0, bb), kv_len=kv_len, logits_to_keep=0
                 )
+                return logits, row_argmax(logits)
 
             out = self._graphs.run((bb, nb, kv_len), inputs, forward, before_launch=before_launch)
             if out is not None:
@@ -548,10 +563,11 @@ class ModelRunner:
         dev = self.device
         up = {k: _upload(v, dev) for k, v in inputs.items()}
         row_idx = _upload(torch.tensor(rows, dtype=torch.long), dev)
-        return self._device_forward(
+        logits = self._device_forward(
             up["tokens"], up["parents"], up["lens"], row_idx,
             rows=sel, kv_len=kv_len, logits_to_keep=logits_to_keep,
         )
+        return logits, None
 
     def _device_forward(
         self,
