@@ -12,10 +12,12 @@ module does the same decision for the batch at once:
    forward ran): when the grammar allows the row's greedy token, that token is the row's masked
    argmax too (it is the first index of the row's maximum, so no allowed token before it ties
    with it), and a row whose logits are all ``-inf`` is ``-1`` under any mask;
-3. only the other rows (the model wants a token its grammar forbids) are masked on the device:
-   their bitmask rows go up and :func:`~spec_grammar.kernels.masked_argmax` gives their best
-   allowed token (a second read-back, only in steps that have such rows);
-4. the tree walk (:func:`~spec_grammar.worker.verify.greedy_walk`) runs on the host.
+3. the tree walks (:func:`~spec_grammar.worker.verify.greedy_walk`) run on the host; only rows
+   a walk visited whose grammar forbids the greedy token (the model wants a token its grammar
+   forbids) are masked on the device: their bitmask rows go up,
+   :func:`~spec_grammar.kernels.masked_argmax` gives their best allowed token (a second
+   read-back, only in steps that have such rows) and those walks run again. Rows of rejected
+   branches are never masked: no walk reads them.
 
 With a model that mostly agrees with its grammar, a constrained step then costs what an
 unconstrained one does: no bitmask upload and no masked kernel (before, the whole bitmask went
@@ -95,40 +97,52 @@ def verify_greedy_batch(
     # the step's one device-to-host synchronization (a copy: rows are rewritten below)
     host = top.reshape(b * n_max).cpu().numpy().copy()
     masked = [(offsets[i], i) for i in selected if i < len(offsets) and offsets[i] is not None]
-    if masked:
-        _mask_disallowed(logits.reshape(b * n_max, vocab), host, bitmask, masked, trees, n_max)
+    rows_of = _grammar_rows(bitmask, masked, trees, b, n_max)
+    known = _known(host, bitmask, rows_of)
     out: dict[int, Verified] = {}
-    for i in selected:
-        tree = trees[i]
-        n = tree.num_nodes
-        best_i = host[i * n_max : i * n_max + n].tolist()
-        alive = [t >= 0 for t in best_i]
-        valid = valids[i] if i < len(valids) else None
-        ok = [True] * n if valid is None else [bool(v) for v in valid.tolist()]
-        stops = stop_token_ids[i] if i < len(stop_token_ids) else ()
-        try:
-            out[i] = greedy_walk(tree, best_i, alive, ok, vocab, stops)
-        except GrammarStateError as e:
-            out[i] = e
+    todo = list(selected)
+    while todo:
+        best, final = host.tolist(), known.tolist()
+        unknown: list[int] = []
+        retry = []
+        for i in todo:
+            out[i] = _walk(i, trees[i], best, n_max, vocab, valids, stop_token_ids)
+            visited = out[i][0] if isinstance(out[i], tuple) else [0]
+            rows = [i * n_max + node for node in visited if not final[i * n_max + node]]
+            if rows:  # the walk read a row whose greedy token its grammar forbids
+                unknown.extend(rows)
+                retry.append(i)
+        if unknown:
+            _resolve(logits.reshape(b * n_max, vocab), host, known, bitmask, rows_of, np.array(unknown))
+        todo = retry
     return out
 
 
-def _mask_disallowed(
-    flat: torch.Tensor,
-    host: np.ndarray,
-    bitmask: torch.Tensor | None,
-    masked: Sequence[tuple[int, int]],
-    trees: Sequence[DraftTree],
-    n_max: int,
-) -> None:
-    """Replace, in ``host`` (the flat row argmax, int64), the token of every grammar row whose
-    grammar forbids it by the row's masked argmax. ``masked``: ``(first bitmask row, batch
-    index)`` per grammar request."""
+def _walk(i, tree, best, n_max, vocab, valids, stop_token_ids) -> Verified:
+    """:func:`greedy_walk` of batch index ``i`` on the flat row tokens ``best``."""
+    n = tree.num_nodes
+    best_i = best[i * n_max : i * n_max + n]
+    valid = valids[i] if i < len(valids) else None
+    ok = [True] * n if valid is None else [bool(v) for v in valid.tolist()]
+    stops = stop_token_ids[i] if i < len(stop_token_ids) else ()
+    try:
+        return greedy_walk(tree, best_i, [t >= 0 for t in best_i], ok, vocab, stops)
+    except GrammarStateError as e:
+        return e
+
+
+def _grammar_rows(
+    bitmask: torch.Tensor | None, masked: Sequence[tuple[int, int]], trees: Sequence[DraftTree], b: int, n_max: int
+) -> np.ndarray:
+    """``(B * N_max,)`` int64: the bitmask row of each logits row, -1 for rows without a
+    grammar. ``masked``: ``(first bitmask row, batch index)`` per grammar request."""
+    rows_of = np.full(b * n_max, -1, dtype=np.int64)
+    if not masked:
+        return rows_of
     if bitmask is None:
         raise BitmaskError("grammar requests need the step's bitmask")
     if bitmask.device.type != "cpu":
         raise BitmaskError(f"the step's bitmask must be a host tensor, got one on {bitmask.device}")
-    idx, rows = [], []
     for off, i in masked:
         n = trees[i].num_nodes
         if off < 0 or off + n > bitmask.shape[0]:
@@ -136,13 +150,27 @@ def _mask_disallowed(
                 f"request {i}'s tree of {n} nodes needs bitmask rows {off}..{off + n - 1}, "
                 f"the bitmask has {bitmask.shape[0]}"
             )
-        idx.append(np.arange(i * n_max, i * n_max + n))
-        rows.append(np.arange(off, off + n))
-    idx_a, rows_a = np.concatenate(idx), np.concatenate(rows)
-    tokens = host[idx_a]
-    redo = np.flatnonzero(~(bitmask_allows(bitmask, rows_a, tokens) | (tokens == -1)))
-    if not redo.size:
-        return
+        rows_of[i * n_max : i * n_max + n] = np.arange(off, off + n)
+    return rows_of
+
+
+def _known(host: np.ndarray, bitmask: torch.Tensor | None, rows_of: np.ndarray) -> np.ndarray:
+    """Which rows' greedy tokens are final: rows without a grammar, rows whose grammar allows
+    the token, rows of only ``-inf`` (``-1`` under any mask)."""
+    known = rows_of < 0
+    g = np.flatnonzero(~known)
+    if g.size:
+        tokens = host[g]
+        known[g] = bitmask_allows(bitmask, rows_of[g], tokens) | (tokens == -1)
+    return known
+
+
+def _resolve(
+    flat: torch.Tensor, host: np.ndarray, known: np.ndarray, bitmask: torch.Tensor, rows_of: np.ndarray,
+    rows: np.ndarray,
+) -> None:
+    """The masked argmax of logits ``rows`` (their bitmask rows go up) into ``host``."""
     dev = flat.device
-    mask = bitmask[torch.from_numpy(rows_a[redo])].to(dev, non_blocking=True)
-    host[idx_a[redo]] = masked_argmax(flat, mask, torch.from_numpy(idx_a[redo]).to(dev, non_blocking=True)).cpu().numpy()
+    mask = bitmask[torch.from_numpy(rows_of[rows])].to(dev, non_blocking=True)
+    host[rows] = masked_argmax(flat, mask, torch.from_numpy(rows).to(dev, non_blocking=True)).cpu().numpy()
+    known[rows] = True
