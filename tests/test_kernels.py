@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import spec_grammar
 from spec_grammar.errors import BitmaskError
-from spec_grammar.kernels import bitmask_allows, masked_argmax, masked_softmax, row_argmax
+from spec_grammar.kernels import masked_argmax, masked_softmax, row_argmax
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NEG_INF = float("-inf")
@@ -218,16 +218,6 @@ def test_row_argmax_first_maximum_and_minus_one_for_dead_rows():
     # where the mask allows it, it is the masked argmax (the verifier's shortcut)
     everything = torch.full((4, 1), -1, dtype=torch.int32)
     assert row_argmax(logits).tolist() == masked_argmax(logits, everything).tolist()
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_bitmask_allows_reads_the_tokens_bit(seed):
-    g = torch.Generator().manual_seed(seed)
-    mask = torch.randint(-(2**31), 2**31 - 1, (6, 3), dtype=torch.int32, generator=g)
-    rows = torch.randint(0, 6, (50,), generator=g)
-    tokens = torch.randint(-3, 100, (50,), generator=g)  # past 96 and below 0: never allowed
-    want = [0 <= t < 96 and bool((int(mask[r, t // 32]) >> (t % 32)) & 1) for r, t in zip(rows.tolist(), tokens.tolist())]
-    assert bitmask_allows(mask, rows, tokens).tolist() == want
 
 
 def test_masked_argmax_row_with_only_neg_inf_allowed_is_minus_one():

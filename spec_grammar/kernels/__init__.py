@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from ..errors import BitmaskError
-from .cpu import apply_token_bitmask_inplace_torch, bitmask_allows, masked_argmax_torch, masked_softmax_torch
+from .cpu import apply_token_bitmask_inplace_torch, masked_argmax_torch, masked_softmax_torch
 
 try:
     from .fused import masked_argmax_triton, masked_softmax_triton
@@ -29,9 +29,7 @@ try:
 except ImportError:  # torch without Triton (CPU wheels): CUDA tensors take the torch path
     HAS_TRITON = False
 
-__all__ = [
-    "apply_token_bitmask_inplace", "bitmask_allows", "masked_argmax", "masked_softmax", "row_argmax", "HAS_TRITON",
-]
+__all__ = ["apply_token_bitmask_inplace", "masked_argmax", "masked_softmax", "row_argmax", "HAS_TRITON"]
 
 Indices = torch.Tensor | Sequence[int] | None
 
@@ -148,7 +146,7 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     ``-1`` where every logit is ``-inf``. Where a grammar allows that token it is also the row's
     :func:`masked_argmax` (no allowed token before it ties with it), and a ``-1`` row is ``-1``
     under any mask, so a verifier checks one bitmask word per row on the host and masks only the
-    other rows (:func:`bitmask_allows`). Two kernels on CUDA, no host synchronization
+    other rows (:mod:`spec_grammar.worker.batch_verify`). Two kernels on CUDA, no host synchronization
     (capturable in a CUDA graph).
     """
     best, arg = logits.max(dim=-1)

@@ -8,16 +8,17 @@ module does the same decision for the batch at once:
 
 1. every row's unmasked greedy token (:func:`~spec_grammar.kernels.row_argmax`; the runner
    computes it inside its CUDA graph) comes back with one ``.tolist()``;
-2. for each grammar row the host reads ONE word of the step's host bitmask (filled while the
-   forward ran): when the grammar allows the row's greedy token, that token is the row's masked
-   argmax too (it is the first index of the row's maximum, so no allowed token before it ties
-   with it), and a row whose logits are all ``-inf`` is ``-1`` under any mask;
-3. the tree walks (:func:`~spec_grammar.worker.verify.greedy_walk`) run on the host; only rows
-   a walk visited whose grammar forbids the greedy token (the model wants a token its grammar
-   forbids) are masked on the device: their bitmask rows go up,
+2. the tree walks (:func:`~spec_grammar.worker.verify.greedy_walk`) run on the host on those
+   tokens; for each grammar row a walk visited, the host reads ONE word of the step's host
+   bitmask (filled while the forward ran): when the grammar allows the row's greedy token, that
+   token is the row's masked argmax too (it is the first index of the row's maximum, so no
+   allowed token before it ties with it), and a row whose logits are all ``-inf`` is ``-1``
+   under any mask;
+3. only visited rows whose grammar forbids the greedy token (the model wants a token its
+   grammar forbids) are masked on the device: their bitmask rows go up,
    :func:`~spec_grammar.kernels.masked_argmax` gives their best allowed token (a second
    read-back, only in steps that have such rows) and those walks run again. Rows of rejected
-   branches are never masked: no walk reads them.
+   branches are never read: a step's check costs a few words per request, not its tree.
 
 With a model that mostly agrees with its grammar, a constrained step then costs what an
 unconstrained one does: no bitmask upload and no masked kernel (before, the whole bitmask went
@@ -35,7 +36,7 @@ import torch
 
 from .. import kernels
 from ..errors import BitmaskError, GrammarStateError
-from ..kernels import bitmask_allows, masked_argmax
+from ..kernels import masked_argmax
 from ..tree import DraftTree
 from .sampling import SamplingParams
 from .verify import greedy_walk
@@ -93,50 +94,61 @@ def verify_greedy_batch(
     if not selected:
         return {}
     b, n_max, vocab = logits.shape
-    top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
-    # the step's one device-to-host synchronization (a copy: rows are rewritten below)
-    host = top.reshape(b * n_max).cpu().numpy().copy()
+    # everything that needs no logits first: the device may still be computing them
     masked = [(offsets[i], i) for i in selected if i < len(offsets) and offsets[i] is not None]
     rows_of = _grammar_rows(bitmask, masked, trees, b, n_max)
-    known = _known(host, bitmask, rows_of)
+    words = bitmask.numpy() if masked else None
+    oks = {i: _node_ok(trees[i].num_nodes, valids[i] if i < len(valids) else None) for i in selected}
+    stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in selected}
+    top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
+    best = top.reshape(b * n_max).tolist()  # the step's one device-to-host synchronization
+    resolved: set[int] = set()  # rows whose masked argmax replaced the greedy token
     out: dict[int, Verified] = {}
     todo = list(selected)
     while todo:
-        best, final = host.tolist(), known.tolist()
         unknown: list[int] = []
         retry = []
         for i in todo:
-            out[i] = _walk(i, trees[i], best, n_max, vocab, valids, stop_token_ids)
+            base, n = i * n_max, trees[i].num_nodes
+            best_i = best[base : base + n]
+            try:
+                out[i] = greedy_walk(trees[i], best_i, [t >= 0 for t in best_i], oks[i], vocab, stops[i])
+            except GrammarStateError as e:
+                out[i] = e
             visited = out[i][0] if isinstance(out[i], tuple) else [0]
-            rows = [i * n_max + node for node in visited if not final[i * n_max + node]]
+            rows = [
+                r for r in (base + node for node in visited)
+                if rows_of[r] >= 0 and r not in resolved and not _allows(words, rows_of[r], best[r])
+            ]
             if rows:  # the walk read a row whose greedy token its grammar forbids
                 unknown.extend(rows)
                 retry.append(i)
         if unknown:
-            _resolve(logits.reshape(b * n_max, vocab), host, known, bitmask, rows_of, np.array(unknown))
+            _resolve(logits.reshape(b * n_max, vocab), best, bitmask, rows_of, unknown)
+            resolved.update(unknown)
         todo = retry
     return out
 
 
-def _walk(i, tree, best, n_max, vocab, valids, stop_token_ids) -> Verified:
-    """:func:`greedy_walk` of batch index ``i`` on the flat row tokens ``best``."""
-    n = tree.num_nodes
-    best_i = best[i * n_max : i * n_max + n]
-    valid = valids[i] if i < len(valids) else None
-    ok = [True] * n if valid is None else [bool(v) for v in valid.tolist()]
-    stops = stop_token_ids[i] if i < len(stop_token_ids) else ()
-    try:
-        return greedy_walk(tree, best_i, [t >= 0 for t in best_i], ok, vocab, stops)
-    except GrammarStateError as e:
-        return e
+def _allows(words: np.ndarray, row: int, token: int) -> bool:
+    """Whether ``token`` (a row's greedy token) is final under bitmask ``row``: allowed by it,
+    or ``-1`` (the row's logits are all ``-inf``: ``-1`` under any mask)."""
+    if token < 0:
+        return True
+    return token < words.shape[1] * 32 and (int(words[row, token >> 5]) >> (token & 31)) & 1 == 1
+
+
+def _node_ok(n: int, valid: torch.Tensor | None) -> list[bool]:
+    """Per node, grammar validity as a list (all True without a grammar)."""
+    return [True] * n if valid is None else valid.bool().tolist()
 
 
 def _grammar_rows(
     bitmask: torch.Tensor | None, masked: Sequence[tuple[int, int]], trees: Sequence[DraftTree], b: int, n_max: int
-) -> np.ndarray:
-    """``(B * N_max,)`` int64: the bitmask row of each logits row, -1 for rows without a
-    grammar. ``masked``: ``(first bitmask row, batch index)`` per grammar request."""
-    rows_of = np.full(b * n_max, -1, dtype=np.int64)
+) -> list[int]:
+    """Per logits row (``B * N_max``), its bitmask row, -1 for rows without a grammar.
+    ``masked``: ``(first bitmask row, batch index)`` per grammar request."""
+    rows_of = [-1] * (b * n_max)
     if not masked:
         return rows_of
     if bitmask is None:
@@ -150,27 +162,13 @@ def _grammar_rows(
                 f"request {i}'s tree of {n} nodes needs bitmask rows {off}..{off + n - 1}, "
                 f"the bitmask has {bitmask.shape[0]}"
             )
-        rows_of[i * n_max : i * n_max + n] = np.arange(off, off + n)
+        rows_of[i * n_max : i * n_max + n] = range(off, off + n)
     return rows_of
 
 
-def _known(host: np.ndarray, bitmask: torch.Tensor | None, rows_of: np.ndarray) -> np.ndarray:
-    """Which rows' greedy tokens are final: rows without a grammar, rows whose grammar allows
-    the token, rows of only ``-inf`` (``-1`` under any mask)."""
-    known = rows_of < 0
-    g = np.flatnonzero(~known)
-    if g.size:
-        tokens = host[g]
-        known[g] = bitmask_allows(bitmask, rows_of[g], tokens) | (tokens == -1)
-    return known
-
-
-def _resolve(
-    flat: torch.Tensor, host: np.ndarray, known: np.ndarray, bitmask: torch.Tensor, rows_of: np.ndarray,
-    rows: np.ndarray,
-) -> None:
-    """The masked argmax of logits ``rows`` (their bitmask rows go up) into ``host``."""
+def _resolve(flat: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int]) -> None:
+    """The masked argmax of logits ``rows`` (their bitmask rows go up) into ``best``."""
     dev = flat.device
-    mask = bitmask[torch.from_numpy(rows_of[rows])].to(dev, non_blocking=True)
-    host[rows] = masked_argmax(flat, mask, torch.from_numpy(rows).to(dev, non_blocking=True)).cpu().numpy()
-    known[rows] = True
+    mask = bitmask[torch.tensor([rows_of[r] for r in rows])].to(dev, non_blocking=True)
+    for r, t in zip(rows, masked_argmax(flat, mask, torch.tensor(rows).to(dev, non_blocking=True)).tolist()):
+        best[r] = t

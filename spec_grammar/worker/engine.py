@@ -621,6 +621,17 @@ class SpecWorker:
         ):  # the per-request path of sampled grammar requests masks on the device
             work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
         t3 = time.perf_counter()
+        # the step's grammar bookkeeping before the verify's wait for the device
+        exposed = (t3 - t2) * 1e3
+        if graph_overlap and launched:  # exposed: what the grammar work took beyond the GPU's forward
+            gpu_ms = self.runner.last_forward_gpu_ms()
+            # None: the forward still runs, so the grammar work ended under it
+            exposed = 0.0 if gpu_ms is None else max(0.0, exposed - gpu_ms)
+        frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
+        for st in itertools.chain(live, draining):
+            ms = work.per_request_ms.get(st.rid, 0.0)
+            st.grammar_ms += ms
+            st.grammar_exposed_ms += ms * frac
         self._apply_errors(work, draining, t3)
         verified = self._verify_batch(live, trees, logits, top, greedy, work)
         committed = 0
@@ -636,15 +647,6 @@ class SpecWorker:
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
         t4 = time.perf_counter()
-        exposed = (t3 - t2) * 1e3
-        if graph_overlap:  # exposed: what the grammar work took beyond the GPU's forward
-            gpu_ms = self.runner.last_forward_gpu_ms()
-            exposed = max(0.0, exposed - gpu_ms) if gpu_ms is not None else exposed
-        frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
-        for st in list(live) + list(draining):
-            ms = work.per_request_ms.get(st.rid, 0.0)
-            st.grammar_ms += ms
-            st.grammar_exposed_ms += ms * frac
         return StepStats(
             batch_size=len(live),
             num_nodes=sum(t.num_nodes for t in trees),
