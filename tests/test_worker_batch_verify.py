@@ -12,7 +12,7 @@ from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar import kernels
 from spec_grammar.errors import BitmaskError, GrammarStateError
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.batch_verify import batch_greedy_eligible, verify_greedy_batch
+from spec_grammar.worker.batch_verify import batch_greedy_eligible, launch_masked_rows, verify_greedy_batch
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
 
@@ -74,16 +74,33 @@ def test_batch_equals_per_request_oracle(seed, full):
             offsets.append(None)
             valids.append(None)
     bitmask = torch.cat(parts) if parts else None
-    got = verify_greedy_batch(
-        logits, trees, selected, bitmask=bitmask, offsets=offsets, valids=valids, stop_token_ids=stops
-    )
-    assert sorted(got) == selected
-    for i in selected:
-        tree = trees[i]
-        rows_i = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + tree.num_nodes]
-        want = _oracle(logits[i, : tree.num_nodes], tree, rows_i, valids[i], stops[i])
-        have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
-        assert have == want, (i, tree, have, want)
+    # the masked rows queued early (the worker does it while a CUDA forward runs) or not
+    early = launch_masked_rows(logits, bitmask, trees, offsets) if parts else None
+    assert early is not None or not parts
+    for masked_rows in (None, early):
+        got = verify_greedy_batch(
+            logits, trees, selected, bitmask=bitmask, offsets=offsets, valids=valids, stop_token_ids=stops,
+            masked_rows=masked_rows,
+        )
+        assert sorted(got) == selected
+        for i in selected:
+            tree = trees[i]
+            rows_i = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + tree.num_nodes]
+            want = _oracle(logits[i, : tree.num_nodes], tree, rows_i, valids[i], stops[i])
+            have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
+            assert have == want, (i, tree, have, want)
+
+
+def test_early_masked_rows_follow_the_bitmask_order_and_refuse_gaps():
+    trees = [DraftTree([1, 2, 3], [-1, 0, 0]), DraftTree([4, 5], [-1, 0])]
+    logits = torch.randn(2, 3, VOCAB)
+    bitmask = _random_rows(random.Random(3), 5, dead_root=False)
+    # request 1's rows first, then request 0's
+    got = launch_masked_rows(logits, bitmask, trees, [2, 0])
+    flat = logits.reshape(6, VOCAB)
+    assert got.tolist() == kernels.masked_argmax(flat, bitmask, [3, 4, 0, 1, 2]).tolist()
+    assert launch_masked_rows(logits, bitmask, trees, [3, 0]) is None  # row 2 belongs to no tree
+    assert launch_masked_rows(logits, bitmask[:4], trees, [2, 0]) is None  # rows missing
 
 
 def test_rows_past_the_mask_dead_rows_and_the_forwards_argmax():

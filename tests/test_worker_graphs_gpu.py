@@ -103,3 +103,14 @@ def test_worker_outputs_identical_with_and_without_graphs():
         assert got == want
         assert captures > 0
     assert all(reason in ("grammar", "length") for _, reason in want)
+    # every step's grammar rows masked early (while the forward runs) instead of on demand
+    import spec_grammar.worker.engine as engine
+    from spec_grammar.worker.placement import EarlyMask
+
+    launches = []
+    real = engine.launch_masked_rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EarlyMask, "worth_it", lambda self, since_ms: True)
+        mp.setattr(engine, "launch_masked_rows", lambda *a: launches.append(1) or real(*a))
+        got, _ = run(True, True)
+    assert got == want and launches

@@ -1,8 +1,9 @@
-"""The grammar-work placement policy of CUDA-graph steps, on measured-time sequences."""
+"""The host-work policies of CUDA-graph steps (grammar-work placement, early masking), on
+measured-time sequences."""
 
 import pytest
 
-from spec_grammar.worker.placement import GrammarPlacement
+from spec_grammar.worker.placement import EarlyMask, GrammarPlacement
 
 
 def test_measures_both_then_picks_the_faster():
@@ -40,3 +41,30 @@ def test_launch_and_unit_costs_are_moving_averages():
 def test_bad_arguments(kw):
     with pytest.raises(ValueError):
         GrammarPlacement(**kw)
+
+
+def test_early_mask_only_with_enough_forward_left():
+    e = EarlyMask(margin=2.0, alpha=1.0)
+    assert not e.worth_it(0.1)  # no forward measured yet
+    e.record_forward(1.5)
+    assert e.worth_it(0.5)  # first early launch: a measurement
+    assert not e.worth_it(1.6)  # the forward is (predicted) over
+    e.record_launch(0.2)
+    assert e.worth_it(1.0)  # 0.5 ms left > 2 x 0.2 ms
+    assert not e.worth_it(1.2)  # 0.3 ms left < 0.4 ms
+
+
+def test_early_mask_averages_and_refuses_bad_times():
+    e = EarlyMask(alpha=0.5)
+    e.record_forward(2.0)
+    e.record_forward(4.0)
+    assert e.forward_ms == pytest.approx(3.0)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError):
+            e.record_forward(bad)
+        with pytest.raises(ValueError):
+            e.record_launch(bad)
+    assert e.forward_ms == pytest.approx(3.0) and e.launch_ms is None
+    for kw in (dict(margin=0.5), dict(alpha=0.0)):
+        with pytest.raises(ValueError):
+            EarlyMask(**kw)

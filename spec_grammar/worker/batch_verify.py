@@ -41,7 +41,7 @@ from ..tree import DraftTree
 from .sampling import SamplingParams
 from .verify import greedy_walk
 
-__all__ = ["batch_greedy_eligible", "verify_greedy_batch"]
+__all__ = ["batch_greedy_eligible", "launch_masked_rows", "verify_greedy_batch"]
 
 Verified = tuple[list[int], int] | GrammarStateError
 
@@ -69,6 +69,7 @@ def verify_greedy_batch(
     valids: Sequence[torch.Tensor | None] = (),
     stop_token_ids: Sequence[Collection[int]] = (),
     row_argmax: torch.Tensor | None = None,
+    masked_rows: torch.Tensor | None = None,
 ) -> dict[int, Verified]:
     """Greedy-verify the requests ``selected`` of a verify forward.
 
@@ -85,6 +86,9 @@ def verify_greedy_batch(
         row_argmax: ``(B, N_max)`` int64 on the logits' device, the
             :func:`~spec_grammar.kernels.row_argmax` of ``logits`` (the runner's graph computes
             it: ``forward_trees(..., with_argmax=True)``); computed here when None.
+        masked_rows: ``(rows,)`` int64 on the logits' device, the masked argmax of every
+            bitmask row queued while the forward ran (:func:`launch_masked_rows`): read back
+            with the greedy tokens, it replaces the device round trip of step 3.
 
     Returns ``{batch index: (accepted nodes root first, bonus token)}``, or the
     :class:`GrammarStateError` of a request whose root row allows no token (the caller ends
@@ -101,7 +105,12 @@ def verify_greedy_batch(
     oks = {i: _node_ok(trees[i].num_nodes, valids[i] if i < len(valids) else None) for i in selected}
     stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in selected}
     top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
-    best = top.reshape(b * n_max).tolist()  # the step's one device-to-host synchronization
+    flat_top = top.reshape(b * n_max)
+    if masked_rows is None:
+        best, early = flat_top.tolist(), None  # the step's one device-to-host synchronization
+    else:
+        both = torch.cat([flat_top, masked_rows]).tolist()
+        best, early = both[: b * n_max], both[b * n_max :]
     resolved: set[int] = set()  # rows whose masked argmax replaced the greedy token
     out: dict[int, Verified] = {}
     todo = list(selected)
@@ -124,10 +133,43 @@ def verify_greedy_batch(
                 unknown.extend(rows)
                 retry.append(i)
         if unknown:
-            _resolve(logits.reshape(b * n_max, vocab), best, bitmask, rows_of, unknown)
+            if early is not None:
+                for r in unknown:
+                    best[r] = early[rows_of[r]]
+            else:
+                _resolve(logits.reshape(b * n_max, vocab), best, bitmask, rows_of, unknown)
             resolved.update(unknown)
         todo = retry
     return out
+
+
+def launch_masked_rows(
+    logits: torch.Tensor, device_bitmask: torch.Tensor, trees: Sequence[DraftTree], offsets: Sequence[int | None]
+) -> torch.Tensor | None:
+    """Queue the masked argmax of every bitmask row on the logits' stream; no synchronization.
+
+    Args:
+        logits: ``(B, N_max, V)`` (its forward may still be running).
+        device_bitmask: ``(rows, W)`` int32 on the logits' device, the step's bitmask.
+        trees, offsets: as in :func:`verify_greedy_batch`.
+
+    Returns ``(rows,)`` int64 (:func:`~spec_grammar.kernels.masked_argmax` of bitmask row ``k``
+    over its logits row) for ``masked_rows``, or None when the bitmask rows are not exactly the
+    trees' rows one request after another (a request whose fill failed left a gap).
+    """
+    b, n_max, vocab = logits.shape
+    idx: list[int] = []
+    for off, i in sorted((off, i) for i, off in enumerate(offsets) if off is not None):
+        if off != len(idx):
+            return None
+        idx.extend(range(i * n_max, i * n_max + trees[i].num_nodes))
+    if len(idx) != device_bitmask.shape[0]:
+        return None
+    flat = logits.reshape(b * n_max, vocab)
+    if idx == list(range(b * n_max)):  # every row, in order (full trees, requests in order)
+        return masked_argmax(flat, device_bitmask)
+    rows = torch.tensor(idx, pin_memory=flat.is_cuda).to(flat.device, non_blocking=True)
+    return masked_argmax(flat, device_bitmask, rows)
 
 
 def _allows(words: np.ndarray, row: int, token: int) -> bool:

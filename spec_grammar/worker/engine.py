@@ -51,9 +51,9 @@ from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
 from .host_bitmask import HostBitmaskRing
-from .placement import GrammarPlacement
+from .placement import EarlyMask, GrammarPlacement
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
-from .batch_verify import batch_greedy_eligible, verify_greedy_batch
+from .batch_verify import batch_greedy_eligible, launch_masked_rows, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
@@ -96,11 +96,12 @@ def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
 class _GrammarWork:
     """What the grammar work of one step (or of one group of its requests) hands back."""
 
-    __slots__ = ("bitmask", "device_bitmask", "offsets", "valid", "errors", "ms", "per_request_ms")
+    __slots__ = ("bitmask", "device_bitmask", "masked_rows", "offsets", "valid", "errors", "ms", "per_request_ms")
 
     def __init__(self) -> None:
         self.bitmask: torch.Tensor | None = None
         self.device_bitmask: torch.Tensor | None = None  # ``bitmask`` on the logits' device
+        self.masked_rows: torch.Tensor | None = None  # masked argmax of its rows, queued early
         self.offsets: dict[str, int] = {}
         self.valid: dict[str, torch.Tensor] = {}
         self.errors: dict[str, str] = {}
@@ -219,6 +220,7 @@ class SpecWorker:
         self.step_stats: list[StepStats] = []
         self.grammar_threads = grammar_threads or 1
         self._placement = GrammarPlacement()
+        self._early_mask = EarlyMask()
         self._pool: ThreadPoolExecutor | None = None
         self._group_pool: ThreadPoolExecutor | None = None
         self._open_pools()
@@ -616,13 +618,20 @@ class SpecWorker:
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask)
         logits, top = out if fwd["with_argmax"] else (out, None)
-        if bitmask is not None and logits.is_cuda and not all(
-            g for st, g in zip(live, greedy) if st.matcher is not None
-        ):  # the per-request path of sampled grammar requests masks on the device
-            work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
+        if bitmask is not None and logits.is_cuda:
+            if not all(g for st, g in zip(live, greedy) if st.matcher is not None):
+                # the per-request path of sampled grammar requests masks on the device
+                work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
+            elif graph_overlap and launched and self._early_mask.worth_it((time.perf_counter() - launched[0]) * 1e3):
+                te = time.perf_counter()
+                work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
+                work.masked_rows = launch_masked_rows(
+                    logits, work.device_bitmask, trees, [work.offsets.get(st.rid) for st in live]
+                )
+                self._early_mask.record_launch((time.perf_counter() - te) * 1e3)
         t3 = time.perf_counter()
         # the step's grammar bookkeeping before the verify's wait for the device
-        exposed = (t3 - t2) * 1e3
+        exposed, gpu_ms = (t3 - t2) * 1e3, None
         if graph_overlap and launched:  # exposed: what the grammar work took beyond the GPU's forward
             gpu_ms = self.runner.last_forward_gpu_ms()
             # None: the forward still runs, so the grammar work ended under it
@@ -646,6 +655,10 @@ class SpecWorker:
             except SpecGrammarError as e:  # e.g. a matcher left with no allowed token
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
+        if graph_overlap and launched and bitmask is not None:  # the forward has ended by now
+            gpu_ms = gpu_ms if gpu_ms is not None else self.runner.last_forward_gpu_ms()
+            if gpu_ms is not None:
+                self._early_mask.record_forward(gpu_ms)
         t4 = time.perf_counter()
         return StepStats(
             batch_size=len(live),
@@ -690,6 +703,7 @@ class SpecWorker:
                 () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids for st in live
             ],
             row_argmax=top,
+            masked_rows=work.masked_rows,
         )
 
     def _accept(
