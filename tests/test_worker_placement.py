@@ -43,8 +43,20 @@ def test_bad_arguments(kw):
         GrammarPlacement(**kw)
 
 
+def test_early_mask_only_when_greedy_tokens_get_forbidden():
+    e = EarlyMask(min_share=0.1, alpha=0.5)
+    e.record_forward(5.0)
+    assert not e.worth_it(0.1)  # no step has met a forbidden greedy token
+    e.record_verify(True)
+    assert e.forbidden_share == pytest.approx(0.5) and e.worth_it(0.1)
+    for _ in range(3):
+        e.record_verify(False)
+    assert e.forbidden_share == pytest.approx(0.0625) and not e.worth_it(0.1)
+
+
 def test_early_mask_only_with_enough_forward_left():
     e = EarlyMask(margin=2.0, alpha=1.0)
+    e.record_verify(True)
     assert not e.worth_it(0.1)  # no forward measured yet
     e.record_forward(1.5)
     assert e.worth_it(0.5)  # first early launch: a measurement
@@ -65,6 +77,6 @@ def test_early_mask_averages_and_refuses_bad_times():
         with pytest.raises(ValueError):
             e.record_launch(bad)
     assert e.forward_ms == pytest.approx(3.0) and e.launch_ms is None
-    for kw in (dict(margin=0.5), dict(alpha=0.0)):
+    for kw in (dict(margin=0.5), dict(alpha=0.0), dict(min_share=1.5)):
         with pytest.raises(ValueError):
             EarlyMask(**kw)

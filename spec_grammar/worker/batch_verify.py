@@ -70,6 +70,7 @@ def verify_greedy_batch(
     stop_token_ids: Sequence[Collection[int]] = (),
     row_argmax: torch.Tensor | None = None,
     masked_rows: torch.Tensor | None = None,
+    stats: dict | None = None,
 ) -> dict[int, Verified]:
     """Greedy-verify the requests ``selected`` of a verify forward.
 
@@ -89,6 +90,8 @@ def verify_greedy_batch(
         masked_rows: ``(rows,)`` int64 on the logits' device, the masked argmax of every
             bitmask row queued while the forward ran (:func:`launch_masked_rows`): read back
             with the greedy tokens, it replaces the device round trip of step 3.
+        stats: if given, ``stats["forbidden_rows"]`` is set to the number of rows the walks
+            visited whose grammar forbids their greedy token.
 
     Returns ``{batch index: (accepted nodes root first, bonus token)}``, or the
     :class:`GrammarStateError` of a request whose root row allows no token (the caller ends
@@ -140,6 +143,8 @@ def verify_greedy_batch(
                 _resolve(logits.reshape(b * n_max, vocab), best, bitmask, rows_of, unknown)
             resolved.update(unknown)
         todo = retry
+    if stats is not None:
+        stats["forbidden_rows"] = len(resolved)
     return out
 
 

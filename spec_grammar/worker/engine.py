@@ -692,7 +692,8 @@ class SpecWorker:
         greedy tokens (``top``, from its graph) read back once, masked on the device only where
         a grammar forbids them (:mod:`.batch_verify`)."""
         selected = [i for i, st in enumerate(live) if st.rid not in work.errors and greedy[i]]
-        return verify_greedy_batch(
+        stats: dict = {}
+        verified = verify_greedy_batch(
             logits,
             trees,
             selected,
@@ -704,7 +705,11 @@ class SpecWorker:
             ],
             row_argmax=top,
             masked_rows=work.masked_rows,
+            stats=stats,
         )
+        if work.offsets and "forbidden_rows" in stats:
+            self._early_mask.record_verify(stats["forbidden_rows"] > 0)
+        return verified
 
     def _accept(
         self,

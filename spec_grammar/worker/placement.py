@@ -86,35 +86,41 @@ class EarlyMask:
     """Whether to mask a step's grammar rows on the device while its forward still runs.
 
     Greedy verification reads each row's unmasked greedy token from the forward and masks on
-    the device only rows whose grammar forbids it, one extra round trip in the steps that have
-    such rows (about a quarter of the steps of SmolLM2-135M writing JSON; never when the model
-    agrees with its grammar). When the host has finished the grammar work well before the GPU
-    finishes the forward, the bitmask upload and a masked argmax over every grammar row can be
-    queued right away instead: the host time is hidden and no step needs the round trip. This
-    compares the forward's remaining GPU time, predicted from the previous forwards, with the
-    host time of that launch, both moving averages.
+    the device only the rows its walks visit whose grammar forbids that token: one extra round
+    trip in the steps that have such rows (about a quarter of the steps of SmolLM2-135M writing
+    JSON; none when the model agrees with its grammar). When such steps are common and the host
+    finishes the grammar work well before the GPU finishes the forward, the bitmask upload and a
+    masked argmax over every grammar row can be queued right away instead: its host time is
+    hidden and no step needs the round trip, for the GPU time of one pass over the step's logits.
+    This asks for both: the share of steps with forbidden greedy tokens at least ``min_share``,
+    and the forward's remaining GPU time (predicted from the previous forwards) at least
+    ``margin`` times the launch's host time; all three are moving averages.
 
     Args:
         margin: launch early only when the remaining GPU time exceeds ``margin`` times the
             launch's host time.
+        min_share: the share of steps with a forbidden greedy token needed to launch early.
         alpha: weight of a new measurement in the moving averages, in ``(0, 1]``.
 
     Times are milliseconds. Raises ``ValueError`` on bad arguments or measurements.
     """
 
-    def __init__(self, *, margin: float = 2.0, alpha: float = 0.2):
+    def __init__(self, *, margin: float = 2.0, min_share: float = 0.05, alpha: float = 0.2):
         if not margin >= 1.0:
             raise ValueError(f"margin must be >= 1, got {margin}")
+        if not 0.0 <= min_share <= 1.0:
+            raise ValueError(f"min_share must be in [0, 1], got {min_share}")
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.margin, self.alpha = margin, alpha
+        self.margin, self.min_share, self.alpha = margin, min_share, alpha
         self.forward_ms: float | None = None  # GPU time of a forward
         self.launch_ms: float | None = None  # host time of the early upload + masked argmax
+        self.forbidden_share = 0.0  # share of steps whose walks met a forbidden greedy token
 
     def worth_it(self, since_launch_ms: float) -> bool:
         """True: queue the early mask now, ``since_launch_ms`` after the forward was launched.
         False until a forward's GPU time is known; the first early launch is a measurement."""
-        if self.forward_ms is None:
+        if self.forward_ms is None or self.forbidden_share < self.min_share:
             return False
         remaining = self.forward_ms - since_launch_ms
         return remaining > (self.margin * self.launch_ms if self.launch_ms is not None else 0.0)
@@ -126,6 +132,10 @@ class EarlyMask:
     def record_launch(self, host_ms: float) -> None:
         """The host milliseconds an early mask took to queue."""
         self.launch_ms = _ema(self.launch_ms, _checked("host_ms", host_ms), self.alpha)
+
+    def record_verify(self, forbidden: bool) -> None:
+        """Whether a step's walks met a row whose grammar forbids its greedy token."""
+        self.forbidden_share += self.alpha * (float(forbidden) - self.forbidden_share)
 
 
 def _checked(name: str, ms: float) -> float:
