@@ -53,9 +53,10 @@ class ForwardGraphs:
     Args:
         device: the CUDA device.
         max_output_bytes: the graphs' output tensors (a ``(B, N, V)`` float32 logits tensor
-            each, 2 GiB at 64 x 64 x 128k, and what else the forward returns) stay allocated while a graph is kept; beyond this
-            total the least recently replayed graphs are dropped (a server whose contexts grow
-            leaves old KV-length buckets behind) and captured again if needed.
+            each, 2 GiB at 64 x 64 x 128k, and what else the forward returns) stay allocated
+            while a graph is kept; beyond this total the least recently replayed graphs are
+            dropped (a server whose contexts grow leaves old KV-length buckets behind) and
+            captured again if needed.
 
     All graphs share one memory pool (they never run at the same time). Capture uses
     ``capture_error_mode="thread_local"``, so the grammar thread may allocate pinned memory

@@ -24,10 +24,11 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
 4. **Accept**: greedy requests without penalties all at once: the forward's greedy token of
    every row (computed in its CUDA graph) is read back once and checked against one word of the
    host bitmask; only rows whose grammar forbids it are masked on the device
-   (:mod:`.batch_verify`). Other requests: ``process_tree_logits`` (penalties, grammar mask,
-   temperature) then ``verify_greedy`` / ``verify_stochastic``. The committed run (accepted path tokens + bonus)
-   is truncated at a stop token (EOS / grammar completion), a stop string or
-   ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
+   (:mod:`.batch_verify`), or all grammar rows early while the forward runs where that pays
+   (:class:`~.placement.EarlyMask`). Other requests: ``process_tree_logits`` (penalties,
+   grammar mask, temperature) then ``verify_greedy`` / ``verify_stochastic``. The committed run
+   (accepted path tokens + bonus) is truncated at a stop token (EOS / grammar completion), a
+   stop string or ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
 
 ``overlap=False`` does the same work strictly in order, so temperature-0 outputs are identical
 with and without overlap (the tests check it). The worker only talks to grammars through the
@@ -619,16 +620,7 @@ class SpecWorker:
             work = self._grammar_work(live, trees, draining, bitmask)
         logits, top = out if fwd["with_argmax"] else (out, None)
         if bitmask is not None and logits.is_cuda:
-            if not all(g for st, g in zip(live, greedy) if st.matcher is not None):
-                # the per-request path of sampled grammar requests masks on the device
-                work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
-            elif graph_overlap and launched and self._early_mask.worth_it((time.perf_counter() - launched[0]) * 1e3):
-                te = time.perf_counter()
-                work.device_bitmask = self._bitmasks.upload(bitmask, logits.device)
-                work.masked_rows = launch_masked_rows(
-                    logits, work.device_bitmask, trees, [work.offsets.get(st.rid) for st in live]
-                )
-                self._early_mask.record_launch((time.perf_counter() - te) * 1e3)
+            self._device_masks(work, logits, live, trees, greedy, launched[0] if graph_overlap and launched else None)
         t3 = time.perf_counter()
         # the step's grammar bookkeeping before the verify's wait for the device
         exposed, gpu_ms = (t3 - t2) * 1e3, None
@@ -672,6 +664,29 @@ class SpecWorker:
             committed_tokens=committed,
             grammar_in_thread=in_thread,
         )
+
+    def _device_masks(
+        self,
+        work: _GrammarWork,
+        logits: torch.Tensor,
+        live: Sequence[RequestState],
+        trees: Sequence[DraftTree],
+        greedy: Sequence[bool],
+        launched_at: float | None,
+    ) -> None:
+        """Start the step's device-side masking, if any, right after its grammar work:
+        sampled grammar requests need the bitmask on the device (their per-request path masks
+        there); an all-greedy step queues the masked argmax of every grammar row now when the
+        graph replay started at ``launched_at`` leaves enough GPU time (:class:`.EarlyMask`),
+        else its verifier masks only the rows it needs, after the forward."""
+        if not all(g for st, g in zip(live, greedy) if st.matcher is not None):
+            work.device_bitmask = self._bitmasks.upload(work.bitmask, logits.device)
+        elif launched_at is not None and self._early_mask.worth_it((time.perf_counter() - launched_at) * 1e3):
+            t0 = time.perf_counter()
+            work.device_bitmask = self._bitmasks.upload(work.bitmask, logits.device)
+            offsets = [work.offsets.get(st.rid) for st in live]
+            work.masked_rows = launch_masked_rows(logits, work.device_bitmask, trees, offsets)
+            self._early_mask.record_launch((time.perf_counter() - t0) * 1e3)
 
     @staticmethod
     def _apply_errors(work: _GrammarWork, draining: Sequence[RequestState], now: float) -> None:

@@ -74,8 +74,9 @@ class GrammarPlacement:
 
     def record(self, thread: bool, units: int, grammar_ms: float, launch_ms: float) -> None:
         """A step's measurements: the grammar work's milliseconds (in the thread: from its
-        submission until the caller runs again after its end) and the replay's host milliseconds. Raises ``ValueError`` on a
-        time that is not a finite number >= 0 (it would stay in the averages for good)."""
+        submission until the caller runs again after its end) and the replay's host
+        milliseconds. Raises ``ValueError`` on a time that is not a finite number >= 0 (it would
+        stay in the averages for good)."""
         _checked("grammar_ms", grammar_ms)
         self.launch_ms = _ema(self.launch_ms, _checked("launch_ms", launch_ms), self.alpha)
         if units > 0:
