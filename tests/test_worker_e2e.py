@@ -195,6 +195,34 @@ def test_graph_steps_place_grammar_work_inline_or_in_thread():
         assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
 
 
+@pytest.mark.parametrize("early", [False, True], ids=["on-demand", "early"])
+def test_graph_steps_mask_forbidden_greedy_tokens_on_demand_or_early(monkeypatch, early):
+    """Greedy verification masks on the device only rows whose grammar forbids the forward's
+    greedy token (real SmolLM2 wants such tokens in some steps), or every grammar row
+    early while the forward runs (forced here; CUDA forwards decide it from measured times):
+    the outputs equal plain constrained decoding either way."""
+    import spec_grammar.worker.engine as engine
+    from spec_grammar.worker.placement import EarlyMask
+
+    name = "xgrammar"
+    model, tok = model_and_tokenizer()
+    _, reqs = batch(name)
+    indices = small(name)
+    launches = []
+    real = engine.launch_masked_rows
+    monkeypatch.setattr(engine, "launch_masked_rows", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(EarlyMask, "worth_it", lambda self, since_ms: early)
+    with SpecWorker(make_runner(model, "emulated"), tok, backend=backend(name), draft="ngram",
+                    num_draft_tokens=6) as worker:
+        got = worker.run([reqs[i] for i in indices])
+        share = worker._early_mask.forbidden_share
+    assert bool(launches) == early
+    assert share > 0  # steps met forbidden greedy tokens (the on-demand path ran)
+    for i, g in zip(indices, got):
+        r = reference(name)[i]
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
+
+
 class OracleDrafter(Drafter):
     """Drafts a fixed continuation per request (the no-spec output, then the stop token, then
     junk), so whole runs past EOS / grammar completion / the token budget are accepted at once."""

@@ -619,7 +619,7 @@ class SpecWorker:
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask)
         logits, top = out if fwd["with_argmax"] else (out, None)
-        if bitmask is not None and logits.is_cuda:
+        if bitmask is not None:
             self._device_masks(work, logits, live, trees, greedy, launched[0] if graph_overlap and launched else None)
         t3 = time.perf_counter()
         # the step's grammar bookkeeping before the verify's wait for the device
@@ -678,7 +678,8 @@ class SpecWorker:
         sampled grammar requests need the bitmask on the device (their per-request path masks
         there); an all-greedy step queues the masked argmax of every grammar row now when the
         graph replay started at ``launched_at`` leaves enough GPU time (:class:`.EarlyMask`),
-        else its verifier masks only the rows it needs, after the forward."""
+        else its verifier masks only the rows it needs, after the forward. (On the CPU the
+        "upload" is the host bitmask itself and no forward time is ever measured.)"""
         if not all(g for st, g in zip(live, greedy) if st.matcher is not None):
             work.device_bitmask = self._bitmasks.upload(work.bitmask, logits.device)
         elif launched_at is not None and self._early_mask.worth_it((time.perf_counter() - launched_at) * 1e3):
