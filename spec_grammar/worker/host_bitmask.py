@@ -8,8 +8,9 @@ more rows.
 
 A buffer may be refilled only once the last upload from it has finished: a ``non_blocking``
 copy reads host memory after the call returns. The worker records a CUDA event after each
-step's uploads (:meth:`HostBitmaskRing.record_upload`) and :meth:`HostBitmaskRing.acquire`
-waits on the event of the buffer it hands out. With two buffers that event has normally
+step that uploaded (:meth:`HostBitmaskRing.record_upload`; most greedy steps read single words
+on the host and upload nothing) and :meth:`HostBitmaskRing.acquire` waits on the event of the
+buffer it hands out. With two buffers that event has normally
 long completed (each step ends with a device-to-host read-back on the same stream), so the
 wait costs nothing; it makes the invariant explicit instead of relying on it.
 """
@@ -42,6 +43,8 @@ class HostBitmaskRing:
         self.allocations = 0
         self._buffers: list[torch.Tensor | None] = [None] * size
         self._events: list[torch.cuda.Event | None] = [None] * size
+        self._pending = [False] * size  # an event of an upload from this buffer may be unfinished
+        self._uploaded = False  # upload() ran since the last acquire()
         self._next = 0
         self._last: int | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -52,9 +55,10 @@ class HostBitmaskRing:
         until the last upload recorded for that buffer has finished."""
         i = self._next
         self._next = (i + 1) % len(self._buffers)
-        event = self._events[i]
-        if event is not None:
-            event.synchronize()
+        if self._pending[i]:
+            self._events[i].synchronize()
+            self._pending[i] = False
+        self._uploaded = False
         buf = self._buffers[i]
         if buf is None or buf.shape[0] < rows:
             # powers of two: a growing batch reallocates O(log rows) times, not every step
@@ -74,6 +78,7 @@ class HostBitmaskRing:
         Elsewhere (or unpinned): a plain ``.to(device)``."""
         if not self.pin or device.type != "cuda":
             return rows.to(device)
+        self._uploaded = True
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
@@ -85,10 +90,12 @@ class HostBitmaskRing:
 
     def record_upload(self, device: torch.device) -> None:
         """Mark every copy queued so far on ``device``'s current stream as reading the buffer
-        last acquired; a no-op without pinning or off CUDA."""
-        if not self.pin or self._last is None or device.type != "cuda":
+        last acquired; a no-op without pinning, off CUDA, or when nothing was uploaded from it
+        since it was acquired."""
+        if not self.pin or self._last is None or device.type != "cuda" or not self._uploaded:
             return
         event = self._events[self._last]
         if event is None:
             event = self._events[self._last] = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
+        self._pending[self._last] = True
