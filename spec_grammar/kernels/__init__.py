@@ -29,7 +29,7 @@ try:
 except ImportError:  # torch without Triton (CPU wheels): CUDA tensors take the torch path
     HAS_TRITON = False
 
-__all__ = ["apply_token_bitmask_inplace", "masked_argmax", "masked_softmax", "row_argmax", "HAS_TRITON"]
+__all__ = ["apply_token_bitmask_inplace", "masked_argmax", "masked_softmax", "row_argmax", "NONFINITE", "HAS_TRITON"]
 
 Indices = torch.Tensor | Sequence[int] | None
 
@@ -129,11 +129,15 @@ def masked_argmax(
         BitmaskError: as :func:`apply_token_bitmask_inplace`.
     """
     idx = _check(logits, bitmask, indices)
-    if logits.shape[1] == 0:
+    if logits.shape[1] == 0 or bitmask.shape[1] == 0:  # no token at all, or none allowed
         return torch.full((bitmask.shape[0],), -1, dtype=torch.int64, device=logits.device)
     if _use_triton(logits):
         return masked_argmax_triton(logits, bitmask.contiguous(), indices=idx)
     return masked_argmax_torch(logits, bitmask, indices=idx if idx is None else idx.long())
+
+
+#: :func:`row_argmax` of a row whose largest logit is NaN or +inf.
+NONFINITE = -2
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -143,13 +147,16 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
         logits: ``(..., V)`` floating, any device, ``V >= 1``.
 
     Returns ``(...)`` int64 on ``logits.device``: the first index of each row's largest logit,
-    ``-1`` where every logit is ``-inf``. Where a grammar allows that token it is also the row's
+    ``-1`` where every logit is ``-inf``, :data:`NONFINITE` (``-2``) where the largest is NaN or
+    ``+inf`` (such a row has no greedy choice without its mask: the per-request path calls a
+    row allowing no token when its masked maximum is not finite). Where a grammar allows that token it is also the row's
     :func:`masked_argmax` (no allowed token before it ties with it), and a ``-1`` row is ``-1``
     under any mask, so a verifier checks one bitmask word per row on the host and masks only the
     other rows (:mod:`spec_grammar.worker.batch_verify`). Two kernels on CUDA, no host synchronization
     (capturable in a CUDA graph).
     """
     best, arg = logits.max(dim=-1)
+    arg.masked_fill_(~torch.isfinite(best), NONFINITE)
     return arg.masked_fill_(best == float("-inf"), -1)
 
 

@@ -39,7 +39,7 @@ from ..errors import BitmaskError, GrammarStateError
 from ..kernels import masked_argmax
 from ..tree import DraftTree
 from .sampling import SamplingParams
-from .verify import greedy_walk
+from .verify import greedy_walk, node_validity
 
 __all__ = ["batch_greedy_eligible", "launch_masked_rows", "verify_greedy_batch"]
 
@@ -95,17 +95,20 @@ def verify_greedy_batch(
 
     Returns ``{batch index: (accepted nodes root first, bonus token)}``, or the
     :class:`GrammarStateError` of a request whose root row allows no token (the caller ends
-    that request alone). Raises :class:`BitmaskError` when grammar requests come without a
-    bitmask or their rows lie outside it.
+    that request alone). Raises :class:`BitmaskError` on inputs that do not fit together
+    (selected indices, tree sizes, ``valids``, ``row_argmax`` or ``masked_rows`` shapes, grammar
+    requests without a bitmask or with rows outside it, early rows that this bitmask forbids).
     """
     if not selected:
         return {}
-    b, n_max, vocab = logits.shape
+    b, n_max, vocab = _check_batch(logits, trees, selected, row_argmax)
     # everything that needs no logits first: the device may still be computing them
     masked = [(offsets[i], i) for i in selected if i < len(offsets) and offsets[i] is not None]
     rows_of = _grammar_rows(bitmask, masked, trees, b, n_max)
     words = bitmask.numpy() if masked else None
-    oks = {i: _node_ok(trees[i].num_nodes, valids[i] if i < len(valids) else None) for i in selected}
+    if masked_rows is not None:
+        _check_masked_rows(masked_rows, bitmask, logits.device)
+    oks = {i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in selected}
     stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in selected}
     top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
     flat_top = top.reshape(b * n_max)
@@ -136,11 +139,21 @@ def verify_greedy_batch(
                 unknown.extend(rows)
                 retry.append(i)
         if unknown:
-            if early is not None:
-                for r in unknown:
+            # a NaN / +inf maximum: the masked row decides (its maximum may be finite or not)
+            exact = [r for r in unknown if best[r] == kernels.NONFINITE]
+            fast = [r for r in unknown if best[r] != kernels.NONFINITE]
+            if exact:
+                _resolve_exact(logits, best, bitmask, rows_of, exact, n_max)
+            if fast and early is not None:
+                for r in fast:
+                    if not _allows(words, rows_of[r], early[rows_of[r]]):
+                        raise BitmaskError(
+                            f"masked_rows[{rows_of[r]}] = {early[rows_of[r]]}, a token this step's bitmask "
+                            "forbids: the early rows come from another bitmask"
+                        )
                     best[r] = early[rows_of[r]]
-            else:
-                _resolve(logits.reshape(b * n_max, vocab), best, bitmask, rows_of, unknown)
+            elif fast:
+                _resolve(logits, best, bitmask, rows_of, fast, n_max)
             resolved.update(unknown)
         todo = retry
     if stats is not None:
@@ -163,31 +176,76 @@ def launch_masked_rows(
     trees' rows one request after another (a request whose fill failed left a gap).
     """
     b, n_max, vocab = logits.shape
+    flat, per = _flat_rows(logits)
     idx: list[int] = []
     for off, i in sorted((off, i) for i, off in enumerate(offsets) if off is not None):
         if off != len(idx):
             return None
-        idx.extend(range(i * n_max, i * n_max + trees[i].num_nodes))
+        idx.extend(range(i * per, i * per + trees[i].num_nodes))
     if len(idx) != device_bitmask.shape[0]:
         return None
-    flat = logits.reshape(b * n_max, vocab)
-    if idx == list(range(b * n_max)):  # every row, in order (full trees, requests in order)
+    if not idx:
+        return torch.empty(0, dtype=torch.long, device=logits.device)
+    if idx == list(range(flat.shape[0])):  # every row, in order (full trees, requests in order)
         return masked_argmax(flat, device_bitmask)
-    rows = torch.tensor(idx, pin_memory=flat.is_cuda).to(flat.device, non_blocking=True)
+    rows = torch.tensor(idx, dtype=torch.long, pin_memory=flat.is_cuda).to(flat.device, non_blocking=True)
     return masked_argmax(flat, device_bitmask, rows)
+
+
+def _flat_rows(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(rows, V)`` view of ``(B, N, V)`` logits and the row distance of batch indices in it.
+
+    The runner hands out ``[:B, :N]`` of its graph's larger output: ``reshape`` would copy all
+    of it (hundreds of MB at 64 x 128k); a strided view over the parent's rows copies nothing.
+    """
+    b, n, v = logits.shape
+    s0, s1, s2 = logits.stride()
+    if s2 == 1 and s1 >= v and s0 >= s1 * n and s0 % s1 == 0:
+        per = s0 // s1
+        return logits.as_strided(((b - 1) * per + n, v), (s1, 1)), per
+    return logits.reshape(b * n, v), n
+
+
+def _check_batch(
+    logits: torch.Tensor, trees: Sequence[DraftTree], selected: Sequence[int], row_argmax: torch.Tensor | None
+) -> tuple[int, int, int]:
+    """``(B, N_max, V)`` after checking that the batch's arguments fit together."""
+    if logits.dim() != 3:
+        raise BitmaskError(f"logits must be (B, N_max, V), got shape {tuple(logits.shape)}")
+    b, n_max, vocab = logits.shape
+    if len(trees) != b:
+        raise BitmaskError(f"{len(trees)} draft trees for a batch of {b}")
+    if len(set(selected)) != len(selected) or any(not 0 <= i < b for i in selected):
+        raise BitmaskError(f"selected must be distinct batch indices in [0, {b}), got {list(selected)}")
+    for i in selected:
+        if trees[i].num_nodes > n_max:
+            raise BitmaskError(f"request {i}'s tree has {trees[i].num_nodes} nodes, the logits {n_max} rows")
+    if row_argmax is not None and (
+        row_argmax.shape != (b, n_max) or row_argmax.dtype != torch.long or row_argmax.device != logits.device
+    ):
+        raise BitmaskError(
+            f"row_argmax must be ({b}, {n_max}) int64 on {logits.device}, got {row_argmax.dtype} "
+            f"{tuple(row_argmax.shape)} on {row_argmax.device}"
+        )
+    return b, n_max, vocab
+
+
+def _check_masked_rows(masked_rows: torch.Tensor, bitmask: torch.Tensor | None, device: torch.device) -> None:
+    rows = 0 if bitmask is None else bitmask.shape[0]
+    if masked_rows.shape != (rows,) or masked_rows.dtype != torch.long or masked_rows.device != device:
+        raise BitmaskError(
+            f"masked_rows must be ({rows},) int64 on {device} (one per bitmask row), got "
+            f"{masked_rows.dtype} {tuple(masked_rows.shape)} on {masked_rows.device}"
+        )
 
 
 def _allows(words: np.ndarray, row: int, token: int) -> bool:
     """Whether ``token`` (a row's greedy token) is final under bitmask ``row``: allowed by it,
-    or ``-1`` (the row's logits are all ``-inf``: ``-1`` under any mask)."""
+    or ``-1`` (the row's logits are all ``-inf``: ``-1`` under any mask). A
+    :data:`~spec_grammar.kernels.NONFINITE` row is never final."""
     if token < 0:
-        return True
+        return token == -1
     return token < words.shape[1] * 32 and (int(words[row, token >> 5]) >> (token & 31)) & 1 == 1
-
-
-def _node_ok(n: int, valid: torch.Tensor | None) -> list[bool]:
-    """Per node, grammar validity as a list (all True without a grammar)."""
-    return [True] * n if valid is None else valid.bool().tolist()
 
 
 def _grammar_rows(
@@ -200,8 +258,11 @@ def _grammar_rows(
         return rows_of
     if bitmask is None:
         raise BitmaskError("grammar requests need the step's bitmask")
-    if bitmask.device.type != "cpu":
-        raise BitmaskError(f"the step's bitmask must be a host tensor, got one on {bitmask.device}")
+    if bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise BitmaskError(
+            f"the step's bitmask must be a 2-D int32 host tensor, got {bitmask.dtype} "
+            f"{tuple(bitmask.shape)} on {bitmask.device}"
+        )
     for off, i in masked:
         n = trees[i].num_nodes
         if off < 0 or off + n > bitmask.shape[0]:
@@ -213,9 +274,28 @@ def _grammar_rows(
     return rows_of
 
 
-def _resolve(flat: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int]) -> None:
-    """The masked argmax of logits ``rows`` (their bitmask rows go up) into ``best``."""
+def _resolve(
+    logits: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int], n_max: int
+) -> None:
+    """The masked argmax of flat rows ``rows`` (``i * n_max + node``; their bitmask rows go
+    up) into ``best``."""
+    flat, per = _flat_rows(logits)
     dev = flat.device
     mask = bitmask[torch.tensor([rows_of[r] for r in rows])].to(dev, non_blocking=True)
-    for r, t in zip(rows, masked_argmax(flat, mask, torch.tensor(rows).to(dev, non_blocking=True)).tolist()):
+    idx = torch.tensor([r // n_max * per + r % n_max for r in rows]).to(dev, non_blocking=True)
+    for r, t in zip(rows, masked_argmax(flat, mask, idx).tolist()):
+        best[r] = t
+
+
+def _resolve_exact(
+    logits: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int], n_max: int
+) -> None:
+    """Rows whose maximum is NaN or +inf, decided as the per-request path does: the masked
+    float32 row's argmax, or ``-1`` (no token) when its maximum is not finite."""
+    i = torch.tensor([r // n_max for r in rows], device=logits.device)
+    j = torch.tensor([r % n_max for r in rows], device=logits.device)
+    x = logits[i, j].float()
+    kernels.apply_token_bitmask_inplace(x, bitmask[torch.tensor([rows_of[r] for r in rows])].to(x.device))
+    dead = ~torch.isfinite(x.amax(dim=-1))
+    for r, t in zip(rows, x.argmax(dim=-1).masked_fill_(dead, -1).tolist()):
         best[r] = t

@@ -135,7 +135,10 @@ class EarlyMask:
         self.launch_ms = _ema(self.launch_ms, _checked("host_ms", host_ms), self.alpha)
 
     def record_verify(self, forbidden: bool) -> None:
-        """Whether a step's walks met a row whose grammar forbids its greedy token."""
+        """Whether a step's walks met a row whose grammar forbids its greedy token. Raises
+        ``ValueError`` unless ``forbidden`` is a bool."""
+        if not isinstance(forbidden, bool):
+            raise ValueError(f"forbidden must be a bool, got {forbidden!r}")
         self.forbidden_share += self.alpha * (float(forbidden) - self.forbidden_share)
 
 

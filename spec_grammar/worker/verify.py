@@ -34,6 +34,12 @@ def _check(processed: torch.Tensor, tree: DraftTree, valid: torch.Tensor | None)
         raise BitmaskError(
             f"processed logits must be ({n}, V) for a {n}-node tree, got {tuple(processed.shape)}"
         )
+    return node_validity(valid, n)
+
+
+def node_validity(valid: torch.Tensor | None, n: int) -> list[bool]:
+    """``valid`` (``(n,)`` bool from a tree fill, or None: all valid) as a list. Raises
+    :class:`BitmaskError` on another shape."""
     if valid is None:
         return [True] * n
     if valid.shape != (n,):
