@@ -31,7 +31,7 @@ def register(sub) -> None:
         "tool calls), verifying draft trees against the grammar's tree bitmask.",
     )
     p.add_argument("prompt", nargs="?", help="the user prompt (chat template applied)")
-    p.add_argument("--grammar-backend", default="xgrammar", help="xgrammar, outlines, llguidance, an entry point or module:Class")
+    p.add_argument("--grammar-backend", "--backend", dest="grammar_backend", default="xgrammar", help="xgrammar, outlines, llguidance, an entry point or module:Class")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
     g.add_argument("--regex", metavar="RE", help="regular expression the output must match")
