@@ -216,8 +216,11 @@ def test_graph_steps_mask_forbidden_greedy_tokens_on_demand_or_early(monkeypatch
                     num_draft_tokens=6) as worker:
         got = worker.run([reqs[i] for i in indices])
         share = worker._early_mask.forbidden_share
+        stats = list(worker.step_stats)
     assert bool(launches) == early
     assert share > 0  # steps met forbidden greedy tokens (the on-demand path ran)
+    assert any(s.forbidden_rows for s in stats)
+    assert any(s.early_mask for s in stats) == early
     for i, g in zip(indices, got):
         r = reference(name)[i]
         assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)

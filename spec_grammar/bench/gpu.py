@@ -468,6 +468,8 @@ def _summary(runs: list[tuple[list, list[str]]], batch: int) -> dict:
         grammar_exposed_ms=_mean([s.grammar_exposed_ms for s in steps]),
         verify_ms=_mean([s.sample_ms for s in steps]),
         grammar_thread_share=_mean([float(s.grammar_in_thread) for s in steps]),
+        forbidden_share=_mean([float(s.forbidden_rows > 0) for s in steps]),
+        early_mask_share=_mean([float(s.early_mask) for s in steps]),
         tokens=tokens,
         tokens_per_s=tokens / total_s if total_s > 0 else 0.0,
         accept_length=tokens / max(1, sum(s.batch_size for s in stats)),

@@ -97,12 +97,16 @@ def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
 class _GrammarWork:
     """What the grammar work of one step (or of one group of its requests) hands back."""
 
-    __slots__ = ("bitmask", "device_bitmask", "masked_rows", "offsets", "valid", "errors", "ms", "per_request_ms")
+    __slots__ = (
+        "bitmask", "device_bitmask", "masked_rows", "forbidden_rows", "offsets", "valid", "errors", "ms",
+        "per_request_ms",
+    )
 
     def __init__(self) -> None:
         self.bitmask: torch.Tensor | None = None
         self.device_bitmask: torch.Tensor | None = None  # ``bitmask`` on the logits' device
         self.masked_rows: torch.Tensor | None = None  # masked argmax of its rows, queued early
+        self.forbidden_rows = 0  # visited rows whose grammar forbade the greedy token
         self.offsets: dict[str, int] = {}
         self.valid: dict[str, torch.Tensor] = {}
         self.errors: dict[str, str] = {}
@@ -663,6 +667,8 @@ class SpecWorker:
             sample_ms=(t4 - t3) * 1e3,
             committed_tokens=committed,
             grammar_in_thread=in_thread,
+            forbidden_rows=work.forbidden_rows,
+            early_mask=work.masked_rows is not None,
         )
 
     def _device_masks(
@@ -725,6 +731,7 @@ class SpecWorker:
         )
         if work.offsets and "forbidden_rows" in stats:
             self._early_mask.record_verify(stats["forbidden_rows"] > 0)
+        work.forbidden_rows = stats.get("forbidden_rows", 0)
         return verified
 
     def _accept(

@@ -185,3 +185,9 @@ class StepStats(BaseModel):
     grammar_in_thread: bool = False
     """With CUDA graphs and overlap: the grammar work ran in the grammar thread (started before
     the replay) rather than inline after it (:mod:`~spec_grammar.worker.placement`)."""
+    forbidden_rows: int = 0
+    """Rows the greedy walks visited whose grammar forbids the forward's greedy token (each
+    masked on the device: :mod:`~spec_grammar.worker.batch_verify`)."""
+    early_mask: bool = False
+    """Every grammar row was masked on the device while the forward ran
+    (:class:`~spec_grammar.worker.placement.EarlyMask`) rather than on demand after it."""
