@@ -9,8 +9,9 @@ document ``--runs`` times after one untimed run, and this prints:
   time (``cProfile`` over the timed runs), which names
   the host work on the critical path of an overlapped step (launch + grammar before the GPU's
   forward ends, verify + commit after it);
-* with ``--trace DIR``, a ``torch.profiler`` chrome trace of one run per mode (CPU + CUDA) and
-  the GPU's busy fraction during it.
+* with ``--trace DIR``, a ``torch.profiler`` chrome trace of one run per mode (CPU + CUDA), the
+  GPU's busy fraction during it and the median timeline of its graph steps (launch, GPU end,
+  host tail after the GPU went idle, and the host ops that fill that tail).
 
     python benchmarks/profile_step.py --tokenizer smollm2=DIR --config smollm2-135m:smollm2:1:64
 """
@@ -56,6 +57,52 @@ def gpu_busy_fraction(prof) -> float:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
     return busy / max(1, spans[-1][1] - spans[0][0])
+
+
+def graph_step_timeline(trace_path: Path, top: int = 8) -> dict | None:
+    """Per-step timeline of a chrome trace (``torch.profiler`` export) of CUDA-graph steps.
+
+    A step runs from one ``cudaGraphLaunch`` to the next. Returns medians in microseconds:
+    ``step``; ``launch`` (the host's ``cudaGraphLaunch`` call); ``gpu_end`` (the end of the
+    graph's last kernel, from the launch: the kernels a replay runs share its correlation id);
+    ``tail`` (``step - gpu_end``: host work after the forward, i.e. verify, commit, the next
+    step's draft and input preparation, with the small kernels they launch), and the
+    host ops (CPU ops and CUDA runtime calls) with the most time in the tails, per step. None
+    when the trace has fewer than two graph launches.
+    """
+    import json
+    import statistics
+    from collections import Counter
+
+    events = sorted(
+        (e for e in json.loads(trace_path.read_text())["traceEvents"] if e.get("ph") == "X"),
+        key=lambda e: e["ts"],
+    )
+    launches = [e for e in events if e["name"] == "cudaGraphLaunch"]
+    if len(launches) < 2:
+        return None
+    graph_end: dict[int, float] = {}
+    for k in events:
+        if k.get("cat") == "kernel":
+            c = k.get("args", {}).get("correlation")
+            graph_end[c] = max(graph_end.get(c, 0.0), k["ts"] + k["dur"])
+    steps, tail_ops = [], Counter()
+    for a, b in zip(launches, launches[1:]):
+        t0, t1 = a["ts"], b["ts"]
+        ends = [graph_end[a["args"]["correlation"]]] if a["args"].get("correlation") in graph_end else []
+        if not ends:
+            continue
+        gpu_end = max(ends)
+        steps.append((t1 - t0, a["dur"], gpu_end - t0, t1 - gpu_end))
+        for e in events:
+            if gpu_end <= e["ts"] < t1 and e.get("cat") in ("cpu_op", "cuda_runtime"):
+                tail_ops[e["name"]] += e["dur"]
+    if not steps:
+        return None
+    med = {k: statistics.median(x[i] for x in steps) for i, k in enumerate(("step", "launch", "gpu_end", "tail"))}
+    med["steps"] = len(steps)
+    med["tail_ops"] = [(name, us / len(steps)) for name, us in tail_ops.most_common(top)]
+    return med
 
 
 def main() -> None:
@@ -126,6 +173,12 @@ def main() -> None:
                     path = args.trace / f"{config.replace(':', '_')}_{mode}.json"
                     tp.export_chrome_trace(str(path))
                     print(f"trace {path}; GPU busy {gpu_busy_fraction(tp):.0%} of the traced span")
+                    line = graph_step_timeline(path)
+                    if line is not None:
+                        print(f"graph steps: {line['steps']}; median us: step {line['step']:.0f}, launch "
+                              f"{line['launch']:.0f}, GPU end {line['gpu_end']:.0f}, tail {line['tail']:.0f}; "
+                              "host ops in the tail, us/step: "
+                              + ", ".join(f"{n} {us:.0f}" for n, us in line["tail_ops"]))
             finally:
                 worker.close()
         s.runner.agree_with(None)
