@@ -23,9 +23,6 @@ import torch
 #: Tokens per row chunk and torch thread: each thread's share of the ``{0, -1}`` temporary is
 #: 256 KiB (int32) or 128 KiB, so it stays in the core's cache.
 CHUNK_TOKENS = 1 << 16
-# Logits per chunk of the plain argmax pre-pass (no temporary: only a gathered copy of rows
-# selected by index, 64 MiB in float32).
-_ARGMAX_CHUNK = 1 << 24
 
 # Integer view of each float dtype, the bit pattern of -inf in it, and its width in bits.
 _INT_VIEW = {
@@ -101,37 +98,10 @@ def apply_token_bitmask_inplace_torch(
 def masked_argmax_torch(
     logits: torch.Tensor, bitmask: torch.Tensor, *, indices: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Torch path of :func:`spec_grammar.kernels.masked_argmax` (same arguments and result).
-
-    On the CPU each row's plain argmax is taken first: when that token is allowed it is the
-    masked argmax too (the first index of the row's maximum, so no allowed token before it
-    ties with it), and only the other rows are masked. With a model that mostly agrees with
-    its grammar that skips the apply (~4 passes over the row) for most rows; the check costs
-    one read pass. (Elsewhere it would read a count back to the host: masked directly.)"""
-    if logits.device.type != "cpu":
-        return _masked_argmax_rows(logits, bitmask, indices)
-    n = logits.shape[0] if indices is None else indices.shape[0]
-    arg = torch.empty(n, dtype=torch.int64)
-    best = torch.empty(n, dtype=logits.dtype)
-    step = max(1, _ARGMAX_CHUNK // max(logits.shape[1], 1))
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        x = logits[r0:r1] if indices is None else logits.index_select(0, indices[r0:r1])
-        arg[r0:r1] = x.argmax(dim=1)
-        best[r0:r1] = x.gather(1, arg[r0:r1, None]).squeeze(1)
-    covered = bitmask.shape[1] * 32
-    word = bitmask.gather(1, (arg.clamp(max=covered - 1) // 32)[:, None]).squeeze(1).long()
-    allowed = (((word >> (arg % 32)) & 1) == 1) & (arg < covered) & (best > float("-inf"))
-    redo = (~allowed).nonzero().flatten()
-    if redo.numel():
-        arg[redo] = _masked_argmax_rows(logits, bitmask[redo], redo if indices is None else indices[redo])
-    return arg
-
-
-def _masked_argmax_rows(
-    logits: torch.Tensor, bitmask: torch.Tensor, indices: torch.Tensor | None
-) -> torch.Tensor:
-    """Masked argmax by applying the mask to a copy of each row chunk."""
+    """Torch path of :func:`spec_grammar.kernels.masked_argmax` (same arguments and result):
+    the mask applied to a copy of each row chunk, then ``argmax``. (Greedy verification asks
+    only for rows whose unmasked greedy token the grammar forbids:
+    :mod:`spec_grammar.worker.batch_verify` checks the others on the host.)"""
     n = logits.shape[0] if indices is None else indices.shape[0]
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     # argmax parallelizes over rows: give every thread at least one row per chunk.

@@ -274,15 +274,19 @@ def _grammar_rows(
     return rows_of
 
 
+def _mask_rows(bitmask: torch.Tensor, rows_of: list[int], rows: list[int], device: torch.device) -> torch.Tensor:
+    """The bitmask rows of flat logits rows ``rows``, copied out of the host buffer to ``device``."""
+    return bitmask[torch.tensor([rows_of[r] for r in rows])].to(device, non_blocking=True)
+
+
 def _resolve(
     logits: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int], n_max: int
 ) -> None:
     """The masked argmax of flat rows ``rows`` (``i * n_max + node``; their bitmask rows go
     up) into ``best``."""
     flat, per = _flat_rows(logits)
-    dev = flat.device
-    mask = bitmask[torch.tensor([rows_of[r] for r in rows])].to(dev, non_blocking=True)
-    idx = torch.tensor([r // n_max * per + r % n_max for r in rows]).to(dev, non_blocking=True)
+    mask = _mask_rows(bitmask, rows_of, rows, flat.device)
+    idx = torch.tensor([r // n_max * per + r % n_max for r in rows]).to(flat.device, non_blocking=True)
     for r, t in zip(rows, masked_argmax(flat, mask, idx).tolist()):
         best[r] = t
 
@@ -295,7 +299,7 @@ def _resolve_exact(
     i = torch.tensor([r // n_max for r in rows], device=logits.device)
     j = torch.tensor([r % n_max for r in rows], device=logits.device)
     x = logits[i, j].float()
-    kernels.apply_token_bitmask_inplace(x, bitmask[torch.tensor([rows_of[r] for r in rows])].to(x.device))
+    kernels.apply_token_bitmask_inplace(x, _mask_rows(bitmask, rows_of, rows, x.device))
     dead = ~torch.isfinite(x.amax(dim=-1))
     for r, t in zip(rows, x.argmax(dim=-1).masked_fill_(dead, -1).tolist()):
         best[r] = t

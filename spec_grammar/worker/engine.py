@@ -570,7 +570,7 @@ class SpecWorker:
         in_thread = False
         greedy = [batch_greedy_eligible(st.sampling) for st in live]
         # the greedy tokens of every row come from the forward's graph (no argmax launch)
-        fwd = dict(with_argmax=any(greedy))
+        with_argmax = any(greedy)
         if graph_overlap:
             # The grammar work runs inline after the graph replay returns, or in the grammar
             # thread started right before the replay (whose host-side launch releases the GIL;
@@ -591,7 +591,7 @@ class SpecWorker:
                     started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask))
 
             try:
-                out = self.runner.forward_trees(rids, trees, before_launch=before_launch, **fwd)
+                out = self.runner.forward_trees(rids, trees, before_launch=before_launch, with_argmax=with_argmax)
             except BaseException:
                 wait(started)  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
@@ -610,19 +610,19 @@ class SpecWorker:
         elif self._pool is not None:
             fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
             try:
-                out = self.runner.forward_trees(rids, trees, **fwd)
+                out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
             except BaseException:
                 wait([fut])  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
             t2 = time.perf_counter()
             work = fut.result()
         else:
-            out = self.runner.forward_trees(rids, trees, **fwd)
+            out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
             if self.runner.device.type == "cuda":  # in order: the forward ends before the grammar work starts
                 torch.cuda.current_stream(self.runner.device).synchronize()
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask)
-        logits, top = out if fwd["with_argmax"] else (out, None)
+        logits, top = out if with_argmax else (out, None)
         if bitmask is not None:
             self._device_masks(work, logits, live, trees, greedy, launched[0] if graph_overlap and launched else None)
         t3 = time.perf_counter()
