@@ -59,6 +59,8 @@ CONFIGS = {
     "ngram-tree-sync": (dict(draft="ngram", num_draft_tokens=6, overlap=False), False),
     "self-chain-overlap": (dict(draft="self:2", topk=1, num_steps=4, num_draft_tokens=5, overlap=True), True),
     "self-tree-sync": (dict(draft="self:2", topk=3, num_steps=3, num_draft_tokens=6, overlap=False), True),
+    # no tree fills: the greedy walks ask the matchers token by token
+    "ngram-tree-lazy": (dict(draft="ngram", num_draft_tokens=6, lazy_grammar=True), True),
 }
 SMALL_SCHEMAS = 8
 # xgrammar gets every config (overlap off with the n-gram drafter only under --run-slow, the
@@ -66,7 +68,7 @@ SMALL_SCHEMAS = 8
 CASES = [
     pytest.param(b, c, marks=[pytest.mark.slow] if c == "ngram-tree-sync" else [])
     for b in BACKENDS
-    for c in (CONFIGS if b == "xgrammar" else ("ngram-tree-overlap",))
+    for c in (CONFIGS if b == "xgrammar" else ("ngram-tree-overlap", "ngram-tree-lazy"))
 ]
 
 
@@ -221,6 +223,31 @@ def test_graph_steps_mask_forbidden_greedy_tokens_on_demand_or_early(monkeypatch
     assert share > 0  # steps met forbidden greedy tokens (the on-demand path ran)
     assert any(s.forbidden_rows for s in stats)
     assert any(s.early_mask for s in stats) == early
+    for i, g in zip(indices, got):
+        r = reference(name)[i]
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
+
+
+def test_graph_steps_switch_between_tree_fills_and_lazy_walks(monkeypatch):
+    """CUDA-graph steps (emulated) choose per step between filling the trees under the forward
+    and lazy walks (:class:`LazyGrammar`; alternated here): the matcher of a request is fed each
+    committed token exactly once across the switches, and the outputs equal plain constrained
+    decoding."""
+    from spec_grammar.worker.placement import LazyGrammar
+
+    name = "xgrammar"
+    model, tok = model_and_tokenizer()
+    _, reqs = batch(name)
+    indices = small(name)
+    turn = iter(range(10**6))
+    monkeypatch.setattr(LazyGrammar, "use_lazy", lambda self, rows, requests, launch_ms: next(turn) % 3 != 0)
+    with SpecWorker(make_runner(model, "emulated"), tok, backend=backend(name), draft="ngram",
+                    num_draft_tokens=6) as worker:
+        got = worker.run([reqs[i] for i in indices])
+        stats = list(worker.step_stats)
+    lazy = [s.lazy_requests > 0 for s in stats]
+    assert True in lazy and False in lazy
+    assert any(s.forbidden_rows for s, z in zip(stats, lazy) if z)  # lazy walks masked refused tokens too
     for i, g in zip(indices, got):
         r = reference(name)[i]
         assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)

@@ -29,17 +29,22 @@ host time that a 1.3 ms forward of a small model could not hide). The result is 
 
 from __future__ import annotations
 
-from typing import Collection, Sequence
+import time
+from typing import TYPE_CHECKING, Collection, Sequence
 
 import numpy as np
 import torch
 
 from .. import kernels
-from ..errors import BitmaskError, GrammarStateError
+from ..bitmask import bitmask_width
+from ..errors import BitmaskError, GrammarStateError, SpecGrammarError
 from ..kernels import masked_argmax
 from ..tree import DraftTree
 from .sampling import SamplingParams
 from .verify import greedy_walk, node_validity
+
+if TYPE_CHECKING:
+    from ..protocol import SpecGrammar
 
 __all__ = ["batch_greedy_eligible", "launch_masked_rows", "verify_greedy_batch"]
 
@@ -68,6 +73,7 @@ def verify_greedy_batch(
     offsets: Sequence[int | None] = (),
     valids: Sequence[torch.Tensor | None] = (),
     stop_token_ids: Sequence[Collection[int]] = (),
+    matchers: Sequence["SpecGrammar | None"] = (),
     row_argmax: torch.Tensor | None = None,
     masked_rows: torch.Tensor | None = None,
     stats: dict | None = None,
@@ -81,9 +87,13 @@ def verify_greedy_batch(
         bitmask: ``(rows, W)`` int32 host tensor holding the grammar rows of every grammar
             request (``offsets``), or None. Only single words are read on the host; rows the
             device needs are copied out of it before this returns.
-        offsets: per batch index, the first bitmask row of its tree, or None (no grammar).
+        offsets: per batch index, the first bitmask row of its tree, or None (no filled rows).
         valids: per batch index, ``(N,)`` bool node validity from the tree fill, or None.
         stop_token_ids: per batch index, tokens never expanded.
+        matchers: per batch index, the matcher of a request verified *lazily* (no bitmask
+            rows: ``offsets[i]`` None), at the state after its committed tokens, or None. Its
+            walk asks the matcher for each greedy token it reads (:class:`_LazyWalk`) and
+            leaves it advanced by exactly the committed run (accepted path tokens + bonus).
         row_argmax: ``(B, N_max)`` int64 on the logits' device, the
             :func:`~spec_grammar.kernels.row_argmax` of ``logits`` (the runner's graph computes
             it: ``forward_trees(..., with_argmax=True)``); computed here when None.
@@ -91,13 +101,16 @@ def verify_greedy_batch(
             bitmask row queued while the forward ran (:func:`launch_masked_rows`): read back
             with the greedy tokens, it replaces the device round trip of step 3.
         stats: if given, ``stats["forbidden_rows"]`` is set to the number of rows the walks
-            visited whose grammar forbids their greedy token.
+            visited whose grammar forbids their greedy token, and ``stats["lazy_ms"]`` to
+            ``{batch index: milliseconds}`` of each lazy walk's grammar work (its matcher calls
+            and row fills: work no forward hides).
 
     Returns ``{batch index: (accepted nodes root first, bonus token)}``, or the
-    :class:`GrammarStateError` of a request whose root row allows no token (the caller ends
-    that request alone). Raises :class:`BitmaskError` on inputs that do not fit together
-    (selected indices, tree sizes, ``valids``, ``row_argmax`` or ``masked_rows`` shapes, grammar
-    requests without a bitmask or with rows outside it, early rows that this bitmask forbids).
+    :class:`GrammarStateError` of a request whose root row allows no token or whose matcher
+    failed (the caller ends that request alone). Raises :class:`BitmaskError` on inputs that do
+    not fit together (selected indices, tree sizes, ``valids``, ``row_argmax`` or
+    ``masked_rows`` shapes, grammar requests without a bitmask or with rows outside it, a
+    request with both bitmask rows and a lazy matcher, early rows that this bitmask forbids).
     """
     if not selected:
         return {}
@@ -108,6 +121,7 @@ def verify_greedy_batch(
     words = bitmask.numpy() if masked else None
     if masked_rows is not None:
         _check_masked_rows(masked_rows, bitmask, logits.device)
+    walks = _lazy_walks(trees, selected, offsets, matchers, stop_token_ids, n_max, vocab)
     oks = {i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in selected}
     stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in selected}
     top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
@@ -119,15 +133,21 @@ def verify_greedy_batch(
         best, early = both[: b * n_max], both[b * n_max :]
     resolved: set[int] = set()  # rows whose masked argmax replaced the greedy token
     out: dict[int, Verified] = {}
-    todo = list(selected)
-    while todo:
+    todo = [i for i in selected if i not in walks]
+    lazy = list(walks)
+    while todo or lazy:
         unknown: list[int] = []
         retry = []
         for i in todo:
             base, n = i * n_max, trees[i].num_nodes
             best_i = best[base : base + n]
+            # a NaN / +inf maximum of a grammar row is decided by its masked row: visit it
+            alive = [
+                t >= 0 or (t == kernels.NONFINITE and rows_of[base + k] >= 0 and base + k not in resolved)
+                for k, t in enumerate(best_i)
+            ]
             try:
-                out[i] = greedy_walk(trees[i], best_i, [t >= 0 for t in best_i], oks[i], vocab, stops[i])
+                out[i] = greedy_walk(trees[i], best_i, alive, oks[i], vocab, stops[i])
             except GrammarStateError as e:
                 out[i] = e
             visited = out[i][0] if isinstance(out[i], tuple) else [0]
@@ -135,30 +155,145 @@ def verify_greedy_batch(
                 r for r in (base + node for node in visited)
                 if rows_of[r] >= 0 and r not in resolved and not _allows(words, rows_of[r], best[r])
             ]
-            if rows:  # the walk read a row whose greedy token its grammar forbids
+            if rows:  # the walk read a row whose grammar forbids its greedy token
                 unknown.extend(rows)
                 retry.append(i)
-        if unknown:
-            # a NaN / +inf maximum: the masked row decides (its maximum may be finite or not)
-            exact = [r for r in unknown if best[r] == kernels.NONFINITE]
-            fast = [r for r in unknown if best[r] != kernels.NONFINITE]
-            if exact:
-                _resolve_exact(logits, best, bitmask, rows_of, exact, n_max)
-            if fast and early is not None:
-                for r in fast:
-                    if not _allows(words, rows_of[r], early[rows_of[r]]):
-                        raise BitmaskError(
-                            f"masked_rows[{rows_of[r]}] = {early[rows_of[r]]}, a token this step's bitmask "
-                            "forbids: the early rows come from another bitmask"
-                        )
-                    best[r] = early[rows_of[r]]
-            elif fast:
-                _resolve(logits, best, bitmask, rows_of, fast, n_max)
-            resolved.update(unknown)
-        todo = retry
+        if early is not None:  # rows masked while the forward ran: no round trip
+            for r in [r for r in unknown if best[r] != kernels.NONFINITE]:
+                if not _allows(words, rows_of[r], early[rows_of[r]]):
+                    raise BitmaskError(
+                        f"masked_rows[{rows_of[r]}] = {early[rows_of[r]]}, a token this step's bitmask "
+                        "forbids: the early rows come from another bitmask"
+                    )
+                best[r] = early[rows_of[r]]
+                resolved.add(r)
+        need = [r for r in unknown if r not in resolved]
+        masks = [bitmask[torch.tensor([rows_of[r] for r in need], dtype=torch.long)]] if need else []
+        blocked = []
+        for i in lazy:
+            r = walks[i].walk(best, resolved)
+            if r is None:
+                out[i] = walks[i].result
+            else:
+                blocked.append(i)
+                need.append(r)
+        if blocked:  # the rows lazy walks stopped at, filled now
+            masks.append(_fill_rows([walks[i] for i in blocked], bitmask_width(vocab)))
+        if need:
+            _resolve(logits, best, need, _stack(masks), n_max)
+            resolved.update(need)
+        todo, lazy = retry, blocked
     if stats is not None:
         stats["forbidden_rows"] = len(resolved)
+        stats["lazy_ms"] = {i: w.ms for i, w in walks.items()}
     return out
+
+
+class _LazyWalk:
+    """The greedy walk of one request verified without a tree fill: at each row it reaches, its
+    matcher is asked to accept the row's greedy token (which is the masked argmax too when the
+    grammar allows it: it is the row's first maximum). Where the grammar refuses it, the walk
+    stops at that row until its masked argmax is known (:meth:`fill` gives the row's mask).
+
+    The matcher ends advanced by the committed run: each token the walk reads is accepted
+    once. A child whose row turns out dead (no allowed token has a finite logit) is taken back
+    as the bonus, which :func:`~spec_grammar.worker.verify.greedy_walk` decides before entering
+    it: same committed tokens, same accepted nodes."""
+
+    __slots__ = ("tree", "matcher", "base", "stops", "node", "accepted", "ms", "result")
+
+    def __init__(self, tree: DraftTree, matcher: "SpecGrammar", base: int, stops: Collection[int]):
+        self.tree, self.matcher, self.base, self.stops = tree, matcher, base, stops
+        self.node = 0
+        self.accepted = [0]
+        self.ms = 0.0
+        self.result: Verified | None = None
+
+    def walk(self, best: list[int], resolved: set[int]) -> int | None:
+        """Walk on over ``best`` (flat greedy or, for ``resolved`` rows, masked tokens): None
+        once :attr:`result` is set, else the flat row whose masked argmax it needs."""
+        t0 = time.perf_counter()
+        try:
+            return self._walk(best, resolved)
+        except SpecGrammarError as e:
+            self.result = e if isinstance(e, GrammarStateError) else GrammarStateError(str(e))
+        except Exception as e:  # a grammar fault ends this request only
+            self.result = GrammarStateError(f"the grammar failed during verification: {type(e).__name__}: {e}")
+        finally:
+            self.ms += (time.perf_counter() - t0) * 1e3
+        return None
+
+    def _walk(self, best: list[int], resolved: set[int]) -> int | None:
+        tokens = self.tree.token_list
+        if self.node == 0 and len(self.accepted) == 1 and self.matcher.is_terminated():
+            raise GrammarStateError("the grammar terminated without a stop token being committed")
+        while True:
+            r = self.base + self.node
+            g = best[r]
+            if g == -1:  # no allowed token has a finite logit: the row is dead
+                if self.node == 0:
+                    raise GrammarStateError(
+                        "the processed row of node 0 allows no token: nothing can be sampled"
+                    )
+                self.result = (self.accepted[:-1], tokens[self.accepted[-1]])
+                return None
+            if g < 0 or not self.matcher.accept_token(g):
+                if r in resolved:
+                    raise GrammarStateError(
+                        f"the grammar refused token {g}, which its own mask allows (a mask/accept mismatch)"
+                    )
+                return r
+            nxt = None if g in self.stops or self.matcher.is_terminated() else next(
+                (c for c in self.tree.children(self.node) if tokens[c] == g), None
+            )
+            if nxt is None:
+                self.result = (self.accepted, g)
+                return None
+            self.accepted.append(nxt)
+            self.node = nxt
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The allowed set of the row this walk stopped at into ``bitmask[row]``."""
+        t0 = time.perf_counter()
+        try:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        finally:
+            self.ms += (time.perf_counter() - t0) * 1e3
+
+
+def _lazy_walks(
+    trees: Sequence[DraftTree],
+    selected: Sequence[int],
+    offsets: Sequence[int | None],
+    matchers: Sequence["SpecGrammar | None"],
+    stop_token_ids: Sequence[Collection[int]],
+    n_max: int,
+    vocab: int,
+) -> dict[int, _LazyWalk]:
+    walks = {}
+    for i in selected:
+        m = matchers[i] if i < len(matchers) else None
+        if m is None:
+            continue
+        if i < len(offsets) and offsets[i] is not None:
+            raise BitmaskError(f"request {i} has both bitmask rows and a lazy matcher")
+        if m.info.vocab_size != vocab:
+            raise BitmaskError(f"request {i}'s matcher masks {m.info.vocab_size} tokens, the logits have {vocab}")
+        walks[i] = _LazyWalk(trees[i], m, i * n_max, frozenset(stop_token_ids[i] if i < len(stop_token_ids) else ()))
+    return walks
+
+
+def _fill_rows(walks: Sequence[_LazyWalk], width: int) -> torch.Tensor:
+    """``(len(walks), width)`` int32 host rows: the mask of the row each walk stopped at. A walk
+    whose fill raises gets a zero row and its error as its result (it ends with that row)."""
+    masks = torch.zeros((len(walks), width), dtype=torch.int32)
+    for k, w in enumerate(walks):
+        try:
+            w.fill(masks, k)
+        except Exception as e:  # a grammar fault ends this request only
+            masks[k] = 0
+            w.result = GrammarStateError(f"the grammar failed while filling a row: {type(e).__name__}: {e}")
+    return masks
 
 
 def launch_masked_rows(
@@ -274,32 +409,33 @@ def _grammar_rows(
     return rows_of
 
 
-def _mask_rows(bitmask: torch.Tensor, rows_of: list[int], rows: list[int], device: torch.device) -> torch.Tensor:
-    """The bitmask rows of flat logits rows ``rows``, copied out of the host buffer to ``device``."""
-    return bitmask[torch.tensor([rows_of[r] for r in rows])].to(device, non_blocking=True)
+def _stack(masks: list[torch.Tensor]) -> torch.Tensor:
+    """Host mask rows of different widths (a step bitmask narrower than the logits, lazily
+    filled rows as wide as them) as one tensor; missing words are zero (forbidden)."""
+    width = max(m.shape[1] for m in masks)
+    return torch.cat([m if m.shape[1] == width else torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
 
 
-def _resolve(
-    logits: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int], n_max: int
-) -> None:
-    """The masked argmax of flat rows ``rows`` (``i * n_max + node``; their bitmask rows go
-    up) into ``best``."""
+def _resolve(logits: torch.Tensor, best: list[int], rows: list[int], masks: torch.Tensor, n_max: int) -> None:
+    """The masked argmax of flat rows ``rows`` (``i * n_max + node``) under host ``masks``
+    ``(len(rows), W)`` int32, into ``best``: one upload and one read-back. Rows whose maximum
+    is NaN or +inf are decided as the per-request path does: the masked float32 row's argmax,
+    or ``-1`` (no token) when its maximum is not finite."""
     flat, per = _flat_rows(logits)
-    mask = _mask_rows(bitmask, rows_of, rows, flat.device)
-    idx = torch.tensor([r // n_max * per + r % n_max for r in rows]).to(flat.device, non_blocking=True)
-    for r, t in zip(rows, masked_argmax(flat, mask, idx).tolist()):
-        best[r] = t
-
-
-def _resolve_exact(
-    logits: torch.Tensor, best: list[int], bitmask: torch.Tensor, rows_of: list[int], rows: list[int], n_max: int
-) -> None:
-    """Rows whose maximum is NaN or +inf, decided as the per-request path does: the masked
-    float32 row's argmax, or ``-1`` (no token) when its maximum is not finite."""
-    i = torch.tensor([r // n_max for r in rows], device=logits.device)
-    j = torch.tensor([r % n_max for r in rows], device=logits.device)
-    x = logits[i, j].float()
-    kernels.apply_token_bitmask_inplace(x, _mask_rows(bitmask, rows_of, rows, x.device))
-    dead = ~torch.isfinite(x.amax(dim=-1))
-    for r, t in zip(rows, x.argmax(dim=-1).masked_fill_(dead, -1).tolist()):
-        best[r] = t
+    dev = masks.to(flat.device, non_blocking=True)
+    fast = [k for k, r in enumerate(rows) if best[r] != kernels.NONFINITE]
+    exact = [k for k, r in enumerate(rows) if best[r] == kernels.NONFINITE]
+    got: dict[int, int] = {}
+    if fast:
+        idx = torch.tensor([rows[k] // n_max * per + rows[k] % n_max for k in fast]).to(flat.device, non_blocking=True)
+        sel = dev if len(fast) == len(rows) else dev[torch.tensor(fast, device=dev.device)]
+        got.update(zip(fast, masked_argmax(flat, sel, idx).tolist()))
+    if exact:
+        i = torch.tensor([rows[k] // n_max for k in exact], device=logits.device)
+        j = torch.tensor([rows[k] % n_max for k in exact], device=logits.device)
+        x = logits[i, j].float()
+        kernels.apply_token_bitmask_inplace(x, dev[torch.tensor(exact, device=dev.device)])
+        dead = ~torch.isfinite(x.amax(dim=-1))
+        got.update(zip(exact, x.argmax(dim=-1).masked_fill_(dead, -1).tolist()))
+    for k, r in enumerate(rows):
+        best[r] = got[k]

@@ -25,7 +25,10 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
    every row (computed in its CUDA graph) is read back once and checked against one word of the
    host bitmask; only rows whose grammar forbids it are masked on the device
    (:mod:`.batch_verify`), or all grammar rows early while the forward runs where that pays
-   (:class:`~.placement.EarlyMask`). Other requests: ``process_tree_logits`` (penalties,
+   (:class:`~.placement.EarlyMask`). Greedy grammar requests may also skip the tree fill
+   (*lazy* verification, :class:`~.placement.LazyGrammar`): their walks ask the matcher to
+   accept each greedy token they read and fill only a row whose greedy token it refuses, which
+   pays where a step's tree fills would not hide under its forward. Other requests: ``process_tree_logits`` (penalties,
    grammar mask, temperature) then ``verify_greedy`` / ``verify_stochastic``. The committed run
    (accepted path tokens + bonus) is truncated at a stop token (EOS / grammar completion), a
    stop string or ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
@@ -42,7 +45,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -52,7 +55,7 @@ from ..tree import DraftTree
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
 from .host_bitmask import HostBitmaskRing
-from .placement import EarlyMask, GrammarPlacement
+from .placement import EarlyMask, GrammarPlacement, LazyGrammar
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
 from .batch_verify import batch_greedy_eligible, launch_masked_rows, verify_greedy_batch
 from .runner import ModelRunner
@@ -155,6 +158,11 @@ class SpecWorker:
             fixed); a second thread was 0.76x on 2 cores
             (``benchmarks/results/grammar-threads-h200.md``). Raises ``ValueError`` unless None
             or an int >= 1.
+        lazy_grammar: verify greedy grammar requests lazily, without tree fills (each walk
+            asks the matcher for the greedy tokens it reads; :class:`~.placement.LazyGrammar`).
+            None (default): on CUDA-graph steps with overlap, whenever the measured fill time
+            would not hide under the forward; True: always; False: never. Outputs do not depend
+            on it.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
     """
@@ -177,6 +185,7 @@ class SpecWorker:
         cuda_graphs: bool | None = None,
         grammar_threads: int | None = None,
         fused_forward: bool | None = None,
+        lazy_grammar: bool | None = None,
     ):
         if grammar_threads is not None and (
             isinstance(grammar_threads, bool) or not isinstance(grammar_threads, int) or grammar_threads < 1
@@ -226,6 +235,8 @@ class SpecWorker:
         self.grammar_threads = grammar_threads or 1
         self._placement = GrammarPlacement()
         self._early_mask = EarlyMask()
+        self.lazy_grammar = lazy_grammar
+        self._lazy = LazyGrammar()
         self._pool: ThreadPoolExecutor | None = None
         self._group_pool: ThreadPoolExecutor | None = None
         self._open_pools()
@@ -337,15 +348,19 @@ class SpecWorker:
         trees: Sequence[DraftTree],
         draining: Sequence[RequestState],
         bitmask: torch.Tensor | None,
+        lazy: Collection[str] = (),
     ) -> _GrammarWork:
         """Advance + fill for the whole step: request groups in parallel (this thread takes
         the first), merged in request order. ``bitmask``: ``(rows, W)`` int32 host buffer with
-        one row per node of every live grammar request, in request order."""
+        one row per node of every live grammar request not in ``lazy`` (ids of requests
+        verified lazily: advanced only), in request order."""
         t0 = time.perf_counter()
         entries: list[tuple[RequestState, DraftTree | None, int]] = [(st, None, 0) for st in draining]
         rows = 0
         for st, tree in zip(live, trees):
-            if st.matcher is not None:
+            if st.rid in lazy:
+                entries.append((st, None, 0))
+            elif st.matcher is not None:
                 entries.append((st, tree, rows))
                 rows += tree.num_nodes
         # a draining request only accepts its last tokens: far cheaper than a tree fill
@@ -374,7 +389,8 @@ class SpecWorker:
         self, entries: Sequence[tuple[RequestState, DraftTree | None, int]], bitmask: torch.Tensor | None
     ) -> _GrammarWork:
         """Advance + fill of one contiguous group of requests: ``(state, tree, first row)``
-        with ``tree`` None for a finished request that only takes its last tokens. One
+        with ``tree`` None for a request that is only advanced (a finished one taking its last
+        tokens, or one verified lazily). One
         ``fill_tree_bitmasks`` call for the group; if it raises, each request is filled alone
         so that only the failing one ends."""
         work = _GrammarWork()
@@ -546,14 +562,40 @@ class SpecWorker:
         ]
         t1 = time.perf_counter()
         rids = [s.rid for s in live]
-        rows = sum(t.num_nodes for s, t in zip(live, trees) if s.matcher is not None)
+        greedy = [batch_greedy_eligible(st.sampling) for st in live]
+        lazy = self._lazy_requests(live, trees, greedy)
+        rows = sum(t.num_nodes for s, t in zip(live, trees) if s.matcher is not None and s.rid not in lazy)
         bitmask = self._bitmasks.acquire(rows) if rows else None
         try:
-            return self._verify_step(live, trees, draining, bitmask, rids, t0, t1)
+            return self._verify_step(live, trees, draining, bitmask, rids, greedy, lazy, t0, t1)
         finally:
             if bitmask is not None:
                 # every upload from this buffer was queued on the current stream by now
                 self._bitmasks.record_upload(self.runner.device)
+
+    def _lazy_requests(
+        self, live: Sequence[RequestState], trees: Sequence[DraftTree], greedy: Sequence[bool]
+    ) -> frozenset[str]:
+        """Ids of the requests this step verifies lazily (no tree fill): greedy grammar
+        requests, as ``lazy_grammar`` says (None: :class:`.LazyGrammar`'s choice on CUDA-graph
+        steps with overlap). A request whose rows a grammar-aware drafter computed while
+        drafting keeps them: they are its verification rows."""
+        if self.lazy_grammar is False:
+            return frozenset()
+        cands = [
+            (st, t)
+            for st, t, g in zip(live, trees, greedy)
+            if g and st.matcher is not None and self._drafted_rows(st, t) is None
+        ]
+        if not cands:
+            return frozenset()
+        if self.lazy_grammar is None and not (
+            self.overlap
+            and self.runner.uses_cuda_graphs
+            and self._lazy.use_lazy(sum(t.num_nodes for _, t in cands), len(cands), self._placement.launch_ms)
+        ):
+            return frozenset()
+        return frozenset(st.rid for st, _ in cands)
 
     def _verify_step(
         self,
@@ -562,13 +604,14 @@ class SpecWorker:
         draining: list[RequestState],
         bitmask: torch.Tensor | None,
         rids: list[str],
+        greedy: list[bool],
+        lazy: frozenset[str],
         t0: float,
         t1: float,
     ) -> StepStats:
         """Verify forward (grammar work under it), then mask, verify and commit."""
         graph_overlap = self.overlap and self.runner.uses_cuda_graphs
         in_thread = False
-        greedy = [batch_greedy_eligible(st.sampling) for st in live]
         # the greedy tokens of every row come from the forward's graph (no argmax launch)
         with_argmax = any(greedy)
         if graph_overlap:
@@ -588,7 +631,7 @@ class SpecWorker:
             def before_launch() -> None:
                 launched.append(time.perf_counter())
                 if want_thread:
-                    started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask))
+                    started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask, lazy))
 
             try:
                 out = self.runner.forward_trees(rids, trees, before_launch=before_launch, with_argmax=with_argmax)
@@ -603,12 +646,12 @@ class SpecWorker:
                 # a virtual machine a blocked thread can take a millisecond to run again)
                 grammar_ms = (time.perf_counter() - launched[0]) * 1e3
             else:
-                work = self._grammar_work(live, trees, draining, bitmask)
+                work = self._grammar_work(live, trees, draining, bitmask, lazy)
                 grammar_ms = work.ms
             if launched and units:
                 self._placement.record(in_thread, units, grammar_ms, (t2 - launched[0]) * 1e3)
         elif self._pool is not None:
-            fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask)
+            fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask, lazy)
             try:
                 out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
             except BaseException:
@@ -621,7 +664,7 @@ class SpecWorker:
             if self.runner.device.type == "cuda":  # in order: the forward ends before the grammar work starts
                 torch.cuda.current_stream(self.runner.device).synchronize()
             t2 = time.perf_counter()
-            work = self._grammar_work(live, trees, draining, bitmask)
+            work = self._grammar_work(live, trees, draining, bitmask, lazy)
         logits, top = out if with_argmax else (out, None)
         if bitmask is not None:
             self._device_masks(work, logits, live, trees, greedy, launched[0] if graph_overlap and launched else None)
@@ -638,7 +681,11 @@ class SpecWorker:
             st.grammar_ms += ms
             st.grammar_exposed_ms += ms * frac
         self._apply_errors(work, draining, t3)
-        verified = self._verify_batch(live, trees, logits, top, greedy, work)
+        verified, lazy_ms = self._verify_batch(live, trees, logits, top, greedy, work, lazy)
+        for st in live:
+            if st.rid in lazy_ms:  # the lazy walks' grammar work: after the forward, all exposed
+                st.grammar_ms += lazy_ms[st.rid]
+                st.grammar_exposed_ms += lazy_ms[st.rid]
         committed = 0
         for i, (st, tree) in enumerate(zip(live, trees)):
             st.steps += 1
@@ -647,14 +694,22 @@ class SpecWorker:
                 self._release(st)
                 continue
             try:
-                committed += self._accept(st, tree, logits[i, : tree.num_nodes], work, verified.get(i))
+                committed += self._accept(
+                    st, tree, logits[i, : tree.num_nodes], work, verified.get(i), fed=st.rid in lazy
+                )
             except SpecGrammarError as e:  # e.g. a matcher left with no allowed token
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
-        if graph_overlap and launched and bitmask is not None:  # the forward has ended by now
+        if graph_overlap and launched and (bitmask is not None or lazy):  # the forward has ended by now
             gpu_ms = gpu_ms if gpu_ms is not None else self.runner.last_forward_gpu_ms()
             if gpu_ms is not None:
                 self._early_mask.record_forward(gpu_ms)
+                self._lazy.record_forward(gpu_ms)
+            if lazy:
+                self._lazy.record_lazy(len(lazy_ms), sum(lazy_ms.values()))
+            elif bitmask is not None:
+                self._lazy.record_fill(bitmask.shape[0], work.ms)
+        lazy_total = sum(lazy_ms.values())
         t4 = time.perf_counter()
         return StepStats(
             batch_size=len(live),
@@ -662,13 +717,14 @@ class SpecWorker:
             step_ms=(t4 - t0) * 1e3,
             draft_ms=(t1 - t0) * 1e3,
             verify_forward_ms=(t2 - t1) * 1e3,
-            grammar_ms=work.ms,
-            grammar_exposed_ms=exposed,
+            grammar_ms=work.ms + lazy_total,
+            grammar_exposed_ms=exposed + lazy_total,
             sample_ms=(t4 - t3) * 1e3,
             committed_tokens=committed,
             grammar_in_thread=in_thread,
             forbidden_rows=work.forbidden_rows,
             early_mask=work.masked_rows is not None,
+            lazy_requests=len(lazy),
         )
 
     def _device_masks(
@@ -709,10 +765,13 @@ class SpecWorker:
         top: torch.Tensor | None,
         greedy: Sequence[bool],
         work: _GrammarWork,
-    ) -> dict:
+        lazy: Collection[str],
+    ) -> tuple[dict, dict[str, float]]:
         """Greedy verification of every eligible request at once (``greedy``): the forward's
         greedy tokens (``top``, from its graph) read back once, masked on the device only where
-        a grammar forbids them (:mod:`.batch_verify`)."""
+        a grammar forbids them (:mod:`.batch_verify`); requests in ``lazy`` walk with their
+        matchers. Returns the verified walks by batch index and the lazy walks' grammar
+        milliseconds by request id."""
         selected = [i for i, st in enumerate(live) if st.rid not in work.errors and greedy[i]]
         stats: dict = {}
         verified = verify_greedy_batch(
@@ -725,6 +784,7 @@ class SpecWorker:
             stop_token_ids=[
                 () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids for st in live
             ],
+            matchers=[st.matcher if st.rid in lazy else None for st in live],
             row_argmax=top,
             masked_rows=work.masked_rows,
             stats=stats,
@@ -732,7 +792,7 @@ class SpecWorker:
         if work.offsets and "forbidden_rows" in stats:
             self._early_mask.record_verify(stats["forbidden_rows"] > 0)
         work.forbidden_rows = stats.get("forbidden_rows", 0)
-        return verified
+        return verified, {live[i].rid: ms for i, ms in stats.get("lazy_ms", {}).items()}
 
     def _accept(
         self,
@@ -741,9 +801,12 @@ class SpecWorker:
         logits: torch.Tensor,
         work: _GrammarWork,
         verified: Any = None,
+        *,
+        fed: bool = False,
     ) -> int:
         """Mask, verify, truncate and commit one request; returns the tokens committed.
-        ``verified``: this request's result from :meth:`_verify_batch`, if it took part."""
+        ``verified``: this request's result from :meth:`_verify_batch`, if it took part;
+        ``fed``: its lazy walk has already fed the run to the matcher."""
         params = st.sampling
         if isinstance(verified, SpecGrammarError):
             raise verified
@@ -766,12 +829,12 @@ class SpecWorker:
         kept = 0
         for tok in run:
             if tok in stops:
-                if st.matcher is not None:
+                if st.matcher is not None and not fed:
                     st.pending.append(tok)  # the matcher sees its own termination
                 st.finish("grammar" if st.matcher is not None else "stop", now)
                 break
             st.output_ids.append(tok)
-            if st.matcher is not None:
+            if st.matcher is not None and not fed:
                 st.pending.append(tok)
             kept += 1
             if params.stop and self._hit_stop_string(st):

@@ -1,7 +1,8 @@
 """Where and when a CUDA-graph step's host work runs: choices made from the step times measured.
 
 :class:`GrammarPlacement` picks the thread of the grammar work; :class:`EarlyMask` decides
-whether the grammar rows are masked on the device while the forward still runs.
+whether the grammar rows are masked on the device while the forward still runs;
+:class:`LazyGrammar` decides whether greedy requests skip the tree fill altogether.
 
 With CUDA graphs the forward returns once launched, but launching is not free: the graph
 replay takes the host 0.3-1 ms (about 1 us per kernel node) and releases the GIL meanwhile.
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["EarlyMask", "GrammarPlacement"]
+__all__ = ["EarlyMask", "GrammarPlacement", "LazyGrammar"]
 
 
 class GrammarPlacement:
@@ -140,6 +141,74 @@ class EarlyMask:
         if not isinstance(forbidden, bool):
             raise ValueError(f"forbidden must be a bool, got {forbidden!r}")
         self.forbidden_share += self.alpha * (float(forbidden) - self.forbidden_share)
+
+
+class LazyGrammar:
+    """Whether a step verifies its greedy grammar requests *lazily*: no tree fill under the
+    forward; after it, each greedy walk asks the request's matcher to accept the greedy token of
+    each row it reaches, and fills only a row whose greedy token the grammar refuses
+    (:class:`~spec_grammar.worker.batch_verify._LazyWalk`).
+
+    A tree fill costs one full-vocabulary mask per node (7-25 us a row with xgrammar, more with
+    a 262k vocabulary), for every node of every tree, whether the walk reads the row or not; a
+    lazy walk costs about one token accept (~1-3 us) per committed token, plus a single-row fill
+    where the model wants a token its grammar forbids. The fill is free while it hides under the
+    forward; the lazy walk never hides (it needs the forward's tokens). So: fill while the
+    predicted fill (plus the launch's host time) stays under ``hide`` times the forward's GPU
+    time; past that, whichever exposes less time: ``launch + fill - hide * forward`` against
+    the lazy walks' measured milliseconds per request. Each mode runs first once to be measured
+    (the fill first), and the other mode every ``explore_every`` decisions so that its estimate
+    follows the load. Outputs never depend on it.
+
+    Args:
+        hide: the share of the forward's GPU time a fill may take and still count as hidden
+            (grammar time varies step to step: at 77-94% of the forward, the H200 runs exposed
+            some of it), in ``(0, 1]``.
+        explore_every, alpha: as in :class:`GrammarPlacement`.
+
+    Times are milliseconds. Raises ``ValueError`` on bad arguments or measurements.
+    """
+
+    def __init__(self, *, hide: float = 0.75, explore_every: int = 50, alpha: float = 0.2):
+        if not 0.0 < hide <= 1.0:
+            raise ValueError(f"hide must be in (0, 1], got {hide}")
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.hide, self.explore_every, self.alpha = hide, explore_every, alpha
+        self.forward_ms: float | None = None  # GPU time of a forward
+        self.row_ms: float | None = None  # grammar work of a fill step, per tree row
+        self.request_ms: float | None = None  # lazy walk of one request
+        self._decisions = 0
+
+    def use_lazy(self, rows: int, requests: int, launch_ms: float | None) -> bool:
+        """True: verify this step's ``requests`` greedy grammar requests (``rows`` tree rows in
+        all) lazily; False: fill their trees under the forward."""
+        if self.forward_ms is None or self.row_ms is None:
+            return False
+        self._decisions += 1
+        fill_exposed = max(0.0, (launch_ms or 0.0) + self.row_ms * rows - self.hide * self.forward_ms)
+        if self.request_ms is None:
+            return fill_exposed > 0.0
+        best = self.request_ms * requests < fill_exposed
+        return (not best) if self._decisions % self.explore_every == 0 else best
+
+    def record_forward(self, gpu_ms: float) -> None:
+        """A forward's GPU milliseconds."""
+        self.forward_ms = _ema(self.forward_ms, _checked("gpu_ms", gpu_ms), self.alpha)
+
+    def record_fill(self, rows: int, grammar_ms: float) -> None:
+        """A fill step's grammar work (advance + tree fill) over ``rows`` tree rows."""
+        _checked("grammar_ms", grammar_ms)
+        if rows > 0:
+            self.row_ms = _ema(self.row_ms, grammar_ms / rows, self.alpha)
+
+    def record_lazy(self, requests: int, grammar_ms: float) -> None:
+        """A lazy step's walks: ``grammar_ms`` in all over ``requests`` requests."""
+        _checked("grammar_ms", grammar_ms)
+        if requests > 0:
+            self.request_ms = _ema(self.request_ms, grammar_ms / requests, self.alpha)
 
 
 def _checked(name: str, ms: float) -> float:

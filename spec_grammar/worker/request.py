@@ -191,3 +191,6 @@ class StepStats(BaseModel):
     early_mask: bool = False
     """Every grammar row was masked on the device while the forward ran
     (:class:`~spec_grammar.worker.placement.EarlyMask`) rather than on demand after it."""
+    lazy_requests: int = 0
+    """Greedy grammar requests verified lazily: no tree fill, their matchers asked for the
+    greedy tokens their walks read (:class:`~spec_grammar.worker.placement.LazyGrammar`)."""
