@@ -247,10 +247,17 @@ class SpecGrammar:
         return ok
 
     def accept_tokens(self, tokens: Sequence[int]) -> int:
-        """Accept the longest acceptable prefix; stops at the first refusal or at termination.
-        Returns how many were accepted. Raises :class:`InvalidTokenError` (nothing accepted)
-        if any id is outside ``[0, V)``."""
-        ts = [self._check_token(t) for t in tokens]
+        """Accept the longest acceptable prefix; stops at the first refusal, at a padding id
+        (refused, as :meth:`accept_token` does) or at termination. Returns how many were
+        accepted. Raises :class:`InvalidTokenError` (nothing accepted) if any id is outside
+        ``[0, V)``."""
+        v = self.info.vocab_size
+        # plain in-range ints (the worker's runs) skip the per-token conversion
+        ts = list(tokens) if all(type(t) is int and 0 <= t < v for t in tokens) else [self._check_token(t) for t in tokens]
+        n_tok = self.info.tokenizer_vocab_size
+        pad = next((k for k, t in enumerate(ts) if t >= n_tok), None)
+        if pad is not None:
+            ts = ts[:pad]
         if not ts or self.is_terminated():
             return 0
         n = self._accept_tokens(ts)

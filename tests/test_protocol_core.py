@@ -170,6 +170,12 @@ def test_padding_columns_never_allowed(tokenizer):
 
     assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tokenizer):].any()
     assert m.accept_token(len(tokenizer) + 5) is False
+    # a run holding a padding id stops there: the adapter's hook never sees the id
+    seen, hook = [], m._accept_tokens
+    m._accept_tokens = lambda ts: seen.extend(ts) or hook(ts)
+    brace = tokenizer.encode("{", add_special_tokens=False)
+    assert m.accept_tokens(brace + [len(tokenizer) + 5] + brace) == len(brace) == m.num_accepted
+    assert seen == brace
 
 
 def test_invalid_schema_named(xgr):

@@ -185,3 +185,20 @@ def test_worker_batched_path_equals_per_request_path(tiny_worker_setup):
     assert batched == _generate(tiny_worker_setup, False, {})
     assert batched == _generate(tiny_worker_setup, True, {0: 0.0})
     assert all(reason in ("grammar", "length") for _, reason in batched)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_child_row_whose_nonfinite_maximum_its_grammar_forbids_is_entered(bad):
+    """A child row with a NaN / +inf logit on a forbidden token is alive once masked: the walk
+    enters it as the per-request path does (the unmasked greedy token alone calls it dead)."""
+    tree = DraftTree([1, 2], [-1, 0])
+    logits = torch.zeros(1, 2, VOCAB)
+    logits[0, 0, 2] = 5.0
+    logits[0, 1, 60] = bad
+    logits[0, 1, 5] = 3.0
+    bitmask = torch.zeros(2, 3, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 2
+    bitmask[1, 0] = 1 << 5  # token 60 forbidden
+    want = _oracle(logits[0], tree, bitmask, None, ())
+    assert want == ([0, 1], 5)
+    assert verify_greedy_batch(logits, [tree], [0], bitmask=bitmask, offsets=[0])[0] == want

@@ -88,18 +88,20 @@ def test_worker_outputs_identical_with_and_without_graphs():
     backend = get_backend("xgrammar", tok, vocab_size=model.config.vocab_size)
     schemas = [r["schema"] for r in jsonschemabench_sample()[:5]]
 
-    def run(graphs: bool, overlap: bool):
+    def run(graphs: bool, overlap: bool, lazy: bool | None = None):
         reqs = [Request(f"JSON {i}:", JsonSchema(s), SamplingParams(max_new_tokens=32), rid=f"r{i}")
                 for i, s in enumerate(schemas)]
         reqs.append(Request("Text:", None, SamplingParams(max_new_tokens=20, ignore_eos=True), rid="plain"))
         runner = ModelRunner(model, cuda_graphs=graphs)
-        with SpecWorker(runner, tok, backend=backend, draft="ngram", num_draft_tokens=8, overlap=overlap) as w:
+        with SpecWorker(runner, tok, backend=backend, draft="ngram", num_draft_tokens=8, overlap=overlap,
+                        lazy_grammar=lazy) as w:
             out = w.run(reqs)
+            assert any(s.lazy_requests for s in w.step_stats) == bool(lazy)
         return [(r.token_ids, r.finish_reason) for r in out], runner.graph_captures
 
-    want, _ = run(False, False)
-    for overlap in (True, False):
-        got, captures = run(True, overlap)
+    want, _ = run(False, False, lazy=False)
+    for overlap, lazy in ((True, False), (False, False), (True, True)):
+        got, captures = run(True, overlap, lazy)  # lazy: no tree fills, matchers asked token by token
         assert got == want
         assert captures > 0
     assert all(reason in ("grammar", "length") for _, reason in want)
@@ -112,5 +114,5 @@ def test_worker_outputs_identical_with_and_without_graphs():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(EarlyMask, "worth_it", lambda self, since_ms: True)
         mp.setattr(engine, "launch_masked_rows", lambda *a: launches.append(1) or real(*a))
-        got, _ = run(True, True)
+        got, _ = run(True, True, lazy=False)
     assert got == want and launches

@@ -3,7 +3,7 @@ measured-time sequences."""
 
 import pytest
 
-from spec_grammar.worker.placement import EarlyMask, GrammarPlacement
+from spec_grammar.worker.placement import EarlyMask, GrammarPlacement, LazyGrammar
 
 
 def test_measures_both_then_picks_the_faster():
@@ -80,3 +80,41 @@ def test_early_mask_averages_and_refuses_bad_times():
     for kw in (dict(margin=0.5), dict(alpha=0.0), dict(min_share=1.5)):
         with pytest.raises(ValueError):
             EarlyMask(**kw)
+
+
+def test_lazy_only_once_fills_stop_hiding_under_the_forward():
+    lazy = LazyGrammar(hide=0.75, explore_every=1000)
+    assert not lazy.use_lazy(64, 8, 0.5)  # nothing measured: fill first
+    lazy.record_forward(10.0)
+    lazy.record_fill(64, 3.2)  # 0.05 ms a row
+    assert not lazy.use_lazy(64, 8, 0.5)  # 0.5 + 3.2 <= 7.5: the fill hides
+    assert lazy.use_lazy(256, 32, 0.5)  # 0.5 + 12.8 > 7.5: try lazy (not measured yet)
+    lazy.record_lazy(32, 3.2)  # 0.1 ms a request
+    assert lazy.use_lazy(256, 32, 0.5)  # 3.2 exposed < 5.8
+    assert not lazy.use_lazy(160, 32, 0.5)  # 3.2 exposed > 1.0
+
+
+def test_lazy_explores_the_other_mode():
+    lazy = LazyGrammar(explore_every=4)
+    lazy.record_forward(1.0)
+    lazy.record_fill(10, 10.0)
+    lazy.record_lazy(1, 0.01)
+    picks = [lazy.use_lazy(10, 1, 0.0) for _ in range(8)]
+    assert picks == [True, True, True, False, True, True, True, False]
+
+
+@pytest.mark.parametrize("kw", [dict(hide=0.0), dict(hide=1.5), dict(explore_every=1), dict(alpha=0.0)])
+def test_lazy_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        LazyGrammar(**kw)
+
+
+def test_lazy_refuses_bad_times():
+    lazy = LazyGrammar()
+    for bad in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(ValueError):
+            lazy.record_forward(bad)
+        with pytest.raises(ValueError):
+            lazy.record_fill(4, bad)
+        with pytest.raises(ValueError):
+            lazy.record_lazy(4, bad)

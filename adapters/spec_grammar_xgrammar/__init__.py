@@ -44,6 +44,15 @@ class XGrammarMatcher(SpecGrammar):
     def _accept_token(self, token: int) -> bool:
         return self._m.accept_token(token)
 
+    def _accept_tokens(self, tokens: list[int]) -> int:
+        # xgrammar refuses every token once terminated: no termination check per token
+        accept, n = self._accept_token, 0
+        for t in tokens:
+            if not accept(t):
+                break
+            n += 1
+        return n
+
     def _rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 

@@ -190,17 +190,19 @@ def verify_greedy_batch(
 
 
 class _LazyWalk:
-    """The greedy walk of one request verified without a tree fill: at each row it reaches, its
-    matcher is asked to accept the row's greedy token (which is the masked argmax too when the
-    grammar allows it: it is the row's first maximum). Where the grammar refuses it, the walk
-    stops at that row until its masked argmax is known (:meth:`fill` gives the row's mask).
+    """The greedy walk of one request verified without a tree fill.
 
-    The matcher ends advanced by the committed run: each token the walk reads is accepted
-    once. A child whose row turns out dead (no allowed token has a finite logit) is taken back
-    as the bonus, which :func:`~spec_grammar.worker.verify.greedy_walk` decides before entering
-    it: same committed tokens, same accepted nodes."""
+    The walk follows the rows' greedy tokens from the root as if the grammar allowed them all,
+    then hands the tokens it read to the matcher in one ``accept_tokens`` call: a greedy token
+    the grammar allows is the row's masked argmax too (the row's first maximum). Where the
+    grammar refuses one, the matcher holds the tokens before it and the walk stops at that row
+    until its masked argmax is known (:meth:`fill` gives the row's mask); a row whose maximum is
+    NaN or +inf stops it too. A child whose row turns out dead (no allowed token with a finite
+    logit) is taken back as the bonus, as :func:`~spec_grammar.worker.verify.greedy_walk`
+    decides before entering it: same committed tokens, same accepted nodes. The matcher ends
+    advanced by exactly the committed run (accepted path tokens + bonus)."""
 
-    __slots__ = ("tree", "matcher", "base", "stops", "node", "accepted", "ms", "result")
+    __slots__ = ("tree", "matcher", "base", "stops", "node", "accepted", "ms", "result", "started")
 
     def __init__(self, tree: DraftTree, matcher: "SpecGrammar", base: int, stops: Collection[int]):
         self.tree, self.matcher, self.base, self.stops = tree, matcher, base, stops
@@ -208,6 +210,7 @@ class _LazyWalk:
         self.accepted = [0]
         self.ms = 0.0
         self.result: Verified | None = None
+        self.started = False
 
     def walk(self, best: list[int], resolved: set[int]) -> int | None:
         """Walk on over ``best`` (flat greedy or, for ``resolved`` rows, masked tokens): None
@@ -224,33 +227,48 @@ class _LazyWalk:
         return None
 
     def _walk(self, best: list[int], resolved: set[int]) -> int | None:
-        tokens = self.tree.token_list
-        if self.node == 0 and len(self.accepted) == 1 and self.matcher.is_terminated():
-            raise GrammarStateError("the grammar terminated without a stop token being committed")
+        if not self.started:
+            self.started = True
+            if self.matcher.is_terminated():
+                raise GrammarStateError("the grammar terminated without a stop token being committed")
+        tokens, first, sibling = self.tree.token_list, self.tree.first_child_list, self.tree.next_sibling_list
+        # the greedy chain from here: the token read at each row, the node it leads to (-1: none)
+        run: list[int] = []
+        nodes: list[int] = []
+        node, dead = self.node, False
         while True:
-            r = self.base + self.node
-            g = best[r]
+            g = best[self.base + node]
             if g == -1:  # no allowed token has a finite logit: the row is dead
-                if self.node == 0:
-                    raise GrammarStateError(
-                        "the processed row of node 0 allows no token: nothing can be sampled"
-                    )
-                self.result = (self.accepted[:-1], tokens[self.accepted[-1]])
-                return None
-            if g < 0 or not self.matcher.accept_token(g):
-                if r in resolved:
-                    raise GrammarStateError(
-                        f"the grammar refused token {g}, which its own mask allows (a mask/accept mismatch)"
-                    )
-                return r
-            nxt = None if g in self.stops or self.matcher.is_terminated() else next(
-                (c for c in self.tree.children(self.node) if tokens[c] == g), None
-            )
-            if nxt is None:
-                self.result = (self.accepted, g)
-                return None
-            self.accepted.append(nxt)
-            self.node = nxt
+                dead = True
+                break
+            if g < 0:  # NaN / +inf maximum: its masked row decides
+                break
+            run.append(g)
+            c = -1 if g in self.stops else first[node]
+            while c != -1 and tokens[c] != g:
+                c = sibling[c]
+            nodes.append(c)
+            if c == -1:
+                break
+            node = c
+        n = self.matcher.accept_tokens(run) if run else 0
+        self.accepted += nodes[: min(n, len(nodes) - (nodes[-1] == -1 if nodes else 0))]
+        if n < len(run) or (not dead and (not nodes or nodes[-1] != -1)):
+            # refused at the row of node n (or a NaN/+inf row reached): mask that row
+            self.node = self.accepted[-1]
+            r = self.base + self.node
+            if n < len(run) and r in resolved:
+                raise GrammarStateError(
+                    f"the grammar refused token {run[n]}, which its own mask allows (a mask/accept mismatch)"
+                )
+            return r
+        if dead:
+            if len(self.accepted) == 1:
+                raise GrammarStateError("the processed row of node 0 allows no token: nothing can be sampled")
+            self.result = (self.accepted[:-1], tokens[self.accepted[-1]])
+        else:
+            self.result = (self.accepted, run[-1])
+        return None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """The allowed set of the row this walk stopped at into ``bitmask[row]``."""
