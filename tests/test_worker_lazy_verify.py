@@ -3,7 +3,8 @@ tokens it reads) against the per-request oracle ``fill_tree_bitmask`` + ``proces
 + ``verify_greedy``, with real xgrammar matchers over the SmolLM2 tokenizer: random trees around
 a valid document, logits that favour the document, forbidden tokens, stop tokens, NaN / +inf
 maxima and dead rows; lazy, filled and grammar-free requests mixed in one batch. The matcher of
-a lazy request must end exactly where a fresh matcher fed the committed run is."""
+a lazy request must end exactly where a fresh matcher fed the committed run is, whether or not
+its tree's first branch was accepted before the walk (as the worker does under the forward)."""
 
 import functools
 import json
@@ -17,7 +18,7 @@ from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import BitmaskError, GrammarStateError
 from spec_grammar.models import load_tokenizer
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.batch_verify import verify_greedy_batch
+from spec_grammar.worker.batch_verify import pre_accept_first_branch, verify_greedy_batch
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
 
@@ -119,10 +120,12 @@ def test_lazy_walks_equal_the_per_request_oracle(seed):
     logits = torch.stack([_logits(rng, t, doc, pos, n_max, vocab) for t, pos in zip(trees, positions)])
     # per request: lazy (its matcher), filled (bitmask rows) or no grammar
     kinds = [rng.choice(["lazy", "lazy", "filled", "plain"]) for _ in range(b)]
-    matchers, offsets, valids, parts, rows = [], [], [], [], 0
+    matchers, pre, offsets, valids, parts, rows = [], [], [], [], [], 0
     for tree, pos, kind in zip(trees, positions, kinds):
         m = _matcher_at(pos)
         matchers.append(m if kind == "lazy" else None)
+        ahead = kind == "lazy" and not m.is_terminated() and rng.random() < 0.5
+        pre.append(pre_accept_first_branch(m, tree) if ahead else [])
         if kind == "filled" and not m.is_terminated():
             part = allocate_token_bitmask(tree.num_nodes, vocab)
             valids.append(m.fill_tree_bitmask(tree, part))
@@ -136,7 +139,7 @@ def test_lazy_walks_equal_the_per_request_oracle(seed):
     stats: dict = {}
     got = verify_greedy_batch(
         logits, trees, list(range(b)), bitmask=torch.cat(parts) if parts else None, offsets=offsets,
-        valids=valids, stop_token_ids=[{stop}] * b, matchers=matchers, stats=stats,
+        valids=valids, stop_token_ids=[{stop}] * b, matchers=matchers, pre_accepted=pre, stats=stats,
     )
     assert sorted(stats["lazy_ms"]) == [i for i in range(b) if kinds[i] == "lazy"]
     for i in range(b):
@@ -207,3 +210,16 @@ def test_lazy_matchers_must_fit_the_batch():
         verify_greedy_batch(logits, [tree], [0], bitmask=rows, offsets=[0], matchers=[_matcher_at(1)])
     with pytest.raises(BitmaskError, match="masks"):
         verify_greedy_batch(logits[..., :100], [tree], [0], matchers=[_matcher_at(1)])
+    chain = DraftTree([doc[0], doc[1], doc[2]], [-1, 0, 0])
+    logits = torch.zeros(1, 3, backend.vocab_size)
+    with pytest.raises(BitmaskError, match="not a path from the root"):
+        verify_greedy_batch(logits, [chain], [0], matchers=[_matcher_at(1)], pre_accepted=[[1, 2]])
+
+
+def test_the_first_branch_is_accepted_as_far_as_the_grammar_allows():
+    backend, _, doc, stop = _setup()
+    # root -> doc[1] -> doc[2] -> 7 (forbidden) -> doc[3]; a second branch is never taken
+    tree = DraftTree([doc[0], doc[1], 7, doc[2], 7, doc[3]], [-1, 0, 0, 1, 3, 4])
+    m = _matcher_at(1)
+    assert pre_accept_first_branch(m, tree) == [1, 3]
+    assert _same_state(m, 1, [doc[1], doc[2]])

@@ -46,7 +46,7 @@ from .verify import greedy_walk, node_validity
 if TYPE_CHECKING:
     from ..protocol import SpecGrammar
 
-__all__ = ["batch_greedy_eligible", "launch_masked_rows", "verify_greedy_batch"]
+__all__ = ["batch_greedy_eligible", "launch_masked_rows", "pre_accept_first_branch", "verify_greedy_batch"]
 
 Verified = tuple[list[int], int] | GrammarStateError
 
@@ -74,6 +74,7 @@ def verify_greedy_batch(
     valids: Sequence[torch.Tensor | None] = (),
     stop_token_ids: Sequence[Collection[int]] = (),
     matchers: Sequence["SpecGrammar | None"] = (),
+    pre_accepted: Sequence[Sequence[int]] = (),
     row_argmax: torch.Tensor | None = None,
     masked_rows: torch.Tensor | None = None,
     stats: dict | None = None,
@@ -94,6 +95,10 @@ def verify_greedy_batch(
             rows: ``offsets[i]`` None), at the state after its committed tokens, or None. Its
             walk asks the matcher for each greedy token it reads (:class:`_LazyWalk`) and
             leaves it advanced by exactly the committed run (accepted path tokens + bonus).
+        pre_accepted: per batch index, the nodes of a path from the root (root excluded) whose
+            tokens its lazy matcher has accepted already (:func:`pre_accept_first_branch`,
+            under the forward): the walk keeps what its greedy path shares with them and rolls
+            the rest back.
         row_argmax: ``(B, N_max)`` int64 on the logits' device, the
             :func:`~spec_grammar.kernels.row_argmax` of ``logits`` (the runner's graph computes
             it: ``forward_trees(..., with_argmax=True)``); computed here when None.
@@ -110,7 +115,8 @@ def verify_greedy_batch(
     failed (the caller ends that request alone). Raises :class:`BitmaskError` on inputs that do
     not fit together (selected indices, tree sizes, ``valids``, ``row_argmax`` or
     ``masked_rows`` shapes, grammar requests without a bitmask or with rows outside it, a
-    request with both bitmask rows and a lazy matcher, early rows that this bitmask forbids).
+    request with both bitmask rows and a lazy matcher, ``pre_accepted`` nodes that are not a path
+    from the root, early rows that this bitmask forbids).
     """
     if not selected:
         return {}
@@ -121,7 +127,7 @@ def verify_greedy_batch(
     words = bitmask.numpy() if masked else None
     if masked_rows is not None:
         _check_masked_rows(masked_rows, bitmask, logits.device)
-    walks = _lazy_walks(trees, selected, offsets, matchers, stop_token_ids, n_max, vocab)
+    walks = _lazy_walks(trees, selected, offsets, matchers, pre_accepted, stop_token_ids, n_max, vocab)
     oks = {i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in selected}
     stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in selected}
     top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
@@ -202,15 +208,17 @@ class _LazyWalk:
     decides before entering it: same committed tokens, same accepted nodes. The matcher ends
     advanced by exactly the committed run (accepted path tokens + bonus)."""
 
-    __slots__ = ("tree", "matcher", "base", "stops", "node", "accepted", "ms", "result", "started")
+    __slots__ = ("tree", "matcher", "base", "stops", "pre", "node", "accepted", "ms", "result")
 
-    def __init__(self, tree: DraftTree, matcher: "SpecGrammar", base: int, stops: Collection[int]):
+    def __init__(
+        self, tree: DraftTree, matcher: "SpecGrammar", base: int, stops: Collection[int], pre: Sequence[int] = ()
+    ):
         self.tree, self.matcher, self.base, self.stops = tree, matcher, base, stops
+        self.pre = list(pre)  # nodes from the root whose tokens the matcher holds already
         self.node = 0
         self.accepted = [0]
         self.ms = 0.0
         self.result: Verified | None = None
-        self.started = False
 
     def walk(self, best: list[int], resolved: set[int]) -> int | None:
         """Walk on over ``best`` (flat greedy or, for ``resolved`` rows, masked tokens): None
@@ -227,10 +235,6 @@ class _LazyWalk:
         return None
 
     def _walk(self, best: list[int], resolved: set[int]) -> int | None:
-        if not self.started:
-            self.started = True
-            if self.matcher.is_terminated():
-                raise GrammarStateError("the grammar terminated without a stop token being committed")
         tokens, first, sibling = self.tree.token_list, self.tree.first_child_list, self.tree.next_sibling_list
         # the greedy chain from here: the token read at each row, the node it leads to (-1: none)
         run: list[int] = []
@@ -251,7 +255,15 @@ class _LazyWalk:
             if c == -1:
                 break
             node = c
-        n = self.matcher.accept_tokens(run) if run else 0
+        # tokens the matcher holds already (pre-accepted along the draft's first branch) count
+        # where the greedy path took the same nodes; the others go back
+        j, pre = 0, self.pre
+        while j < len(pre) and j < len(nodes) and nodes[j] == pre[j]:
+            j += 1
+        if len(pre) > j:
+            self.matcher.rollback(len(pre) - j)
+        self.pre = []
+        n = j + (self.matcher.accept_tokens(run[j:]) if len(run) > j else 0)
         self.accepted += nodes[: min(n, len(nodes) - (nodes[-1] == -1 if nodes else 0))]
         if n < len(run) or (not dead and (not nodes or nodes[-1] != -1)):
             # refused at the row of node n (or a NaN/+inf row reached): mask that row
@@ -284,6 +296,7 @@ def _lazy_walks(
     selected: Sequence[int],
     offsets: Sequence[int | None],
     matchers: Sequence["SpecGrammar | None"],
+    pre_accepted: Sequence[Sequence[int]],
     stop_token_ids: Sequence[Collection[int]],
     n_max: int,
     vocab: int,
@@ -297,8 +310,32 @@ def _lazy_walks(
             raise BitmaskError(f"request {i} has both bitmask rows and a lazy matcher")
         if m.info.vocab_size != vocab:
             raise BitmaskError(f"request {i}'s matcher masks {m.info.vocab_size} tokens, the logits have {vocab}")
-        walks[i] = _LazyWalk(trees[i], m, i * n_max, frozenset(stop_token_ids[i] if i < len(stop_token_ids) else ()))
+        pre = list(pre_accepted[i]) if i < len(pre_accepted) else []
+        parents = trees[i].parent_list
+        if any(not 0 < c < len(parents) or parents[c] != p for p, c in zip([0] + pre, pre)):
+            raise BitmaskError(f"pre_accepted[{i}] = {pre} is not a path from the root of request {i}'s tree")
+        stops = frozenset(stop_token_ids[i] if i < len(stop_token_ids) else ())
+        walks[i] = _LazyWalk(trees[i], m, i * n_max, stops, pre)
     return walks
+
+
+def pre_accept_first_branch(matcher: "SpecGrammar", tree: DraftTree) -> list[int]:
+    """Accept the tokens of ``tree``'s first branch (first child of the root, its first
+    child, ...) on ``matcher``, as far as its grammar allows; returns those nodes, for
+    :func:`verify_greedy_batch`'s ``pre_accepted``.
+
+    Drafters put their best guess first, so the greedy walk mostly takes this branch: run while
+    the forward computes, this leaves the walk after it one rollback and about one accept (the
+    bonus token) instead of an accept per committed token. Raises what the matcher raises."""
+    first, tokens = tree.first_child_list, tree.token_list
+    vocab = matcher.info.vocab_size
+    chain = []
+    c = first[0]
+    while c != -1 and 0 <= tokens[c] < vocab:
+        chain.append(c)
+        c = first[c]
+    n = matcher.accept_tokens([tokens[c] for c in chain]) if chain else 0
+    return chain[:n]
 
 
 def _fill_rows(walks: Sequence[_LazyWalk], width: int) -> torch.Tensor:

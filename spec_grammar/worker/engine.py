@@ -57,7 +57,7 @@ from .drafters.constrained import make_grammar_drafter
 from .host_bitmask import HostBitmaskRing
 from .placement import EarlyMask, GrammarPlacement, LazyGrammar
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
-from .batch_verify import batch_greedy_eligible, launch_masked_rows, verify_greedy_batch
+from .batch_verify import batch_greedy_eligible, launch_masked_rows, pre_accept_first_branch, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
@@ -102,7 +102,7 @@ class _GrammarWork:
 
     __slots__ = (
         "bitmask", "device_bitmask", "masked_rows", "forbidden_rows", "offsets", "valid", "errors", "ms",
-        "per_request_ms",
+        "per_request_ms", "pre_accepted",
     )
 
     def __init__(self) -> None:
@@ -115,6 +115,7 @@ class _GrammarWork:
         self.errors: dict[str, str] = {}
         self.ms = 0.0
         self.per_request_ms: dict[str, float] = {}
+        self.pre_accepted: dict[str, list[int]] = {}  # lazy requests: first-branch nodes accepted
 
 
 class SpecWorker:
@@ -359,7 +360,7 @@ class SpecWorker:
         rows = 0
         for st, tree in zip(live, trees):
             if st.rid in lazy:
-                entries.append((st, None, 0))
+                entries.append((st, tree, None))
             elif st.matcher is not None:
                 entries.append((st, tree, rows))
                 rows += tree.num_nodes
@@ -382,6 +383,7 @@ class SpecWorker:
             work.valid.update(part.valid)
             work.errors.update(part.errors)
             work.per_request_ms.update(part.per_request_ms)
+            work.pre_accepted.update(part.pre_accepted)
         work.ms = (time.perf_counter() - t0) * 1e3
         return work
 
@@ -389,8 +391,9 @@ class SpecWorker:
         self, entries: Sequence[tuple[RequestState, DraftTree | None, int]], bitmask: torch.Tensor | None
     ) -> _GrammarWork:
         """Advance + fill of one contiguous group of requests: ``(state, tree, first row)``
-        with ``tree`` None for a request that is only advanced (a finished one taking its last
-        tokens, or one verified lazily). One
+        with ``tree`` None for a finished request that only takes its last tokens, and first
+        row None for a request verified lazily (advanced, then its tree's first branch
+        pre-accepted: :func:`.batch_verify.pre_accept_first_branch`). One
         ``fill_tree_bitmasks`` call for the group; if it raises, each request is filled alone
         so that only the failing one ends."""
         work = _GrammarWork()
@@ -404,6 +407,10 @@ class SpecWorker:
                 continue
             try:
                 terminated = st.matcher.is_terminated()
+                if off is None and not terminated:
+                    work.pre_accepted[st.rid] = pre_accept_first_branch(st.matcher, tree)
+                    work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
+                    continue
                 drafted = None if terminated else self._drafted_rows(st, tree)
             except Exception as e:  # a grammar fault ends this request only
                 work.errors[st.rid] = f"the grammar failed while checking its state: {type(e).__name__}: {e}"
@@ -785,6 +792,7 @@ class SpecWorker:
                 () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids for st in live
             ],
             matchers=[st.matcher if st.rid in lazy else None for st in live],
+            pre_accepted=[work.pre_accepted.get(st.rid, ()) for st in live],
             row_argmax=top,
             masked_rows=work.masked_rows,
             stats=stats,
