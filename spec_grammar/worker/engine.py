@@ -627,8 +627,10 @@ class SpecWorker:
             # a thread started before the input preparation fought it for the GIL), whichever
             # the measured times predict faster (:mod:`.placement`). With no replay (an eager
             # bucket) it runs inline after the launch while the GPU computes.
+            # lazy requests are not counted: their work here (an advance and the first branch
+            # pre-accepted) is a few accepts, cheaper inline than a thread's hand-off
             units = (0 if bitmask is None else bitmask.shape[0]) + len(draining) + sum(
-                st.matcher is not None for st in live
+                st.matcher is not None and st.rid not in lazy for st in live
             )
             # (no pool: the caller closed the worker inside this run, e.g. from on_step)
             want_thread = units > 0 and self._pool is not None and self._placement.use_thread(units)
