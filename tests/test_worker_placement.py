@@ -82,16 +82,17 @@ def test_early_mask_averages_and_refuses_bad_times():
             EarlyMask(**kw)
 
 
-def test_lazy_only_once_fills_stop_hiding_under_the_forward():
-    lazy = LazyGrammar(hide=0.75, explore_every=1000)
+def test_lazy_when_fills_stop_hiding_or_lazy_walks_are_cheap():
+    lazy = LazyGrammar(hide=0.75, slack=0.02, explore_every=1000)
     assert not lazy.use_lazy(64, 8, 0.5)  # nothing measured: fill first
     lazy.record_forward(10.0)
     lazy.record_fill(64, 3.2)  # 0.05 ms a row
-    assert not lazy.use_lazy(64, 8, 0.5)  # 0.5 + 3.2 <= 7.5: the fill hides
-    assert lazy.use_lazy(256, 32, 0.5)  # 0.5 + 12.8 > 7.5: try lazy (not measured yet)
-    lazy.record_lazy(32, 3.2)  # 0.1 ms a request
-    assert lazy.use_lazy(256, 32, 0.5)  # 3.2 exposed < 5.8
-    assert not lazy.use_lazy(160, 32, 0.5)  # 3.2 exposed > 1.0
+    assert lazy.use_lazy(64, 8, 0.5)  # the lazy walk is measured once
+    lazy.record_lazy(8, 0.8)  # 0.1 ms a request
+    assert not lazy.use_lazy(64, 8, 0.5)  # 0.5 + 3.2 <= 7.5: the fill hides; 0.8 > 0.2 of slack
+    assert lazy.use_lazy(256, 32, 0.5)  # 0.5 + 12.8 - 7.5 = 5.8 exposed > 3.2
+    assert not lazy.use_lazy(160, 32, 0.5)  # 1.0 exposed < 3.2
+    assert lazy.use_lazy(16, 1, 0.5)  # 0.1 < 0.2 = 2% of the forward
 
 
 def test_lazy_explores_the_other_mode():
@@ -103,7 +104,9 @@ def test_lazy_explores_the_other_mode():
     assert picks == [True, True, True, False, True, True, True, False]
 
 
-@pytest.mark.parametrize("kw", [dict(hide=0.0), dict(hide=1.5), dict(explore_every=1), dict(alpha=0.0)])
+@pytest.mark.parametrize(
+    "kw", [dict(hide=0.0), dict(hide=1.5), dict(slack=-0.1), dict(slack=1.0), dict(explore_every=1), dict(alpha=0.0)]
+)
 def test_lazy_bad_arguments(kw):
     with pytest.raises(ValueError):
         LazyGrammar(**kw)

@@ -153,30 +153,39 @@ class LazyGrammar:
     a 262k vocabulary), for every node of every tree, whether the walk reads the row or not; a
     lazy walk costs about one token accept (~1-3 us) per committed token, plus a single-row fill
     where the model wants a token its grammar forbids. The fill is free while it hides under the
-    forward; the lazy walk never hides (it needs the forward's tokens). So: fill while the
-    predicted fill (plus the launch's host time) stays under ``hide`` times the forward's GPU
-    time; past that, whichever exposes less time: ``launch + fill - hide * forward`` against
-    the lazy walks' measured milliseconds per request. Each mode runs first once to be measured
-    (the fill first), and the other mode every ``explore_every`` decisions so that its estimate
-    follows the load. Outputs never depend on it.
+    forward; the lazy walk never hides (it needs the forward's tokens), but the worker
+    pre-accepts each tree's first branch under the forward, so the walk is mostly one rollback
+    and one accept per request. The fill counts as exposed by ``launch + fill - hide *
+    forward`` (the predicted fill plus the launch's host time beyond ``hide`` times the
+    forward's GPU time), the lazy walks by their measured milliseconds per request; lazy wins
+    when it exposes less, or costs under ``slack`` times the forward: a fill step has host
+    work after the forward too (one bitmask word per visited row, node validity) that its
+    prediction leaves out, of that order (on the H200, 8B at batch 1 ran fill steps 0.1-0.2 ms
+    slower than plain ones with the whole fill hidden). Each mode runs first once to be
+    measured (the fill first), and the other mode every ``explore_every`` decisions so that its
+    estimate follows the load. Outputs never depend on it.
 
     Args:
         hide: the share of the forward's GPU time a fill may take and still count as hidden
             (grammar time varies step to step: at 77-94% of the forward, the H200 runs exposed
             some of it), in ``(0, 1]``.
+        slack: lazy walks costing less than this share of the forward's GPU time are taken
+            even when the fill would hide, in ``[0, 1)``.
         explore_every, alpha: as in :class:`GrammarPlacement`.
 
     Times are milliseconds. Raises ``ValueError`` on bad arguments or measurements.
     """
 
-    def __init__(self, *, hide: float = 0.75, explore_every: int = 50, alpha: float = 0.2):
+    def __init__(self, *, hide: float = 0.75, slack: float = 0.02, explore_every: int = 50, alpha: float = 0.2):
         if not 0.0 < hide <= 1.0:
             raise ValueError(f"hide must be in (0, 1], got {hide}")
+        if not 0.0 <= slack < 1.0:
+            raise ValueError(f"slack must be in [0, 1), got {slack}")
         if explore_every < 2:
             raise ValueError(f"explore_every must be >= 2, got {explore_every}")
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.hide, self.explore_every, self.alpha = hide, explore_every, alpha
+        self.hide, self.slack, self.explore_every, self.alpha = hide, slack, explore_every, alpha
         self.forward_ms: float | None = None  # GPU time of a forward
         self.row_ms: float | None = None  # grammar work of a fill step, per tree row
         self.request_ms: float | None = None  # lazy walk of one request
@@ -190,8 +199,8 @@ class LazyGrammar:
         self._decisions += 1
         fill_exposed = max(0.0, (launch_ms or 0.0) + self.row_ms * rows - self.hide * self.forward_ms)
         if self.request_ms is None:
-            return fill_exposed > 0.0
-        best = self.request_ms * requests < fill_exposed
+            return True  # the lazy walk's cost is measured once
+        best = self.request_ms * requests < max(fill_exposed, self.slack * self.forward_ms)
         return (not best) if self._decisions % self.explore_every == 0 else best
 
     def record_forward(self, gpu_ms: float) -> None:
