@@ -71,6 +71,11 @@ def register(sub) -> None:
         "--grammar-threads", type=_positive_int, default=None, metavar="N",
         help="threads sharing a step's grammar work (default 1: more measured slower with xgrammar)",
     )
+    p.add_argument(
+        "--lazy-grammar", choices=["auto", "on", "off"], default="auto",
+        help="verify greedy requests without tree fills, asking the grammar for each greedy token "
+        "(auto: on CUDA-graph steps whenever the fills would not hide under the forward)",
+    )
     p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
     p.add_argument("--batch-file", metavar="FILE.jsonl", help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '
                    'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}; '
@@ -262,6 +267,7 @@ def run(args) -> int:
         cuda_graphs=False if args.no_cuda_graphs else None,
         fused_forward=False if args.no_fused_forward else None,
         grammar_threads=args.grammar_threads,
+        lazy_grammar={"auto": None, "on": True, "off": False}[args.lazy_grammar],
         **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
     )
     requests, slots = [], []

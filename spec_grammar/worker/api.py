@@ -158,11 +158,12 @@ def build_worker(
     cuda_graphs: bool | None = None,
     grammar_threads: int | None = None,
     fused_forward: bool | None = None,
+    lazy_grammar: bool | None = None,
 ) -> SpecWorker:
     """A :class:`SpecWorker` over a model loaded by :func:`spec_grammar.models.load_model`
     (models and backends are cached per process). ``grammar_backend=None`` gives a worker for
-    plain requests only; ``cuda_graphs`` / ``grammar_threads`` / ``fused_forward``: see
-    :class:`SpecWorker`. Raises
+    plain requests only; ``cuda_graphs`` / ``grammar_threads`` / ``fused_forward`` /
+    ``lazy_grammar``: see :class:`SpecWorker`. Raises
     :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend and
     :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
     dev = resolve_device(device)
@@ -185,6 +186,7 @@ def build_worker(
         cuda_graphs=cuda_graphs,
         grammar_threads=grammar_threads,
         fused_forward=fused_forward,
+        lazy_grammar=lazy_grammar,
     )
 
 
@@ -226,6 +228,7 @@ def generate(
     cuda_graphs: bool | None = None,
     grammar_threads: int | None = None,
     fused_forward: bool | None = None,
+    lazy_grammar: bool | None = None,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
 
@@ -250,6 +253,8 @@ def generate(
             models; None = on for CUDA with Triton where supported; see :class:`SpecWorker`).
         grammar_threads: threads sharing a step's grammar work (None = 1; see
             :class:`~spec_grammar.worker.engine.SpecWorker`).
+        lazy_grammar: greedy requests verified without tree fills (None = as measured on
+            CUDA-graph steps; see :class:`~spec_grammar.worker.engine.SpecWorker`).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
@@ -287,6 +292,7 @@ def generate(
         cuda_graphs=cuda_graphs,
         grammar_threads=grammar_threads,
         fused_forward=fused_forward,
+        lazy_grammar=lazy_grammar,
     )
     requests = []
     for item, g in zip(items, grammars):
