@@ -105,3 +105,19 @@ def test_markdown_and_docs_show_the_json_numbers(run_dir, result, tmp_path):
 
 def test_report_needs_results(tmp_path):
     assert main(["bench", "report", "--from", str(tmp_path), "--docs", str(tmp_path / "b.md")]) == 2
+
+
+def test_default_backends_are_those_that_compile_json_schemas():
+    """The bench compiles JSON schemas: a regex-only backend (the example adapter CI installs)
+    is listed with the reason instead of giving empty tables."""
+    from spec_grammar.bench.masks import MaskBenchConfig, _select_backends
+    from spec_grammar.registry import list_backends
+
+    chosen, listing = _select_backends(MaskBenchConfig())
+    by_name = {b["name"]: b for b in listing}
+    for info in list_backends():
+        if info.error is None:
+            assert (info.name in chosen) == info.capabilities.json_schema
+            if not info.capabilities.json_schema:
+                assert by_name[info.name]["error"] == "no JSON-schema support"
+    assert "xgrammar" in chosen

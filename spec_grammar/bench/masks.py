@@ -495,11 +495,15 @@ def tree_phase(
 
 def _select_backends(cfg: MaskBenchConfig) -> tuple[list[str], list[dict[str, Any]]]:
     infos = list_backends()
-    available = [i.name for i in infos if i.error is None]
+    # the bench compiles JSON schemas: a backend without JSON-schema support has no rows
+    available = [i.name for i in infos if i.error is None and i.capabilities is not None and i.capabilities.json_schema]
     wanted = cfg.backends or available
     chosen = [n for n in wanted if n in available]
     listing = [
-        {"name": i.name, "version": i.version, "error": i.error, "selected": i.name in chosen}
+        {
+            "name": i.name, "version": i.version, "selected": i.name in chosen,
+            "error": i.error or (None if i.capabilities is None or i.capabilities.json_schema else "no JSON-schema support"),
+        }
         for i in infos
     ]
     for n in wanted:

@@ -240,7 +240,10 @@ def run(args) -> int:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"not valid JSON: {e}") from None
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError("each line needs a string field 'prompt'")
                 _check_line_keys(rec)
@@ -319,6 +322,9 @@ def run(args) -> int:
                 print(f"error: {r.error}", file=sys.stderr if len(final) == 1 else sys.stdout)
             else:
                 print(r.text)
+                if len(final) == 1 and r.finish_reason == "length":
+                    print(f"note: stopped at --max-new-tokens ({r.num_tokens} tokens): the output is incomplete",
+                          file=sys.stderr)
         print(
             f"{summary.output_tokens} tokens in {summary.wall_s:.2f} s ({summary.tokens_per_s:.1f} tok/s), "
             f"accept length {summary.accept_length:.2f}, grammar {summary.grammar_ms_per_step:.2f} ms/step "
