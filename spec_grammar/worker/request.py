@@ -166,8 +166,10 @@ class StepStats(BaseModel):
     """One worker step, milliseconds of wall time.
 
     ``step_ms`` is the whole step; ``grammar_ms`` is the matcher work (advance with the
-    previous step's tokens + tree bitmask fill); ``grammar_exposed_ms`` is the part of it that
-    made the step longer than the verify forward alone (all of it with ``overlap=False``).
+    previous step's tokens + tree bitmask fill, or for lazily verified requests the first
+    branch pre-accepted + the walks' accepts and row fills after the forward);
+    ``grammar_exposed_ms`` is the part of it that made the step longer than the verify forward
+    alone (all of it with ``overlap=False``; a lazy walk's part after the forward always).
     The other parts are phases of the calling thread and need not add up to ``step_ms``: with
     overlap the grammar work runs in a worker thread while the GPU computes, so the later wait
     for the logits (in ``sample_ms``) is shorter by the hidden part.
