@@ -82,8 +82,12 @@ def _logits(rng: random.Random, tree: DraftTree, doc: list[int], pos: int, n_max
 
 
 def _oracle(logits, tree, pos, stops):
-    """``(nodes, bonus)`` or the error type of the per-request path."""
-    m = _matcher_at(pos)
+    return oracle_verify(_matcher_at(pos), logits, tree, stops)
+
+
+def oracle_verify(m, logits, tree, stops):
+    """``(nodes, bonus)`` of the per-request path from matcher ``m``'s state (left as it was),
+    or its error type."""
     if m.is_terminated():
         return GrammarStateError
     rows = allocate_token_bitmask(tree.num_nodes, logits.shape[-1])

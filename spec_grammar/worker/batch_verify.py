@@ -223,6 +223,8 @@ class _LazyWalk:
     def walk(self, best: list[int], resolved: set[int]) -> int | None:
         """Walk on over ``best`` (flat greedy or, for ``resolved`` rows, masked tokens): None
         once :attr:`result` is set, else the flat row whose masked argmax it needs."""
+        if self.result is not None:  # its row fill failed: the walk ends with that error
+            return None
         t0 = time.perf_counter()
         try:
             return self._walk(best, resolved)
@@ -283,10 +285,12 @@ class _LazyWalk:
         return None
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """The allowed set of the row this walk stopped at into ``bitmask[row]``."""
+        """The allowed set of the row this walk stopped at into ``bitmask[row]`` (left as it
+        is, zero, where the grammar terminated: a stop token that is not a stop of this walk)."""
         t0 = time.perf_counter()
         try:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
+            if not self.matcher.is_terminated():
+                self.matcher.fill_next_token_bitmask(bitmask, row)
         finally:
             self.ms += (time.perf_counter() - t0) * 1e3
 
@@ -321,7 +325,8 @@ def _lazy_walks(
 
 def pre_accept_first_branch(matcher: "SpecGrammar", tree: DraftTree) -> list[int]:
     """Accept the tokens of ``tree``'s first branch (first child of the root, its first
-    child, ...) on ``matcher``, as far as its grammar allows; returns those nodes, for
+    child, ...) on ``matcher``, as far as its grammar allows and at most
+    ``matcher.max_rollback_tokens`` of them; returns those nodes, for
     :func:`verify_greedy_batch`'s ``pre_accepted``.
 
     Drafters put their best guess first, so the greedy walk mostly takes this branch: run while
@@ -331,7 +336,8 @@ def pre_accept_first_branch(matcher: "SpecGrammar", tree: DraftTree) -> list[int
     vocab = matcher.info.vocab_size
     chain = []
     c = first[0]
-    while c != -1 and 0 <= tokens[c] < vocab:
+    # no deeper than the matcher can roll back: the walk may have to take all of it back
+    while c != -1 and 0 <= tokens[c] < vocab and len(chain) < matcher.max_rollback_tokens:
         chain.append(c)
         c = first[c]
     n = matcher.accept_tokens([tokens[c] for c in chain]) if chain else 0
@@ -340,7 +346,7 @@ def pre_accept_first_branch(matcher: "SpecGrammar", tree: DraftTree) -> list[int
 
 def _fill_rows(walks: Sequence[_LazyWalk], width: int) -> torch.Tensor:
     """``(len(walks), width)`` int32 host rows: the mask of the row each walk stopped at. A walk
-    whose fill raises gets a zero row and its error as its result (it ends with that row)."""
+    whose fill raises gets a zero row and its error as its result (it ends with that error)."""
     masks = torch.zeros((len(walks), width), dtype=torch.int32)
     for k, w in enumerate(walks):
         try:
