@@ -18,7 +18,10 @@ module does the same decision for the batch at once:
    grammar forbids) are masked on the device: their bitmask rows go up,
    :func:`~spec_grammar.kernels.masked_argmax` gives their best allowed token (a second
    read-back, only in steps that have such rows) and those walks run again. Rows of rejected
-   branches are never read: a step's check costs a few words per request, not its tree.
+   branches are never read: a step's check costs a few words per request, not its tree;
+4. requests verified *lazily* have no rows at all: their walks hand the greedy tokens they
+   read to the request's matcher (:class:`_LazyWalk`), and a row is filled (one row) only where
+   the grammar refuses its greedy token; the masked rows of steps 3 and 4 share one round trip.
 
 With a model that mostly agrees with its grammar, a constrained step then costs what an
 unconstrained one does: no bitmask upload and no masked kernel (before, the whole bitmask went

@@ -28,8 +28,9 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
    (:class:`~.placement.EarlyMask`). Greedy grammar requests may also skip the tree fill
    (*lazy* verification, :class:`~.placement.LazyGrammar`): their walks ask the matcher to
    accept each greedy token they read and fill only a row whose greedy token it refuses, which
-   pays where a step's tree fills would not hide under its forward. Other requests: ``process_tree_logits`` (penalties,
-   grammar mask, temperature) then ``verify_greedy`` / ``verify_stochastic``. The committed run
+   pays where a step's tree fills would not hide under its forward. Other requests:
+   ``process_tree_logits`` (penalties, grammar mask, temperature) then ``verify_greedy`` /
+   ``verify_stochastic``. The committed run
    (accepted path tokens + bonus) is truncated at a stop token (EOS / grammar completion), a
    stop string or ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
 
@@ -356,7 +357,7 @@ class SpecWorker:
         one row per node of every live grammar request not in ``lazy`` (ids of requests
         verified lazily: advanced only), in request order."""
         t0 = time.perf_counter()
-        entries: list[tuple[RequestState, DraftTree | None, int]] = [(st, None, 0) for st in draining]
+        entries: list[tuple[RequestState, DraftTree | None, int | None]] = [(st, None, 0) for st in draining]
         rows = 0
         for st, tree in zip(live, trees):
             if st.rid in lazy:
@@ -388,7 +389,7 @@ class SpecWorker:
         return work
 
     def _group_work(
-        self, entries: Sequence[tuple[RequestState, DraftTree | None, int]], bitmask: torch.Tensor | None
+        self, entries: Sequence[tuple[RequestState, DraftTree | None, int | None]], bitmask: torch.Tensor | None
     ) -> _GrammarWork:
         """Advance + fill of one contiguous group of requests: ``(state, tree, first row)``
         with ``tree`` None for a finished request that only takes its last tokens, and first
