@@ -269,8 +269,9 @@ class _LazyWalk:
             self.matcher.rollback(len(pre) - j)
         self.pre = []
         n = j + (self.matcher.accept_tokens(run[j:]) if len(run) > j else 0)
-        self.accepted += nodes[: min(n, len(nodes) - (nodes[-1] == -1 if nodes else 0))]
-        if n < len(run) or (not dead and (not nodes or nodes[-1] != -1)):
+        has_bonus = bool(nodes) and nodes[-1] == -1  # the chain ended at a token no child has
+        self.accepted += (nodes[:-1] if has_bonus else nodes)[:n]
+        if n < len(run) or not (dead or has_bonus):
             # refused at the row of node n (or a NaN/+inf row reached): mask that row
             self.node = self.accepted[-1]
             r = self.base + self.node
