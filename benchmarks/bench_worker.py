@@ -7,6 +7,7 @@ cases as ``ToolCalls``; the schema or tool list written into the chat prompt wit
 - ``no-spec`` / ``no-spec sync``: plain constrained decoding (root-only trees), grammar work
   overlapped / in order;
 - ``ngram`` / ``ngram sync``: the default n-gram tree drafter, overlapped / in order;
+- ``ngram lazy``: the same, verified lazily (no tree fills: ``SpecWorker(lazy_grammar=True)``);
 - ``self:L topk=K``: the target's first L layers as drafter (EAGLE-2-style tree).
 
 Rows run one after the other on the same loaded model (greedy), ``--rounds`` times,
@@ -15,7 +16,8 @@ Per row: validity rate (outputs that completed their grammar and validate with `
 Draft 2020-12, over all requests; length-cut outputs are counted apart), mean accept length
 (output tokens per request-step), tokens/s (all output tokens over the batch's wall time,
 prefill included), draft / verify-forward ms per step, grammar ms per step and the exposed
-part (waited for after the verify forward). Ratios are against ``no-spec`` and the in-order
+part (waited for after the verify forward), and the share of steps whose greedy walks met a token
+the grammar refuses (*refused*: a masked row on the device; lazily, a one-row fill too). Ratios are against ``no-spec`` and the in-order
 row of the same drafter. Every constrained row must produce the no-spec tokens (greedy): a
 mismatch is printed.
 
@@ -173,6 +175,7 @@ def main() -> None:
         "no-spec sync": dict(no_spec=True, overlap=False),
         "ngram": dict(draft="ngram", num_draft_tokens=8),
         "ngram sync": dict(draft="ngram", num_draft_tokens=8, overlap=False),
+        "ngram lazy": dict(draft="ngram", num_draft_tokens=8, lazy_grammar=True),
         f"self:{args.self_layers} topk=3": dict(draft=f"self:{args.self_layers}", topk=3, num_steps=4, num_draft_tokens=8),
     }
     runs: dict[str, list] = {k: [] for k in rows}
@@ -183,26 +186,29 @@ def main() -> None:
                 t = time.perf_counter()
                 res = w.run(reqs)
                 wall = time.perf_counter() - t
-            runs[name].append((summarize(res, w.step_stats, wall), valid_count(res, oracles)))
+            refused = sum(s.forbidden_rows > 0 for s in w.step_stats) / max(1, len(w.step_stats))
+            runs[name].append((summarize(res, w.step_stats, wall), valid_count(res, oracles), refused))
             tokens[name] = [r.token_ids for r in res]
     print(f"{len(reqs)} requests ({args.backend}, {args.model}, {args.device}, torch threads {torch.get_num_threads()}), "
           f"max_new_tokens {args.max_new_tokens}, compile {compile_s:.1f} s, {args.rounds} round(s)")
-    head = f"{'row':18} {'valid':>7} {'cut':>4} {'accept':>6} {'tok/s':>7} {'x no-spec':>9} {'draft ms':>8} {'fwd ms':>7} {'gram ms':>7} {'exposed':>7}"
+    head = (f"{'row':18} {'valid':>7} {'cut':>4} {'accept':>6} {'tok/s':>7} {'x no-spec':>9} {'draft ms':>8} "
+            f"{'fwd ms':>7} {'gram ms':>7} {'exposed':>7} {'refused':>7}")
     print(head)
     out = []
     base = None
     for name in rows:
         ranked = sorted(runs[name], key=lambda x: x[0].tokens_per_s)
-        s, (ok, cut) = ranked[len(ranked) // 2]
+        s, (ok, cut), refused = ranked[len(ranked) // 2]
         base = base or s.tokens_per_s
         print(f"{name:18} {ok:3d}/{s.requests:<3d} {cut:4d} {s.accept_length:6.2f} {s.tokens_per_s:7.1f} "
               f"{s.tokens_per_s / base:9.2f} {s.draft_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} "
-              f"{s.grammar_ms_per_step:7.2f} {s.grammar_exposed_ms_per_step:7.2f}")
+              f"{s.grammar_ms_per_step:7.2f} {s.grammar_exposed_ms_per_step:7.2f} {100 * refused:6.0f}%")
         same = tokens[name] == tokens["no-spec"]
         if not same:
             diff = sum(a != b for a, b in zip(tokens[name], tokens["no-spec"]))
             print(f"  !! {diff} outputs differ from no-spec (near-tie argmax flips in float32?)")
-        out.append({"row": name, "valid": ok, "cut": cut, "same_as_no_spec": same, **s.model_dump()})
+        out.append({"row": name, "valid": ok, "cut": cut, "same_as_no_spec": same, "refused_share": refused,
+                    **s.model_dump()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
