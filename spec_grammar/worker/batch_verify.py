@@ -131,8 +131,9 @@ def verify_greedy_batch(
     if masked_rows is not None:
         _check_masked_rows(masked_rows, bitmask, logits.device)
     walks = _lazy_walks(trees, selected, offsets, matchers, pre_accepted, stop_token_ids, n_max, vocab)
-    oks = {i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in selected}
-    stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in selected}
+    todo = [i for i in selected if i not in walks]
+    oks = {i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in todo}
+    stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in todo}
     top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
     flat_top = top.reshape(b * n_max)
     if masked_rows is None:
@@ -142,28 +143,12 @@ def verify_greedy_batch(
         best, early = both[: b * n_max], both[b * n_max :]
     resolved: set[int] = set()  # rows whose masked argmax replaced the greedy token
     out: dict[int, Verified] = {}
-    todo = [i for i in selected if i not in walks]
     lazy = list(walks)
     while todo or lazy:
         unknown: list[int] = []
         retry = []
         for i in todo:
-            base, n = i * n_max, trees[i].num_nodes
-            best_i = best[base : base + n]
-            # a NaN / +inf maximum of a grammar row is decided by its masked row: visit it
-            alive = [
-                t >= 0 or (t == kernels.NONFINITE and rows_of[base + k] >= 0 and base + k not in resolved)
-                for k, t in enumerate(best_i)
-            ]
-            try:
-                out[i] = greedy_walk(trees[i], best_i, alive, oks[i], vocab, stops[i])
-            except GrammarStateError as e:
-                out[i] = e
-            visited = out[i][0] if isinstance(out[i], tuple) else [0]
-            rows = [
-                r for r in (base + node for node in visited)
-                if rows_of[r] >= 0 and r not in resolved and not _allows(words, rows_of[r], best[r])
-            ]
+            out[i], rows = _walk_filled(trees[i], i * n_max, best, rows_of, words, resolved, oks[i], vocab, stops[i])
             if rows:  # the walk read a row whose grammar forbids its greedy token
                 unknown.extend(rows)
                 retry.append(i)
@@ -196,6 +181,38 @@ def verify_greedy_batch(
         stats["forbidden_rows"] = len(resolved)
         stats["lazy_ms"] = {i: w.ms for i, w in walks.items()}
     return out
+
+
+def _walk_filled(
+    tree: DraftTree,
+    base: int,
+    best: list[int],
+    rows_of: list[int],
+    words: np.ndarray | None,
+    resolved: set[int],
+    ok: list[bool],
+    vocab: int,
+    stops: Collection[int],
+) -> tuple[Verified, list[int]]:
+    """The greedy walk of one request with filled rows (or none) over ``best`` from flat row
+    ``base``, and the flat rows it read whose greedy token its bitmask forbids (not yet
+    ``resolved``): when there are any, the walk must run again once they are masked."""
+    best_i = best[base : base + tree.num_nodes]
+    # a NaN / +inf maximum of a grammar row is decided by its masked row: visit it
+    alive = [
+        t >= 0 or (t == kernels.NONFINITE and rows_of[base + k] >= 0 and base + k not in resolved)
+        for k, t in enumerate(best_i)
+    ]
+    try:
+        got: Verified = greedy_walk(tree, best_i, alive, ok, vocab, stops)
+    except GrammarStateError as e:
+        got = e
+    visited = got[0] if isinstance(got, tuple) else [0]
+    forbidden = [
+        r for r in (base + node for node in visited)
+        if rows_of[r] >= 0 and r not in resolved and not _allows(words, rows_of[r], best[r])
+    ]
+    return got, forbidden
 
 
 class _LazyWalk:
