@@ -253,7 +253,10 @@ class SpecGrammar:
         ``[0, V)``."""
         v = self.info.vocab_size
         # plain in-range ints (the worker's runs) skip the per-token conversion
-        ts = list(tokens) if all(type(t) is int and 0 <= t < v for t in tokens) else [self._check_token(t) for t in tokens]
+        if all(type(t) is int and 0 <= t < v for t in tokens):
+            ts = list(tokens)
+        else:
+            ts = [self._check_token(t) for t in tokens]
         n_tok = self.info.tokenizer_vocab_size
         pad = next((k for k, t in enumerate(ts) if t >= n_tok), None)
         if pad is not None:
