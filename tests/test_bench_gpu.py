@@ -34,6 +34,10 @@ def test_quick_cli_run(tmp_path):
     assert len({row[m]["steps"] for m in modes}) == 1
     assert {row[m]["tokens"] for m in modes} == {row["batch"] * (row["doc_tokens"] - 1)}
     assert row["forward_ms"] > 0 and row["ratio"] > 0 and row["overlap"]["grammar_ms"] > 0
+    # the target applies where the whole grammar work (every tree row filled, in order) is
+    # shorter than the forward, whatever the overlap mode's lazy steps left of it
+    assert row["target_applies"] == (row["sync"]["grammar_ms"] < row["forward_ms"])
+    assert 0.0 <= row["overlap"]["lazy_share"] <= 1.0 and row["sync"]["lazy_share"] == 0.0
     md = (tmp_path / "q.md").read_text()
     assert md.count("| tiny | smollm2 |") == 1 + 2  # one configuration + batch-1 forwards at 1 and 8 nodes
     for png in ("q-step.png", "q-ratio.png"):
