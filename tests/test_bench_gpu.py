@@ -44,6 +44,16 @@ def test_quick_cli_run(tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and png in md
 
 
+def test_lazy_grammar_flag_reaches_the_overlapped_modes_only(tmp_path):
+    argv = ["bench", "gpu", "--quick", "--batches", "2", "--nodes", "8", "--eager-batches", "2",
+            "--lazy-grammar", "on", "--out", str(tmp_path), "--name", "q"]
+    assert main(argv) == 0
+    row = json.loads((tmp_path / "q.json").read_text())["rows"][0]
+    assert row["overlap"]["lazy_share"] == row["eager"]["lazy_share"] == 1.0
+    assert row["sync"]["lazy_share"] == 0.0  # the in-order fill is the applicability measure
+    assert "lazy verification always" in (tmp_path / "q.md").read_text()
+
+
 def test_replay_drafter_wrong_tokens_are_wrong():
     doc = [5, 9, 5, 7, 11, 13, 9, 17, 2]
     wrong = _wrong_tokens(doc, frozenset({2}))

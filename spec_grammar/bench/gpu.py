@@ -111,7 +111,9 @@ class GpuBenchConfig(pydantic.BaseModel):
     where no graphs are captured); ``fused_forward``: the runner's decoder (None = our fused
     decoder where the runner supports it, else Hugging Face's; the batch-1 forward table also
     times HF's forward under graphs when the fused one runs); ``grammar_threads``: the
-    worker's setting (None = its default); ``eager_batches``: batch sizes
+    worker's setting (None = its default); ``lazy_grammar``: the overlapped modes' lazy
+    verification (None = the worker's measured choice, True / False = always / never: fill
+    and lazy side by side); ``eager_batches``: batch sizes
     that also run grammar + overlap with CUDA graphs off (may be empty); ``repeats``: runs per mode (steps
     pooled; the modes take turns, one run each per round, so slow drifts of the machine hit
     every mode alike); ``budget_s``: wall seconds after which no new configuration starts (the
@@ -141,6 +143,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     cuda_graphs: bool | None = None
     fused_forward: bool | None = None
     grammar_threads: _Positive | None = None
+    lazy_grammar: bool | None = None
     eager_batches: list[_Positive] = [1]
     repeats: int = pydantic.Field(1, ge=1)
     forward_reps: int = pydantic.Field(10, ge=1)
@@ -638,7 +641,9 @@ def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, p
                             accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
     workers = {
         mode: SpecWorker(runner, s.tokenizer, backend=s.backend if grammar else None, draft=drafter,
-                         overlap=overlap, grammar_threads=cfg.grammar_threads)
+                         overlap=overlap, grammar_threads=cfg.grammar_threads,
+                         # sync fills every tree in order: the host's grammar time of the target
+                         lazy_grammar=cfg.lazy_grammar if overlap else False)
         for mode, runner, overlap, grammar in plan
     }
     runs: dict[str, list] = {mode: [] for mode in workers}
@@ -756,6 +761,7 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         f"models {', '.join(cfg['models'])}; tokenizers {', '.join(cfg['tokenizers'])}; {cfg['backend']} with "
         f"{env.get('grammar_threads', '?')} grammar thread(s) on {env.get('cpus', '?')} cores; "
         f"CUDA graphs {'default (on for CUDA)' if cfg['cuda_graphs'] is None else cfg['cuda_graphs']}; "
+        f"lazy verification {({None: 'as measured', True: 'always', False: 'never'})[cfg.get('lazy_grammar')]}; "
         f"replay drafter (accept rate {cfg['accept_rate']}, chain {cfg['chain_depth']}); every request of a "
         "batch writes the same valid document, every mode commits the same tokens (the target is made to "
         "agree with the document, real weights included). Method: `spec_grammar/bench/gpu.py` (module "
