@@ -240,7 +240,9 @@ def test_graph_steps_switch_between_tree_fills_and_lazy_walks(monkeypatch):
     _, reqs = batch(name)
     indices = small(name)
     turn = iter(range(10**6))
-    monkeypatch.setattr(LazyGrammar, "use_lazy", lambda self, rows, requests, launch_ms: next(turn) % 3 != 0)
+    monkeypatch.setattr(
+        LazyGrammar, "use_lazy", lambda self, rows, requests, launch_ms, forward_ms: next(turn) % 3 != 0
+    )
     with SpecWorker(make_runner(model, "emulated"), tok, backend=backend(name), draft="ngram",
                     num_draft_tokens=6) as worker:
         got = worker.run([reqs[i] for i in indices])

@@ -84,23 +84,23 @@ def test_early_mask_averages_and_refuses_bad_times():
 
 def test_lazy_when_fills_stop_hiding_or_lazy_walks_are_cheap():
     lazy = LazyGrammar(hide=0.75, slack=0.02, explore_every=1000)
-    assert not lazy.use_lazy(64, 8, 0.5)  # nothing measured: fill first
-    lazy.record_forward(10.0)
+    assert not lazy.use_lazy(64, 8, 0.5, None)  # nothing measured: fill first
     lazy.record_fill(64, 3.2)  # 0.05 ms a row
-    assert lazy.use_lazy(64, 8, 0.5)  # the lazy walk is measured once
+    assert not lazy.use_lazy(64, 8, 0.5, None)  # no forward measured yet
+    fwd = 10.0
+    assert lazy.use_lazy(64, 8, 0.5, fwd)  # the lazy walk is measured once
     lazy.record_lazy(8, 0.8)  # 0.1 ms a request
-    assert not lazy.use_lazy(64, 8, 0.5)  # 0.5 + 3.2 <= 7.5: the fill hides; 0.8 > 0.2 of slack
-    assert lazy.use_lazy(256, 32, 0.5)  # 0.5 + 12.8 - 7.5 = 5.8 exposed > 3.2
-    assert not lazy.use_lazy(160, 32, 0.5)  # 1.0 exposed < 3.2
-    assert lazy.use_lazy(16, 1, 0.5)  # 0.1 < 0.2 = 2% of the forward
+    assert not lazy.use_lazy(64, 8, 0.5, fwd)  # 0.5 + 3.2 <= 7.5: the fill hides; 0.8 > 0.2 of slack
+    assert lazy.use_lazy(256, 32, 0.5, fwd)  # 0.5 + 12.8 - 7.5 = 5.8 exposed > 3.2
+    assert not lazy.use_lazy(160, 32, 0.5, fwd)  # 1.0 exposed < 3.2
+    assert lazy.use_lazy(16, 1, 0.5, fwd)  # 0.1 < 0.2 = 2% of the forward
 
 
 def test_lazy_explores_the_other_mode():
     lazy = LazyGrammar(explore_every=4)
-    lazy.record_forward(1.0)
     lazy.record_fill(10, 10.0)
     lazy.record_lazy(1, 0.01)
-    picks = [lazy.use_lazy(10, 1, 0.0) for _ in range(8)]
+    picks = [lazy.use_lazy(10, 1, 0.0, 1.0) for _ in range(8)]
     assert picks == [True, True, True, False, True, True, True, False]
 
 
@@ -115,8 +115,6 @@ def test_lazy_bad_arguments(kw):
 def test_lazy_refuses_bad_times():
     lazy = LazyGrammar()
     for bad in (float("nan"), -1.0, float("inf")):
-        with pytest.raises(ValueError):
-            lazy.record_forward(bad)
         with pytest.raises(ValueError):
             lazy.record_fill(4, bad)
         with pytest.raises(ValueError):

@@ -588,7 +588,9 @@ class SpecWorker:
         requests, as ``lazy_grammar`` says (None: :class:`.LazyGrammar`'s choice on CUDA-graph
         steps with overlap). A request whose rows a grammar-aware drafter computed while
         drafting keeps them: they are its verification rows."""
-        if self.lazy_grammar is False:
+        if self.lazy_grammar is False or (
+            self.lazy_grammar is None and not (self.overlap and self.runner.uses_cuda_graphs)
+        ):
             return frozenset()
         cands = [
             (st, t)
@@ -597,10 +599,8 @@ class SpecWorker:
         ]
         if not cands:
             return frozenset()
-        if self.lazy_grammar is None and not (
-            self.overlap
-            and self.runner.uses_cuda_graphs
-            and self._lazy.use_lazy(sum(t.num_nodes for _, t in cands), len(cands), self._placement.launch_ms)
+        if self.lazy_grammar is None and not self._lazy.use_lazy(
+            sum(t.num_nodes for _, t in cands), len(cands), self._placement.launch_ms, self._early_mask.forward_ms
         ):
             return frozenset()
         return frozenset(st.rid for st, _ in cands)
@@ -692,6 +692,7 @@ class SpecWorker:
             st.grammar_exposed_ms += ms * frac
         self._apply_errors(work, draining, t3)
         verified, lazy_ms = self._verify_batch(live, trees, logits, top, greedy, work, lazy)
+        lazy_total = sum(lazy_ms.values())
         for st in live:
             if st.rid in lazy_ms:  # the lazy walks' grammar work: after the forward, all exposed
                 st.grammar_ms += lazy_ms[st.rid]
@@ -712,14 +713,12 @@ class SpecWorker:
                 self._release(st)
         if graph_overlap and launched and (bitmask is not None or lazy):  # the forward has ended by now
             gpu_ms = gpu_ms if gpu_ms is not None else self.runner.last_forward_gpu_ms()
-            if gpu_ms is not None:
+            if gpu_ms is not None:  # one forward-time average serves both policies
                 self._early_mask.record_forward(gpu_ms)
-                self._lazy.record_forward(gpu_ms)
             if lazy:
-                self._lazy.record_lazy(len(lazy_ms), sum(lazy_ms.values()))
+                self._lazy.record_lazy(len(lazy_ms), lazy_total)
             elif bitmask is not None:
                 self._lazy.record_fill(bitmask.shape[0], work.ms)
-        lazy_total = sum(lazy_ms.values())
         t4 = time.perf_counter()
         return StepStats(
             batch_size=len(live),

@@ -186,26 +186,23 @@ class LazyGrammar:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.hide, self.slack, self.explore_every, self.alpha = hide, slack, explore_every, alpha
-        self.forward_ms: float | None = None  # GPU time of a forward
         self.row_ms: float | None = None  # grammar work of a fill step, per tree row
         self.request_ms: float | None = None  # lazy walk of one request
         self._decisions = 0
 
-    def use_lazy(self, rows: int, requests: int, launch_ms: float | None) -> bool:
+    def use_lazy(self, rows: int, requests: int, launch_ms: float | None, forward_ms: float | None) -> bool:
         """True: verify this step's ``requests`` greedy grammar requests (``rows`` tree rows in
-        all) lazily; False: fill their trees under the forward."""
-        if self.forward_ms is None or self.row_ms is None:
+        all) lazily; False: fill their trees under the forward. ``launch_ms``: the replay's
+        host time (:attr:`GrammarPlacement.launch_ms`); ``forward_ms``: a forward's GPU time
+        (:attr:`EarlyMask.forward_ms`); None while not measured."""
+        if forward_ms is None or self.row_ms is None:
             return False
         self._decisions += 1
-        fill_exposed = max(0.0, (launch_ms or 0.0) + self.row_ms * rows - self.hide * self.forward_ms)
+        fill_exposed = max(0.0, (launch_ms or 0.0) + self.row_ms * rows - self.hide * forward_ms)
         if self.request_ms is None:
             return True  # the lazy walk's cost is measured once
-        best = self.request_ms * requests < max(fill_exposed, self.slack * self.forward_ms)
+        best = self.request_ms * requests < max(fill_exposed, self.slack * forward_ms)
         return (not best) if self._decisions % self.explore_every == 0 else best
-
-    def record_forward(self, gpu_ms: float) -> None:
-        """A forward's GPU milliseconds."""
-        self.forward_ms = _ema(self.forward_ms, _checked("gpu_ms", gpu_ms), self.alpha)
 
     def record_fill(self, rows: int, grammar_ms: float) -> None:
         """A fill step's grammar work (advance + tree fill) over ``rows`` tree rows."""
