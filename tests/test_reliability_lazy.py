@@ -30,7 +30,8 @@ from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
 from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
-from test_worker_lazy_verify import oracle_verify
+from test_reliability_worker import FaultyMatcher
+from test_worker_lazy_verify import oracle_verify, state_error
 
 EXTRA = 100  # padding ids of a model head wider than the tokenizer
 SPECS = [
@@ -143,18 +144,7 @@ def _oracle(setup, logits, tree, spec, pos, stops):
 
 def _state_error(setup, m, spec: int, pos: int, run: list[int]) -> str | None:
     """None when ``m`` is where a fresh matcher fed the document prefix and ``run`` is."""
-    ref = _matcher_at(setup, spec, pos)
-    if ref.accept_tokens(run) != len(run):
-        return "a fresh matcher refuses the committed run"
-    if m.num_accepted != ref.num_accepted:
-        return f"num_accepted {m.num_accepted} != {ref.num_accepted}"
-    if ref.is_terminated() or m.is_terminated():
-        return None if ref.is_terminated() == m.is_terminated() else "termination differs"
-    v = m.info.vocab_size
-    a, b = allocate_token_bitmask(1, v), allocate_token_bitmask(1, v)
-    m.fill_next_token_bitmask(a)
-    ref.fill_next_token_bitmask(b)
-    return None if torch.equal(a, b) else "next-token masks differ"
+    return state_error(m, _matcher_at(setup, spec, pos), run)
 
 
 def _plain(result):
@@ -236,15 +226,6 @@ class _FillFaultMatcher(XGrammarMatcher):
         raise RuntimeError("injected fault in fill_next_token_bitmask")
 
 
-class _AcceptFaultMatcher(XGrammarMatcher):
-    """A real xgrammar matcher that raises on its 4th accepted token."""
-
-    def _accept_token(self, token):
-        if self.num_accepted + 1 == 4:
-            raise RuntimeError("injected fault in accept_token")
-        return super()._accept_token(token)
-
-
 ACCEPT_FAULT = Regex(r"[a-z ]+")
 
 
@@ -255,7 +236,7 @@ class _FillFaultBackend(XGrammarBackend):
     def _matcher(self, compiled):
         m = super()._matcher(compiled)
         if compiled.spec == ACCEPT_FAULT:
-            return _AcceptFaultMatcher(self, m._m)
+            return FaultyMatcher(self, m._m, fail_accept_at=4)
         return _FillFaultMatcher(self, m._m) if compiled.spec == WORDS else m
 
 

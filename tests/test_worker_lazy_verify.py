@@ -101,15 +101,22 @@ def oracle_verify(m, logits, tree, stops):
 
 def _same_state(m, pos: int, run: list[int]) -> bool:
     """``m`` is where a fresh matcher fed the document prefix and ``run`` is."""
-    ref = _matcher_at(pos)
-    if ref.accept_tokens(run) != len(run) or m.num_accepted != ref.num_accepted:
-        return False
+    return state_error(m, _matcher_at(pos), run) is None
+
+
+def state_error(m, ref, run: list[int]) -> str | None:
+    """None when ``m`` is where ``ref`` (a fresh matcher at the same prefix) is once fed
+    ``run``; else what differs. ``ref`` is advanced."""
+    if ref.accept_tokens(run) != len(run):
+        return "a fresh matcher refuses the committed run"
+    if m.num_accepted != ref.num_accepted:
+        return f"num_accepted {m.num_accepted} != {ref.num_accepted}"
     if ref.is_terminated() or m.is_terminated():
-        return ref.is_terminated() == m.is_terminated()
+        return None if ref.is_terminated() == m.is_terminated() else "termination differs"
     a, b = allocate_token_bitmask(1, m.info.vocab_size), allocate_token_bitmask(1, m.info.vocab_size)
     m.fill_next_token_bitmask(a)
     ref.fill_next_token_bitmask(b)
-    return torch.equal(a, b)
+    return None if torch.equal(a, b) else "next-token masks differ"
 
 
 @pytest.mark.parametrize("seed", range(30))
