@@ -149,11 +149,11 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     Returns ``(...)`` int64 on ``logits.device``: the first index of each row's largest logit,
     ``-1`` where every logit is ``-inf``, :data:`NONFINITE` (``-2``) where the largest is NaN or
     ``+inf`` (such a row has no greedy choice without its mask: the per-request path calls a
-    row allowing no token when its masked maximum is not finite). Where a grammar allows that token it is also the row's
-    :func:`masked_argmax` (no allowed token before it ties with it), and a ``-1`` row is ``-1``
-    under any mask, so a verifier checks one bitmask word per row on the host and masks only the
-    other rows (:mod:`spec_grammar.worker.batch_verify`). Two kernels on CUDA, no host synchronization
-    (capturable in a CUDA graph).
+    row allowing no token when its masked maximum is not finite). Where a grammar allows that
+    token it is also the row's :func:`masked_argmax` (no allowed token before it ties with it),
+    and a ``-1`` row is ``-1`` under any mask, so a verifier checks one bitmask word per row on
+    the host and masks only the other rows (:mod:`spec_grammar.worker.batch_verify`). Two
+    kernels on CUDA, no host synchronization (capturable in a CUDA graph).
     """
     best, arg = logits.max(dim=-1)
     arg.masked_fill_(~torch.isfinite(best), NONFINITE)
