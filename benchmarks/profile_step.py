@@ -9,6 +9,9 @@ document ``--runs`` times after one untimed run, and this prints:
   time (``cProfile`` over the timed runs), which names
   the host work on the critical path of an overlapped step (launch + grammar before the GPU's
   forward ends, verify + commit after it);
+* modes: ``plain`` (no grammar), ``overlap`` (grammar + overlap, fill or lazy verification as
+  the worker picks), ``fill`` / ``lazy`` (overlap with tree fills only / lazy verification only),
+  ``sync`` (grammar, no overlap);
 * with ``--trace DIR``, a ``torch.profiler`` chrome trace of one run per mode (CPU + CUDA), the
   GPU's busy fraction during it and the median timeline of its graph steps (launch, GPU end,
   host tail after the GPU went idle, and the host ops that fill that tail).
@@ -22,6 +25,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 from pathlib import Path
 
 import torch
@@ -71,7 +75,6 @@ def graph_step_timeline(trace_path: Path, top: int = 8) -> dict | None:
     when the trace has fewer than two graph launches.
     """
     import json
-    import statistics
     from collections import Counter
 
     events = sorted(
@@ -109,7 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", required=True, help="MODEL:TOKENIZER:BATCH:NODES (repeatable)")
     ap.add_argument("--tokenizer", action="append", default=[], help="NAME=DIR or a known name (repeatable)")
-    ap.add_argument("--modes", default="plain,overlap")
+    ap.add_argument("--modes", default="plain,overlap", help="comma-separated: plain, overlap, fill, lazy, sync")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda")
@@ -145,7 +148,9 @@ def main() -> None:
                                 accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
         for mode in args.modes.split(","):
             worker = SpecWorker(s.runner, s.tokenizer, backend=None if mode == "plain" else s.backend,
-                                draft=drafter, overlap=mode == "overlap", grammar_threads=cfg.grammar_threads)
+                                draft=drafter, overlap=mode not in ("plain", "sync"),
+                                grammar_threads=cfg.grammar_threads,
+                                lazy_grammar={"fill": False, "lazy": True}.get(mode))
             try:
                 _run_mode(worker, doc, batch, prompt)  # untimed: captures, allocations
                 prof = cProfile.Profile()
@@ -159,6 +164,17 @@ def main() -> None:
                       f"{_mean([x.step_ms for x in stats]):.3f}, draft {_mean([x.draft_ms for x in stats]):.3f}, "
                       f"launch {_mean([x.verify_forward_ms for x in stats]):.3f}, grammar "
                       f"{_mean([x.grammar_ms for x in stats]):.3f}, verify+commit {_mean([x.sample_ms for x in stats]):.3f}")
+                if mode != "plain":  # the steps by how their grammar was verified
+                    for kind, sel in (("lazy", [x for x in stats if x.lazy_requests]),
+                                      ("fill", [x for x in stats if not x.lazy_requests])):
+                        if sel:
+                            print(f"  {kind} steps: {len(sel)}, mean ms: step {_mean([x.step_ms for x in sel]):.3f}, "
+                                  f"median {statistics.median(x.step_ms for x in sel):.3f}, grammar "
+                                  f"{_mean([x.grammar_ms for x in sel]):.3f}, verify+commit "
+                                  f"{_mean([x.sample_ms for x in sel]):.3f}, in thread "
+                                  f"{sum(x.grammar_in_thread for x in sel)}")
+                else:
+                    print(f"  median step {statistics.median(x.step_ms for x in stats):.3f}")
                 out = io.StringIO()
                 st = pstats.Stats(prof, stream=out)
                 st.sort_stats("tottime").print_stats(args.top)
