@@ -83,7 +83,6 @@ class FixedPlacement(GrammarPlacement):
         self.thread = thread
 
     def use_thread(self, units: int) -> bool:
-        self._decisions += 1
         return self.thread
 
 

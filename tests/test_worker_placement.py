@@ -3,7 +3,7 @@ measured-time sequences."""
 
 import pytest
 
-from spec_grammar.worker.placement import EarlyMask, GrammarPlacement, LazyGrammar
+from spec_grammar.worker.placement import EarlyMask, Exploration, GrammarPlacement, LazyGrammar
 
 
 def test_measures_both_then_picks_the_faster():
@@ -18,14 +18,27 @@ def test_measures_both_then_picks_the_faster():
     assert p.use_thread(100) is False
 
 
+def test_exploration_is_spaced_by_its_predicted_regret():
+    e = Exploration(every=4)
+    assert [e.due(0.0, 0.0) for _ in range(8)] == [False, False, False, True] * 2  # no regret: every 4th
+    assert [e.due(0.1, 0.1) for _ in range(4)] == [False, False, False, True]  # regret <= budget: the same
+    # regret 3 budgets: every 12th decision, so tries cost at most budget / every per decision
+    assert [i for i in range(1, 37) if e.due(0.3, 0.1)] == [12, 24, 36]
+    assert not any(e.due(0.3, 0.0) for _ in range(1000))  # no budget: a slower option is never tried
+    with pytest.raises(ValueError):
+        Exploration(every=1)
+
+
 def test_explores_the_other_placement_and_follows_the_load():
-    p = GrammarPlacement(explore_every=5, alpha=1.0)
-    p.record(True, 10, grammar_ms=10.0, launch_ms=0.5)
-    p.record(False, 10, grammar_ms=1.0, launch_ms=0.5)
+    p = GrammarPlacement(explore_every=5, explore_share=0.1, alpha=1.0)
+    p.record(True, 10, grammar_ms=1.5, launch_ms=0.5)  # thread max(0.5, 1.5) = 1.5 ms
+    p.record(False, 10, grammar_ms=0.9, launch_ms=0.5)  # inline 0.5 + 0.9 = 1.4 ms
     choices = [p.use_thread(10) for _ in range(10)]
-    assert choices == [False, False, False, False, True] * 2  # every 5th decision explores
+    assert choices == [False, False, False, False, True] * 2  # regret 0.1 <= 0.14 of budget: every 5th
     p.record(True, 10, grammar_ms=0.2, launch_ms=0.5)  # the thread got fast (alpha 1: replaced)
     assert p.use_thread(10) is True
+    p.record(True, 10, grammar_ms=10.0, launch_ms=0.5)  # the thread got 10 ms slower: tried 20x less often
+    assert sum(p.use_thread(10) for _ in range(1000)) == 1000 // (5 * round(8.6 / 0.14 + 0.5))
 
 
 def test_launch_and_unit_costs_are_moving_averages():
@@ -96,12 +109,16 @@ def test_lazy_when_fills_stop_hiding_or_lazy_walks_are_cheap():
     assert lazy.use_lazy(16, 1, 0.5, fwd)  # 0.1 < 0.2 = 2% of the forward
 
 
-def test_lazy_explores_the_other_mode():
-    lazy = LazyGrammar(explore_every=4)
-    lazy.record_fill(10, 10.0)
-    lazy.record_lazy(1, 0.01)
-    picks = [lazy.use_lazy(10, 1, 0.0, 1.0) for _ in range(8)]
-    assert picks == [True, True, True, False, True, True, True, False]
+def test_lazy_explores_the_other_mode_as_its_regret_allows():
+    lazy = LazyGrammar(hide=0.75, slack=0.02, explore_every=4)
+    lazy.record_fill(10, 1.0)  # fill 0.1 ms a row: 10 rows hide under a 10 ms forward
+    lazy.record_lazy(1, 0.21)  # lazy 0.21 ms: fill predicted max(0, 0.2) = 0.2 ms, regret 0.01
+    picks = [lazy.use_lazy(10, 1, 0.0, 10.0) for _ in range(8)]
+    assert picks == [False, False, False, True] * 2
+    # 100 rows expose 10 - 7.5 = 2.5 ms: regret 2.29 ms against a budget of 0.2 ms (2% of the
+    # forward), so the fill is tried every 4 * 2.29 / 0.2 = 45.8 -> 46 decisions
+    picks = [lazy.use_lazy(100, 1, 0.0, 10.0) for _ in range(100)]
+    assert [i + 1 for i, p in enumerate(picks) if not p] == [46, 92]
 
 
 @pytest.mark.parametrize(
