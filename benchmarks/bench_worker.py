@@ -20,7 +20,8 @@ Per row: validity rate (outputs that completed their grammar and validate with `
 Draft 2020-12, over all requests; length-cut outputs are counted apart), mean accept length
 (output tokens per request-step), tokens/s (all output tokens over the batch's wall time,
 prefill included), draft / verify-forward ms per step, grammar ms per step and the exposed
-part (waited for after the verify forward), and the share of steps whose greedy walks met a token
+part (waited for after the verify forward), the mean step time (draft to commit: tokens/s
+also pays the requests' prefill), and the share of steps whose greedy walks met a token
 the grammar refuses (*refused*: a masked row on the device; lazily, a one-row fill too). Ratios are against ``no-spec`` and the in-order
 row of the same drafter. Every constrained row must produce the no-spec tokens (greedy): a
 mismatch is printed.
@@ -146,6 +147,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-schema-chars", type=int, default=1200, help="skip larger schemas (prompt length)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rows", help="comma-separated subset of the rows (no-spec included)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per row before the rounds")
     ap.add_argument("--self-layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
@@ -183,6 +185,11 @@ def main() -> None:
         "ngram lazy": dict(draft="ngram", num_draft_tokens=8, lazy_grammar=True),
         f"self:{args.self_layers} topk=3": dict(draft=f"self:{args.self_layers}", topk=3, num_steps=4, num_draft_tokens=8),
     }
+    if args.rows:
+        unknown = set(args.rows.split(",")) - set(rows)
+        if unknown or "no-spec" not in args.rows.split(","):
+            ap.error(f"--rows: unknown {sorted(unknown)} or no no-spec (the baseline); rows: {', '.join(rows)}")
+        rows = {k: v for k, v in rows.items() if k in args.rows.split(",")}
     runs: dict[str, list] = {k: [] for k in rows}
     tokens: dict[str, list] = {}
     workers = {name: SpecWorker(model, tok, backend=backend, device=args.device, **opts) for name, opts in rows.items()}
@@ -196,7 +203,8 @@ def main() -> None:
                 res = w.run(reqs)
                 wall = time.perf_counter() - t
                 refused = sum(s.forbidden_rows > 0 for s in w.step_stats) / max(1, len(w.step_stats))
-                runs[name].append((summarize(res, w.step_stats, wall), valid_count(res, oracles), refused))
+                step_ms = sum(s.step_ms for s in w.step_stats) / max(1, len(w.step_stats))
+                runs[name].append((summarize(res, w.step_stats, wall), valid_count(res, oracles), refused, step_ms))
                 tokens[name] = [r.token_ids for r in res]
     finally:
         for w in workers.values():
@@ -205,23 +213,23 @@ def main() -> None:
           f"max_new_tokens {args.max_new_tokens}, compile {compile_s:.1f} s, {args.warmup} warm-up run(s), "
           f"{args.rounds} round(s)")
     head = (f"{'row':18} {'valid':>7} {'cut':>4} {'accept':>6} {'tok/s':>7} {'x no-spec':>9} {'draft ms':>8} "
-            f"{'fwd ms':>7} {'gram ms':>7} {'exposed':>7} {'refused':>7}")
+            f"{'fwd ms':>7} {'gram ms':>7} {'exposed':>7} {'refused':>7} {'step ms':>7}")
     print(head)
     out = []
     base = None
     for name in rows:
         ranked = sorted(runs[name], key=lambda x: x[0].tokens_per_s)
-        s, (ok, cut), refused = ranked[len(ranked) // 2]
+        s, (ok, cut), refused, step_ms = ranked[len(ranked) // 2]
         base = base or s.tokens_per_s
         print(f"{name:18} {ok:3d}/{s.requests:<3d} {cut:4d} {s.accept_length:6.2f} {s.tokens_per_s:7.1f} "
               f"{s.tokens_per_s / base:9.2f} {s.draft_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} "
-              f"{s.grammar_ms_per_step:7.2f} {s.grammar_exposed_ms_per_step:7.2f} {100 * refused:6.0f}%")
+              f"{s.grammar_ms_per_step:7.2f} {s.grammar_exposed_ms_per_step:7.2f} {100 * refused:6.0f}% {step_ms:7.2f}")
         same = tokens[name] == tokens["no-spec"]
         if not same:
             diff = sum(a != b for a, b in zip(tokens[name], tokens["no-spec"]))
             print(f"  !! {diff} outputs differ from no-spec (near-tie argmax flips in float32?)")
         out.append({"row": name, "valid": ok, "cut": cut, "same_as_no_spec": same, "refused_share": refused,
-                    **s.model_dump()})
+                    "step_ms": step_ms, **s.model_dump()})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
