@@ -25,7 +25,7 @@ def _register_masks(sub) -> None:
         description="Writes masks.json, masks.md and PNG plots into --out.",
     )
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--quick", action="store_true", help="small smoke run (seconds per backend)")
+    p.add_argument("--quick", action="store_true", help="small smoke run (tens of seconds per backend and tokenizer)")
     p.add_argument("--tokenizers", type=_csv, default=None, help="comma list (default smollm2,gemma3)")
     p.add_argument("--backends", type=_csv, default=None, help="comma list (default: every registered backend)")
     p.add_argument("--sizes", type=_ints, default=None, help="tree sizes N (default 8,16,64)")
