@@ -149,6 +149,32 @@ def check_chunked_prefill_and_extend(model, atol=ATOL, fused=None):
     torch.testing.assert_close(logits[0], ref[-2:], atol=atol, rtol=0)
 
 
+def check_batched_prefill(model, atol=ATOL, fused=None):
+    """Prompts of different lengths prefilled together (chunks of 3, two requests a forward,
+    shorter chunks padded) give each request the logits of its own plain forward; refused
+    requests leave the others started."""
+    runner = ModelRunner(model, prefill_chunk=3, prefill_tokens=6, fused_forward=fused)
+    prompts = {"a": PROMPT_A + PROMPT_C, "b": PROMPT_B, "c": [PROMPT_C[0]], "d": PROMPT_C + PROMPT_B}
+    bad = {"dup": ("a", [504]), "empty": ("e", []), "oov": ("o", [504, runner.vocab_size])}
+    refused = runner.add_batch([*prompts.items(), *bad.values()])
+    assert sorted(refused) == ["a", "e", "o"] and all(isinstance(e, RunnerError) for e in refused.values())
+    assert "already" in str(refused["a"]) and "empty" in str(refused["e"]) and "outside" in str(refused["o"])
+    assert runner.request_ids == list(prompts) and [runner.cache_len(r) for r in prompts] == [
+        len(p) - 1 for p in prompts.values()
+    ]
+    logits = runner.forward_trees(list(prompts), [DraftTree.chain(p[-1], [2365]) for p in prompts.values()])
+    refs = reference(model, [p + [2365] for p in prompts.values()])
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(logits[i, :2], ref[-2:], atol=atol, rtol=0)
+
+
+def test_batched_prefill(model):
+    check_batched_prefill(model)
+    check_batched_prefill(model, fused=True)
+    with pytest.raises(RunnerError, match="prefill_chunk"):
+        ModelRunner(model, prefill_chunk=8, prefill_tokens=4)
+
+
 def test_tree_logits_equal_sequential_and_commit_equals_fresh(attn_model):
     check_tree_logits_and_commit(attn_model)
 
@@ -232,6 +258,7 @@ def test_cuda_same_code(attn, dtype, fused, graphs):
     check_tree_logits_and_commit(model, atol, graphs, fused)
     check_remove_add_mid_batch_and_subsets(model, atol, graphs, fused)
     check_chunked_prefill_and_extend(model, atol, fused)
+    check_batched_prefill(model, atol, fused)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral"])

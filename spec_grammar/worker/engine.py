@@ -164,7 +164,7 @@ class SpecWorker:
             asks the matcher for the greedy tokens it reads; :class:`~.placement.LazyGrammar`).
             None (default): on CUDA-graph steps with overlap, whenever the measured fill time
             would not hide under the forward; True: always; False: never. Outputs do not depend
-            on it.
+            on it. Raises ``ValueError`` unless None or a bool.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
     """
@@ -193,6 +193,8 @@ class SpecWorker:
             isinstance(grammar_threads, bool) or not isinstance(grammar_threads, int) or grammar_threads < 1
         ):
             raise ValueError(f"grammar_threads must be None or an int >= 1, got {grammar_threads!r}")
+        if lazy_grammar is not None and not isinstance(lazy_grammar, bool):
+            raise ValueError(f"lazy_grammar must be None, True or False, got {lazy_grammar!r}")
         self.runner = (
             model
             if isinstance(model, ModelRunner)
@@ -334,14 +336,17 @@ class SpecWorker:
         st.generator = make_generator(params, self.runner.device)
         if params.max_new_tokens <= 0:
             st.finish("length", now)
-            return st
-        try:
-            self.runner.add(st.rid, ids)
-        except SpecGrammarError as e:
-            st.finish("error", now, str(e))
-            return st
-        self.drafter.add(st)
         return st
+
+    def _prefill(self, states: Sequence[RequestState], now: float) -> None:
+        """Prefill the started requests together (:meth:`ModelRunner.add_batch`); one the
+        runner refuses (e.g. token ids outside the vocabulary) ends with its reason."""
+        refused = self.runner.add_batch([(st.rid, st.prompt_ids) for st in states])
+        for st in states:
+            if st.rid in refused:
+                st.finish("error", now, str(refused[st.rid]))
+            else:
+                self.drafter.add(st)
 
     # -- grammar work (the overlapped part) -------------------------------------------------
     def _grammar_work(
@@ -528,6 +533,8 @@ class SpecWorker:
         with self._cancel_lock:
             self._running = {s.rid for s in live}
         try:
+            self._prefill(live, now)
+            live = [s for s in live if not s.finished]
             while True:
                 live = self._drop_cancelled(live)
                 if not live:
@@ -557,14 +564,17 @@ class SpecWorker:
         if getattr(self.drafter, "needs_grammar_state", False):
             live = self._advance_before_draft(live, draining)
             draining = []
-            if not live:
-                ms = (time.perf_counter() - t0) * 1e3
-                return StepStats(
-                    batch_size=0, num_nodes=0, step_ms=ms, draft_ms=ms,
-                    verify_forward_ms=0.0, grammar_ms=0.0, grammar_exposed_ms=0.0, sample_ms=0.0,
-                    committed_tokens=0,
-                )
-        trees = self.drafter.propose(live)
+        trees: list[DraftTree] = []
+        if live:
+            live, trees = self._propose(live)
+        if not live:
+            self._advance_before_draft([], draining)  # the last tokens of requests that finished
+            ms = (time.perf_counter() - t0) * 1e3
+            return StepStats(
+                batch_size=0, num_nodes=0, step_ms=ms, draft_ms=ms,
+                verify_forward_ms=0.0, grammar_ms=0.0, grammar_exposed_ms=0.0, sample_ms=0.0,
+                committed_tokens=0,
+            )
         trees = [
             cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1) for s, t in zip(live, trees)
         ]
@@ -580,6 +590,27 @@ class SpecWorker:
             if bitmask is not None:
                 # every upload from this buffer was queued on the current stream by now
                 self._bitmasks.record_upload(self.runner.device)
+
+    def _propose(self, live: list[RequestState]) -> tuple[list[RequestState], list[DraftTree]]:
+        """The drafter's trees for ``live``. Drafting that raises (e.g. a grammar-aware
+        drafter's matcher faulting) is retried one request at a time: a request whose own
+        drafting raises ends with an error (its committed tokens kept), the others go on.
+        Returns the requests still live and their trees."""
+        try:
+            return live, self.drafter.propose(live)
+        except Exception:
+            pass
+        kept, trees = [], []
+        for st in live:
+            try:
+                (tree,) = self.drafter.propose([st])
+            except Exception as e:
+                st.finish("error", time.perf_counter(), f"drafting failed: {type(e).__name__}: {e}")
+                self._release(st)
+                continue
+            kept.append(st)
+            trees.append(tree)
+        return kept, trees
 
     def _lazy_requests(
         self, live: Sequence[RequestState], trees: Sequence[DraftTree], greedy: Sequence[bool]

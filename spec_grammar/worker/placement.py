@@ -47,14 +47,14 @@ class Exploration:
     135M at batch 8): 3% of that configuration's tokens/s.
 
     Args:
-        every: the fewest decisions between two tries, >= 2.
+        every: the fewest decisions between two tries, an int >= 2.
 
     Times are milliseconds. Raises ``ValueError`` on bad arguments.
     """
 
     def __init__(self, every: int = 50):
-        if every < 2:
-            raise ValueError(f"explore_every must be >= 2, got {every}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 2:
+            raise ValueError(f"explore_every must be an int >= 2, got {every!r}")
         self.every = every
         self._since = 0
 
@@ -63,6 +63,10 @@ class Exploration:
         ``regret_ms``: its predicted extra cost (>= 0); ``budget_ms``: what a try may cost,
         amortized over ``every`` decisions (0: never try an option predicted slower)."""
         self._since += 1
+        # NaN (inf - inf: both predictions overflowed) or a negative value counts as 0, so that
+        # options predicted equal are still tried every ``every`` decisions (n * nan >= 0 never is)
+        regret_ms = regret_ms if regret_ms > 0 else 0.0
+        budget_ms = budget_ms if budget_ms > 0 else 0.0
         if self._since >= self.every and self._since * budget_ms >= self.every * regret_ms:
             self._since = 0
             return True
