@@ -43,6 +43,7 @@ protocol.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -744,7 +745,9 @@ class SpecWorker:
                 self._release(st)
         if graph_overlap and launched and (bitmask is not None or lazy):  # the forward has ended by now
             gpu_ms = gpu_ms if gpu_ms is not None else self.runner.last_forward_gpu_ms()
-            if gpu_ms is not None:  # one forward-time average serves both policies
+            # one forward-time average serves both policies; a bad event reading (never seen)
+            # must not raise here, after the step's tokens were committed
+            if gpu_ms is not None and math.isfinite(gpu_ms) and gpu_ms >= 0:
                 self._early_mask.record_forward(gpu_ms)
             if lazy:
                 self._lazy.record_lazy(len(lazy_ms), lazy_total)
