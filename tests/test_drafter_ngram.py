@@ -1,8 +1,11 @@
 """Prompt-lookup draft trees (:func:`ngram_tree`) against a direct reading of their definition."""
 
+import random
+
 from hypothesis import given, settings, strategies as st
 
 from spec_grammar.worker.drafters import NgramDrafter, ngram_tree
+from spec_grammar.worker.request import Request, RequestState
 
 
 def reference_tree(ctx, num_draft_tokens, max_match=8, min_match=1, max_depth=None):
@@ -59,10 +62,14 @@ def test_longer_then_more_recent_matches_come_first():
     assert tree.token_list == [2, 8, 7, 9] and tree.parent_list == [-1, 0, 0, 0]
 
 
-def test_drafter_builds_one_tree_per_request():
-    class State:
-        def __init__(self, ids):
-            self.committed_ids = ids
-
-    trees = NgramDrafter(num_draft_tokens=3).propose([State([5, 6, 5]), State([1])])
-    assert [t.token_list for t in trees] == [[5, 6, 5], [1]]
+def test_drafter_builds_one_tree_per_request_from_its_growing_context():
+    states = [RequestState(Request([5, 6], rid="a"), [5, 6], None), RequestState(Request([1], rid="b"), [1], None)]
+    drafter = NgramDrafter(num_draft_tokens=3)
+    rng = random.Random(0)
+    for _ in range(200):  # the context buffer grows past its first size several times
+        for state in states:
+            state.output_ids.extend(rng.choice([5, 6, 7]) for _ in range(rng.randint(0, 3)))
+        trees = drafter.propose(states)
+        for state, tree in zip(states, trees):
+            assert state.committed_array().tolist() == state.committed_ids
+            assert (tree.token_list, tree.parent_list) == reference_tree(state.committed_ids, 3)

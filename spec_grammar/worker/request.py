@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from ..errors import SpecGrammarError
@@ -115,6 +116,8 @@ class RequestState:
     grammar_ms: float = 0.0
     grammar_exposed_ms: float = 0.0
     warnings: tuple[str, ...] = ()
+    _context: Any = field(default=None, init=False, repr=False)  # committed ids, int64, grown in place
+    _context_len: int = field(default=0, init=False, repr=False)
 
     @property
     def rid(self) -> str:
@@ -124,6 +127,27 @@ class RequestState:
     def committed_ids(self) -> list[int]:
         """``prompt_ids + output_ids``: the context the next draft tree continues."""
         return self.prompt_ids + self.output_ids
+
+    def committed_array(self) -> np.ndarray:
+        """:attr:`committed_ids` as an int64 array ``(len,)``: a view of a buffer kept with
+        the request and extended by the tokens committed since the last call (prompt and
+        output only grow), valid until the next call. The n-gram drafter reads it every step;
+        converting the list each time cost 5-50 us at 0.5-4k tokens."""
+        n_prompt = len(self.prompt_ids)
+        n = n_prompt + len(self.output_ids)
+        buf, done = self._context, self._context_len
+        if buf is None or buf.size < n:
+            grown = np.empty(max(64, 2 * n), dtype=np.int64)
+            if buf is not None:
+                grown[:done] = buf[:done]
+            buf = self._context = grown
+        if done < n_prompt:
+            buf[done:n_prompt] = self.prompt_ids[done:]
+            done = n_prompt
+        if done < n:
+            buf[done:n] = self.output_ids[done - n_prompt :]
+        self._context_len = n
+        return buf[:n]
 
     @property
     def root_token(self) -> int:

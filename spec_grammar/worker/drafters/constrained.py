@@ -151,7 +151,7 @@ class GrammarAwareDrafter(Drafter):
             big = self.overfetch * self.num_draft_tokens
             trees = [
                 ngram_tree(
-                    s.committed_ids,
+                    s.committed_array(),
                     big if m is not None else self.inner.num_draft_tokens,
                     max_match=self.inner.max_match,
                     min_match=self.inner.min_match,
