@@ -20,6 +20,8 @@ import torch
 from spec_grammar import JsonSchema, Regex
 from spec_grammar.cli import main as cli_main
 from spec_grammar.worker import Request, SpecWorker
+from spec_grammar.worker.drafters import NgramDrafter
+from spec_grammar.worker.runner import RunnerError
 from spec_grammar.worker.sampling import SamplingParams
 from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
@@ -172,6 +174,38 @@ def test_faults_end_only_their_request(overlap):
     assert {rid: (by[rid].token_ids, by[rid].finish_reason) for rid in ref} == ref
     assert all(by[rid].error is None for rid in ref)
     assert not w.runner.request_ids  # every KV slot was freed
+
+
+class RefusingDrafter(NgramDrafter):
+    """The n-gram drafter, refusing to start request ``rid`` (as a draft model whose vocabulary
+    lacks one of its prompt ids would)."""
+
+    def __init__(self, rid: str):
+        super().__init__(num_draft_tokens=6)
+        self.rid = rid
+
+    def add(self, state) -> None:
+        if state.rid == self.rid:
+            raise RunnerError(f"request {state.rid!r}: token ids outside the draft vocabulary")
+
+
+def test_prompts_refused_at_prefill_end_only_their_request():
+    """The requests are prefilled together: a prompt the runner refuses (a token id outside the
+    vocabulary) or the drafter refuses ends that request; the others give the tokens they give
+    alone, and no KV slot is left behind."""
+    model, tok = model_and_tokenizer()
+    backend = FaultyBackend(tok, vocab_size=model.config.vocab_size)
+    reqs = good_requests()
+    reqs.insert(1, Request([504, model.config.vocab_size + 7, 282], GOOD[0][1], SamplingParams(max_new_tokens=MAX_NEW), rid="oov"))
+    reqs.insert(3, request("Say hi:", None, "drafter-refused"))
+    with SpecWorker(model, tok, backend=backend, draft=RefusingDrafter("drafter-refused")) as w:
+        results = w.run(reqs)
+        assert not w.runner.request_ids
+    by = {r.rid: r for r in results}
+    assert by["oov"].finish_reason == "error" and "outside [0, 49152)" in by["oov"].error
+    assert by["drafter-refused"].finish_reason == "error"
+    assert by["drafter-refused"].error.startswith("the drafter refused the request: ")
+    assert {rid: (by[rid].token_ids, by[rid].finish_reason) for rid in reference()} == reference()
 
 
 # -- the CLI ---------------------------------------------------------------------------------

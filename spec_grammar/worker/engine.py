@@ -340,14 +340,19 @@ class SpecWorker:
         return st
 
     def _prefill(self, states: Sequence[RequestState], now: float) -> None:
-        """Prefill the started requests together (:meth:`ModelRunner.add_batch`); one the
-        runner refuses (e.g. token ids outside the vocabulary) ends with its reason."""
+        """Prefill the started requests together (:meth:`ModelRunner.add_batch`, then the
+        drafter's :meth:`~.drafters.Drafter.add_batch`); one the runner or the drafter refuses
+        (e.g. token ids outside a vocabulary) ends with its reason."""
         refused = self.runner.add_batch([(st.rid, st.prompt_ids) for st in states])
         for st in states:
             if st.rid in refused:
                 st.finish("error", now, str(refused[st.rid]))
-            else:
-                self.drafter.add(st)
+        started = [st for st in states if not st.finished]
+        refused = self.drafter.add_batch(started)
+        for st in started:
+            if st.rid in refused:
+                st.finish("error", now, f"the drafter refused the request: {refused[st.rid]}")
+                self._release(st)
 
     # -- grammar work (the overlapped part) -------------------------------------------------
     def _grammar_work(

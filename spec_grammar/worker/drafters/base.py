@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from ...errors import SpecGrammarError
 from ...tree import DraftTree
 
 if TYPE_CHECKING:
@@ -36,6 +37,17 @@ class Drafter:
 
     def add(self, state: "RequestState") -> None:
         """A request joins the batch (its prompt is known, nothing generated yet)."""
+
+    def add_batch(self, states: Sequence["RequestState"]) -> dict[str, SpecGrammarError]:
+        """Several requests join at once (the worker's way at the start of a run); returns the
+        ones refused, by id (:meth:`add` raised a :class:`SpecGrammarError` for them)."""
+        refused: dict[str, SpecGrammarError] = {}
+        for st in states:
+            try:
+                self.add(st)
+            except SpecGrammarError as e:
+                refused[st.rid] = e
+        return refused
 
     def remove(self, rid: str) -> None:
         """A request left the batch; drop its state."""

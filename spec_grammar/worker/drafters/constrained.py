@@ -97,6 +97,9 @@ class GrammarAwareDrafter(Drafter):
     def add(self, state) -> None:
         self.inner.add(state)
 
+    def add_batch(self, states) -> dict:
+        return self.inner.add_batch(states)
+
     def remove(self, rid: str) -> None:
         self.inner.remove(rid)
         self._rows.pop(rid, None)

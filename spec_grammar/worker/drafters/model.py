@@ -206,8 +206,13 @@ class ModelDrafter(Drafter):
     def add(self, state) -> None:
         self.runner.add(state.rid, list(state.prompt_ids))
 
+    def add_batch(self, states) -> dict:
+        """The requests' prompts prefilled together (:meth:`ModelRunner.add_batch`)."""
+        return self.runner.add_batch([(st.rid, list(st.prompt_ids)) for st in states])
+
     def remove(self, rid: str) -> None:
-        self.runner.remove(rid)
+        if rid in self.runner.request_ids:  # a request this runner refused was never in it
+            self.runner.remove(rid)
 
     def gather_rows(self, logits: torch.Tensor, nodes: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The draft logits of tree nodes, for the whole batch at once.
