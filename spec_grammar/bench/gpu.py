@@ -113,7 +113,9 @@ class GpuBenchConfig(pydantic.BaseModel):
     times HF's forward under graphs when the fused one runs); ``grammar_threads``: the
     worker's setting (None = its default); ``lazy_grammar``: the overlapped modes' lazy
     verification (None = the worker's measured choice, True / False = always / never: fill
-    and lazy side by side); ``eager_batches``: batch sizes
+    and lazy side by side); ``prefill_tokens``: the runners' :class:`ModelRunner` setting (None =
+    its default; ``64`` = one request per prefill forward, as before batched prefill);
+    ``eager_batches``: batch sizes
     that also run grammar + overlap with CUDA graphs off (may be empty); ``repeats``: runs per mode (steps
     pooled; the modes take turns, one run each per round, so slow drifts of the machine hit
     every mode alike); ``budget_s``: wall seconds after which no new configuration starts (the
@@ -144,6 +146,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     fused_forward: bool | None = None
     grammar_threads: _Positive | None = None
     lazy_grammar: bool | None = None
+    prefill_tokens: _Positive | None = None
     eager_batches: list[_Positive] = [1]
     repeats: int = pydantic.Field(1, ge=1)
     forward_reps: int = pydantic.Field(10, ge=1)
@@ -492,10 +495,13 @@ class _Setup:
         self.name, self.tok_name, self.tokenizer, self.model = name, tok_name, tokenizer, model
         # the flag only means something on CUDA (the runner never captures graphs elsewhere)
         graphs = {"cuda_graphs": cfg.cuda_graphs} if device.type == "cuda" else {}
+        if cfg.prefill_tokens is not None:  # prefill chunks of at most prefill_tokens too
+            graphs.update(prefill_tokens=cfg.prefill_tokens, prefill_chunk=min(512, cfg.prefill_tokens))
         fused = cfg.fused_forward
         self.runner = _ReplayRunner(model, device=device, fused_forward=fused, **graphs)
         self.eager = (
-            _ReplayRunner(model, device=device, cuda_graphs=False, fused_forward=fused)
+            _ReplayRunner(model, device=device, cuda_graphs=False, fused_forward=fused,
+                          **{k: v for k, v in graphs.items() if k != "cuda_graphs"})
             if device.type == "cuda" else self.runner
         ) if cfg.eager_batches else None
         # HF's own forward under the same graphs, for the batch-1 forward table only
@@ -762,6 +768,7 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         f"{env.get('grammar_threads', '?')} grammar thread(s) on {env.get('cpus', '?')} cores; "
         f"CUDA graphs {'default (on for CUDA)' if cfg['cuda_graphs'] is None else cfg['cuda_graphs']}; "
         f"lazy verification {({None: 'as measured', True: 'always', False: 'never'})[cfg.get('lazy_grammar')]}; "
+        f"prefill tokens a forward at most: {cfg.get('prefill_tokens') or 'runner default'}; "
         f"replay drafter (accept rate {cfg['accept_rate']}, chain {cfg['chain_depth']}); every request of a "
         "batch writes the same valid document, every mode commits the same tokens (the target is made to "
         "agree with the document, real weights included). Method: `spec_grammar/bench/gpu.py` (module "

@@ -47,6 +47,9 @@ def register_gpu(sub) -> None:
     p.add_argument("--lazy-grammar", type=_on_off, default=None,
                    help="on/off: verify greedy requests without tree fills in the overlapped modes (default: the "
                    "worker's choice from measured times)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="most tokens of one prefill forward of several requests (default: the runner's; "
+                   "the prompt length = one request per forward, as before batched prefill)")
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batch sizes that also run grammar + overlap with CUDA graphs off (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode, steps pooled (default 1)")
@@ -71,7 +74,7 @@ def _config(args):
     overrides = dict(models=args.models, weights=args.weights, tokenizers=args.tokenizers, batches=args.batches,
                      nodes=args.nodes, cases=args.cases, accept_rate=args.accept_rate, cuda_graphs=args.cuda_graphs,
                      fused_forward=args.fused_forward, grammar_threads=args.grammar_threads,
-                     lazy_grammar=args.lazy_grammar, eager_batches=args.eager_batches, repeats=args.repeats, budget_s=args.budget,
+                     lazy_grammar=args.lazy_grammar, prefill_tokens=args.prefill_tokens, eager_batches=args.eager_batches, repeats=args.repeats, budget_s=args.budget,
                      device=args.device)
     try:
         if args.quick:
