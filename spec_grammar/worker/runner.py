@@ -392,11 +392,13 @@ class ModelRunner:
         per_forward = max(1, self.prefill_tokens // self.prefill_chunk)
         done = {row: 0 for row, _ in chains}
         while True:
+            # similar lengths share a forward (less padding); a forward takes its rows ascending
             todo = [(row, ids) for row, ids in chains if done[row] < len(ids)]
+            todo.sort(key=lambda c: len(c[1]) - done[c[0]])
             if not todo:
                 return
             for g in range(0, len(todo), per_forward):
-                group = todo[g : g + per_forward]
+                group = sorted(todo[g : g + per_forward])
                 parts = [ids[done[row] : done[row] + self.prefill_chunk] for row, ids in group]
                 c = max(map(len, parts))
                 # padded nodes: token 0, roots of their own; their KV lands past the row's
