@@ -216,7 +216,7 @@ class ModelRunner:
         prefill_chunk: longest token chunk of one request in a prefill forward (bounds the mask
             memory).
         prefill_tokens: most tokens (requests x chunk) of one prefill forward of several
-            requests (:meth:`add_batch`); at least ``prefill_chunk``.
+            requests (:meth:`add_batch`); at least ``prefill_chunk`` (else :class:`RunnerError`).
         cuda_graphs: replay CUDA graphs for forwards over every live request (batch <= 64,
             trees <= 64 nodes; :mod:`.cuda_graphs`). None (default): on for CUDA devices.
             Ignored off CUDA. Graph outputs are valid until the next forward of this runner.
