@@ -323,30 +323,39 @@ def test_measured_policies_on_adversarial_forward_times_equal_plain_decoding(tim
 
 
 # -- the worker: policies choosing at random, lazy and fill every other step ---------------------
+class Coin:
+    """A seeded coin (``seed``), or without a seed True on every call ``k`` (1-based) with
+    ``k % period == hit``."""
+
+    def __init__(self, seed, period, hit):
+        self.rng = random.Random(seed) if seed is not None else None
+        self.period, self.hit, self.calls = period, hit, 0
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.rng.random() < 0.5 if self.rng else self.calls % self.period == self.hit
+
+
 class CoinLazy(LazyGrammar):
-    """The lazy-or-fill choice by a seeded coin (or alternating when ``seed`` is None)."""
+    """The lazy-or-fill choice by a seeded coin (or alternating, lazy first)."""
 
     def __init__(self, seed):
         super().__init__()
-        self.rng = random.Random(seed) if seed is not None else None
-        self.calls = 0
+        self.coin = Coin(seed, 2, 1)
 
     def use_lazy(self, rows, requests, launch_ms, forward_ms):
-        self.calls += 1
-        return self.rng.random() < 0.5 if self.rng else self.calls % 2 == 1
+        return self.coin()
 
 
 class CoinPlacement(GrammarPlacement):
-    """Thread or inline by a seeded coin (or alternating)."""
+    """Thread or inline by a seeded coin (or alternating, inline first)."""
 
     def __init__(self, seed):
         super().__init__()
-        self.rng = random.Random(seed) if seed is not None else None
-        self.calls = 0
+        self.coin = Coin(seed, 2, 0)
 
     def use_thread(self, units):
-        self.calls += 1
-        return self.rng.random() < 0.5 if self.rng else self.calls % 2 == 0
+        return self.coin()
 
 
 class CoinEarlyMask(EarlyMask):
@@ -354,12 +363,10 @@ class CoinEarlyMask(EarlyMask):
 
     def __init__(self, seed):
         super().__init__()
-        self.rng = random.Random(seed) if seed is not None else None
-        self.calls = 0
+        self.coin = Coin(seed, 3, 0)
 
     def worth_it(self, since_launch_ms):
-        self.calls += 1
-        return self.rng.random() < 0.5 if self.rng else self.calls % 3 == 0
+        return self.coin()
 
 
 def coin_worker(seed, backend=None, drafter=None, **kw) -> SpecWorker:
