@@ -495,18 +495,20 @@ class _Setup:
         self.name, self.tok_name, self.tokenizer, self.model = name, tok_name, tokenizer, model
         # the flag only means something on CUDA (the runner never captures graphs elsewhere)
         graphs = {"cuda_graphs": cfg.cuda_graphs} if device.type == "cuda" else {}
-        if cfg.prefill_tokens is not None:  # prefill chunks of at most prefill_tokens too
-            graphs.update(prefill_tokens=cfg.prefill_tokens, prefill_chunk=min(512, cfg.prefill_tokens))
+        prefill = (  # prefill chunks of at most prefill_tokens too
+            {} if cfg.prefill_tokens is None
+            else {"prefill_tokens": cfg.prefill_tokens, "prefill_chunk": min(512, cfg.prefill_tokens)}
+        )
         fused = cfg.fused_forward
-        self.runner = _ReplayRunner(model, device=device, fused_forward=fused, **graphs)
+        self.runner = _ReplayRunner(model, device=device, fused_forward=fused, **graphs, **prefill)
         self.eager = (
-            _ReplayRunner(model, device=device, cuda_graphs=False, fused_forward=fused,
-                          **{k: v for k, v in graphs.items() if k != "cuda_graphs"})
+            _ReplayRunner(model, device=device, cuda_graphs=False, fused_forward=fused, **prefill)
             if device.type == "cuda" else self.runner
         ) if cfg.eager_batches else None
         # HF's own forward under the same graphs, for the batch-1 forward table only
         self.hf = (
-            _ReplayRunner(model, device=device, fused_forward=False, **graphs) if self.runner.uses_fused_forward else None
+            _ReplayRunner(model, device=device, fused_forward=False, **graphs, **prefill)
+            if self.runner.uses_fused_forward else None
         )
         self.backend = get_backend(cfg.backend, tokenizer, vocab_size=self.runner.vocab_size)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
