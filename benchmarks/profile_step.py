@@ -108,6 +108,13 @@ def graph_step_timeline(trace_path: Path, top: int = 8) -> dict | None:
     return med
 
 
+def estimates(worker: SpecWorker) -> str:
+    """The worker's placement estimates (ms) that decide lazy vs fill verification."""
+    lazy, placement, early = worker._lazy, worker._placement, worker._early_mask
+    return (f"fill ms/row {lazy.row_ms}, lazy ms/request {lazy.request_ms}, launch ms {placement.launch_ms}, "
+            f"forward ms {early.forward_ms}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", required=True, help="MODEL:TOKENIZER:BATCH:NODES (repeatable)")
@@ -153,6 +160,8 @@ def main() -> None:
                                 lazy_grammar={"fill": False, "lazy": True}.get(mode))
             try:
                 _run_mode(worker, doc, batch, prompt)  # untimed: captures, allocations
+                if mode != "plain":
+                    print(f"{mode} after the untimed run: {estimates(worker)}")
                 prof = cProfile.Profile()
                 stats = []
                 for _ in range(args.runs):
@@ -173,6 +182,8 @@ def main() -> None:
                                   f"{_mean([x.grammar_ms for x in sel]):.3f}, verify+commit "
                                   f"{_mean([x.sample_ms for x in sel]):.3f}, in thread "
                                   f"{sum(x.grammar_in_thread for x in sel)}")
+                    print(f"  decisions (L lazy, F fill): {''.join('L' if x.lazy_requests else 'F' for x in stats)}; "
+                          f"{estimates(worker)}")
                 else:
                     print(f"  median step {statistics.median(x.step_ms for x in stats):.3f}")
                 out = io.StringIO()

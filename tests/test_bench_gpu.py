@@ -113,6 +113,8 @@ def no_bench_run(monkeypatch):
         (["--accept-rate", "1.5"], "--accept-rate"),
         (["--accept-rate", "nan"], "--accept-rate"),
         (["--repeats", "0"], "--repeats"),
+        (["--cooldown", "-1"], "--cooldown"),
+        (["--cooldown", "nan"], "--cooldown"),
         (["--cases", "0"], "--cases"),
         (["--tokenizers", "bad=/nonexistent"], "--tokenizers"),
         (["--tokenizers", "nonsense"], "--tokenizers"),

@@ -34,6 +34,10 @@ thread under the verify forward) and ``sync`` (grammar work after the forward), 
 runner's CUDA graphs as configured (default: on for CUDA); ``eager`` (grammar + overlap, CUDA
 graphs off) at the batch sizes of ``eager_batches`` shows what the graphs gain.
 
+Before each run the GPU idles up to ``cooldown_s`` (at most the previous run's duration): a
+compute-bound forward's speed follows the GPU's recent power draw, and without the pause a
+mode would pay for the mode that ran just before it.
+
 Measures: step time = the wall time of a step (``StepStats.step_ms``: draft, forward launch,
 grammar work where not hidden, mask/verify/commit; mean over full-batch steps); exposed grammar = step(overlap) - step(plain);
 grammar work = the host's matcher work per step; tokens/s = committed tokens over the summed
@@ -118,7 +122,12 @@ class GpuBenchConfig(pydantic.BaseModel):
     ``eager_batches``: batch sizes
     that also run grammar + overlap with CUDA graphs off (may be empty); ``repeats``: runs per mode (steps
     pooled; the modes take turns, one run each per round, so slow drifts of the machine hit
-    every mode alike); ``budget_s``: wall seconds after which no new configuration starts (the
+    every mode alike); ``cooldown_s``: seconds the GPU idles before each run, at most as long as
+    the run before it took (a compute-bound forward runs at the clock the GPU's power limit
+    allows, which follows the load of the last moments: on the H200 the 8B shape at batch 32 x
+    64 nodes ran its forwards in 45 ms after an idle gap and in 50-55 ms right after another
+    mode's run, so a mode that ran second lost 2-4% to the one before it; 0 = no pause);
+    ``budget_s``: wall seconds after which no new configuration starts (the
     finished ones are written).
 
     Every field is checked here, before anything loads: ``pydantic.ValidationError`` names the
@@ -149,6 +158,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     prefill_tokens: _Positive | None = None
     eager_batches: list[_Positive] = [1]
     repeats: int = pydantic.Field(1, ge=1)
+    cooldown_s: float = pydantic.Field(0.5, ge=0.0)
     forward_reps: int = pydantic.Field(10, ge=1)
     budget_s: float = pydantic.Field(420.0, ge=0.0)
     seed: int = 0
@@ -655,12 +665,24 @@ def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, p
         for mode, runner, overlap, grammar in plan
     }
     runs: dict[str, list] = {mode: [] for mode in workers}
+    last_s = 0.0
+
+    def cooled_run(worker: Any) -> tuple[list, list[str]]:
+        nonlocal last_s
+        if s.runner.device.type == "cuda":  # every run starts from the same power state
+            torch.cuda.synchronize(s.runner.device)
+            time.sleep(min(cfg.cooldown_s, last_s))
+        t = time.perf_counter()
+        out = _run_mode(worker, doc, batch, prompt)
+        last_s = time.perf_counter() - t
+        return out
+
     try:
         for mode, worker in workers.items():
-            _run_mode(worker, doc, batch, prompt)
+            cooled_run(worker)
         for _ in range(cfg.repeats):  # the modes take turns
             for mode, worker in workers.items():
-                runs[mode].append(_run_mode(worker, doc, batch, prompt))
+                runs[mode].append(cooled_run(worker))
     finally:
         for worker in workers.values():
             worker.close()
@@ -771,6 +793,7 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         f"CUDA graphs {'default (on for CUDA)' if cfg['cuda_graphs'] is None else cfg['cuda_graphs']}; "
         f"lazy verification {({None: 'as measured', True: 'always', False: 'never'})[cfg.get('lazy_grammar')]}; "
         f"prefill tokens a forward at most: {cfg.get('prefill_tokens') or 'runner default'}; "
+        f"GPU idle before each run: up to {cfg.get('cooldown_s', 0)} s; "
         f"replay drafter (accept rate {cfg['accept_rate']}, chain {cfg['chain_depth']}); every request of a "
         "batch writes the same valid document, every mode commits the same tokens (the target is made to "
         "agree with the document, real weights included). Method: `spec_grammar/bench/gpu.py` (module "

@@ -53,12 +53,15 @@ def register_gpu(sub) -> None:
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batch sizes that also run grammar + overlap with CUDA graphs off (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode, steps pooled (default 1)")
+    p.add_argument("--cooldown", type=float, default=None,
+                   help="seconds the GPU idles before each run, at most the previous run's time, so that every "
+                   "mode starts at the same power-limited clock (default 0.5; 0 = none)")
     p.add_argument("--budget", type=float, default=None, help="seconds after which no new configuration starts")
     p.add_argument("--device", default=None, help="torch device (default cuda)")
     p.set_defaults(func=_run_gpu)
 
 
-_FLAGS = {"budget_s": "--budget"}
+_FLAGS = {"budget_s": "--budget", "cooldown_s": "--cooldown"}
 """Config field -> CLI flag where the names differ (the others: ``--`` + the field, ``-`` for ``_``)."""
 
 
@@ -74,7 +77,8 @@ def _config(args):
     overrides = dict(models=args.models, weights=args.weights, tokenizers=args.tokenizers, batches=args.batches,
                      nodes=args.nodes, cases=args.cases, accept_rate=args.accept_rate, cuda_graphs=args.cuda_graphs,
                      fused_forward=args.fused_forward, grammar_threads=args.grammar_threads,
-                     lazy_grammar=args.lazy_grammar, prefill_tokens=args.prefill_tokens, eager_batches=args.eager_batches, repeats=args.repeats, budget_s=args.budget,
+                     lazy_grammar=args.lazy_grammar, prefill_tokens=args.prefill_tokens, eager_batches=args.eager_batches, repeats=args.repeats, cooldown_s=args.cooldown,
+                     budget_s=args.budget,
                      device=args.device)
     try:
         if args.quick:
