@@ -27,7 +27,9 @@ def register_gpu(sub) -> None:
     p.add_argument("--name", default=None, help="file name stem (default gpu-<GPU model>, e.g. gpu-h200; gpu-quick with --quick, gpu-cpu off CUDA)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: 2-layer model, batch 1 and 2")
     p.add_argument("--models", type=_csv, default=None,
-                   help="llama-3.1-8b, smollm2-135m-real, smollm2-135m (default llama-3.1-8b,smollm2-135m-real)")
+                   help="llama-3.1-8b (random weights, Llama-3.1-8B shape), smollm2-135m-real (SmolLM2-135M-Instruct's "
+                   "real weights, see --weights), smollm2-135m (random weights, SmolLM2 shape) (default "
+                   "llama-3.1-8b,smollm2-135m-real)")
     p.add_argument("--weights", default=None,
                    help="smollm2-135m-real weights: a .gguf file, a model directory or a known name (default smollm2)")
     p.add_argument("--tokenizers", type=_csv, default=None,
@@ -48,14 +50,15 @@ def register_gpu(sub) -> None:
                    help="on/off: verify greedy requests without tree fills in the overlapped modes (default: the "
                    "worker's choice from measured times)")
     p.add_argument("--prefill-tokens", type=int, default=None,
-                   help="most tokens of one prefill forward of several requests (default: the runner's; "
-                   "the prompt length = one request per forward, as before batched prefill)")
+                   help="most prompt tokens one prefill forward takes, over several requests (default: the "
+                   "runner's, 8192; the prompt length, 64 by default, prefills one request per forward)")
     p.add_argument("--eager-batches", type=_ints, default=None,
                    help="batch sizes that also run grammar + overlap with CUDA graphs off (default 1)")
     p.add_argument("--repeats", type=int, default=None, help="runs per mode, steps pooled (default 1)")
     p.add_argument("--cooldown", type=float, default=None,
-                   help="seconds the GPU idles before each run, at most the previous run's time, so that every "
-                   "mode starts at the same power-limited clock (default 0.5; 0 = none)")
+                   help="seconds the GPU idles before each run (default 0.5; 0 = none). The pause is never longer "
+                   "than the run before it took. Why: a busy GPU lowers its clock to stay within its power limit, "
+                   "so without a pause each mode would run slower for the mode that ran just before it")
     p.add_argument("--budget", type=float, default=None, help="seconds after which no new configuration starts")
     p.add_argument("--device", default=None, help="torch device (default cuda)")
     p.set_defaults(func=_run_gpu)

@@ -312,8 +312,9 @@ def run(args) -> int:
             "decoder": "fused" if worker.runner.uses_fused_forward else "hf",
             "cuda_graphs": worker.runner.uses_cuda_graphs,
         }
+        # one line: token id lists would take a line per id with an indent (pipe to jq to read)
         print(json.dumps({"results": [r.model_dump() for r in final], "summary": summary.model_dump(),
-                          "runner": runner}, indent=2))
+                          "runner": runner}))
     else:
         for r in final:
             if len(final) > 1:
