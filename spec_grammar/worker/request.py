@@ -166,7 +166,8 @@ class RequestResult(BaseModel):
 
     ``accept_length`` = output tokens per target verify forward (1.0 without speculation);
     ``tokens_per_s`` = output tokens over the request's wall time (seconds, worker start to
-    finish); grammar times are milliseconds of matcher work (advance + tree fill), split into
+    finish); grammar times are the request's total milliseconds of matcher work (advance + tree
+    fill, over all its steps and the advance by its last tokens after the last step), split into
     the part hidden under the verify forward and the part the loop waited for.
     """
 
