@@ -115,6 +115,8 @@ def no_bench_run(monkeypatch):
         (["--repeats", "0"], "--repeats"),
         (["--cooldown", "-1"], "--cooldown"),
         (["--cooldown", "nan"], "--cooldown"),
+        (["--cooldown", "inf"], "--cooldown"),  # the report is JSON: no Infinity
+        (["--budget", "inf"], "--budget"),
         (["--cases", "0"], "--cases"),
         (["--tokenizers", "bad=/nonexistent"], "--tokenizers"),
         (["--tokenizers", "nonsense"], "--tokenizers"),

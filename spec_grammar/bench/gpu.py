@@ -158,9 +158,9 @@ class GpuBenchConfig(pydantic.BaseModel):
     prefill_tokens: _Positive | None = None
     eager_batches: list[_Positive] = [1]
     repeats: int = pydantic.Field(1, ge=1)
-    cooldown_s: float = pydantic.Field(0.5, ge=0.0)
+    cooldown_s: float = pydantic.Field(0.5, ge=0.0, allow_inf_nan=False)
     forward_reps: int = pydantic.Field(10, ge=1)
-    budget_s: float = pydantic.Field(420.0, ge=0.0)
+    budget_s: float = pydantic.Field(420.0, ge=0.0, allow_inf_nan=False)  # finite: the report is JSON
     seed: int = 0
 
     @pydantic.field_validator("models")

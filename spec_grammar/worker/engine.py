@@ -342,7 +342,15 @@ class SpecWorker:
     def _prefill(self, states: Sequence[RequestState], now: float) -> None:
         """Prefill the started requests together (:meth:`ModelRunner.add_batch`, then the
         drafter's :meth:`~.drafters.Drafter.add_batch`); one the runner or the drafter refuses
-        (e.g. token ids outside a vocabulary) ends with its reason."""
+        (e.g. token ids outside a vocabulary) ends with its reason, and so does a request whose
+        id an earlier request of the run already has (the runner, the drafter and the results
+        know requests by id)."""
+        seen: set[str] = set()
+        for st in states:
+            if st.rid in seen:
+                st.finish("error", now, f"request id {st.rid!r} is already used by another request of this run")
+            seen.add(st.rid)
+        states = [st for st in states if not st.finished]
         refused = self.runner.add_batch([(st.rid, st.prompt_ids) for st in states])
         for st in states:
             if st.rid in refused:
@@ -921,7 +929,7 @@ class SpecWorker:
         n = len(st.output_ids)
         wall = max(st.end_s - st.start_s, 1e-9)
         return RequestResult(
-            rid=st.rid,
+            rid=st.rid if isinstance(st.rid, str) else repr(st.rid),  # a bad id ended the request
             text=text,
             token_ids=list(st.output_ids),
             prompt_tokens=len(st.prompt_ids),

@@ -63,12 +63,17 @@ def one_line(e: ValidationError) -> str:
 def check_request(req: Request) -> SamplingParams:
     """Check ``req``'s fields and return its sampling params (defaults for None, a dict
     converted). Raises :class:`RequestError` naming the field: a prompt that is neither text
-    nor a list of ints, a grammar that is not a :class:`~spec_grammar.specs.GrammarSpec`, bad
-    sampling values."""
-    if not isinstance(req.prompt, str) and not (
-        isinstance(req.prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in req.prompt)
-    ):
+    nor a list of ints (numpy integers count; bools do not), a grammar that is not a
+    :class:`~spec_grammar.specs.GrammarSpec`, bad sampling values, an id that is not a string
+    (its :class:`RequestResult` could not carry it)."""
+    if not isinstance(req.rid, str):
+        raise RequestError(f"request id must be a string, got {type(req.rid).__name__} {req.rid!r}")
+    if not isinstance(req.prompt, (str, list, tuple)):
         raise RequestError(f"request {req.rid}: prompt must be text or a list of token ids, got {type(req.prompt).__name__}")
+    if not isinstance(req.prompt, str):
+        bad = [t for t in req.prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+        if bad:
+            raise RequestError(f"request {req.rid}: prompt token ids must be ints, got {bad[0]!r}")
     if req.grammar is not None and not isinstance(req.grammar, GrammarSpec):
         raise RequestError(
             f"request {req.rid}: grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or None, "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import operator
 from typing import Callable, Sequence
 
 import numpy as np
@@ -93,6 +94,27 @@ def ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class RunnerError(SpecGrammarError, ValueError):
     """Misuse of a :class:`ModelRunner`: unknown or duplicate request id, ``commit`` without a
     pending forward, accepted nodes that are not a root path of the verified tree, bad ids."""
+
+
+def _token_ids(ids: Sequence[int], what: str) -> list[int]:
+    """``ids`` as a list of Python ints. Raises :class:`RunnerError` (naming ``what``) for text
+    or a non-iterable, and for an id that is not an integer (``int()`` would truncate 1.5,
+    read ``"7"`` as 7 and a bool as 0 / 1)."""
+    if isinstance(ids, (str, bytes)):
+        raise RunnerError(f"{what}: token ids must be a sequence of ints, got {type(ids).__name__}")
+    try:
+        items = list(ids)
+    except TypeError:
+        raise RunnerError(f"{what}: token ids must be a sequence of ints, got {type(ids).__name__}") from None
+    out = []
+    for t in items:
+        try:
+            if isinstance(t, (bool, np.bool_)):
+                raise TypeError
+            out.append(operator.index(t))
+        except TypeError:
+            raise RunnerError(f"{what}: token id {t!r} is not an int") from None
+    return out
 
 
 class _KVStore:
@@ -263,6 +285,9 @@ class ModelRunner:
         self.dtype = param.dtype
         head = model.get_output_embeddings()
         self.vocab_size: int = int(getattr(head, "out_features", None) or model.config.vocab_size)
+        for name, value in (("prefill_chunk", prefill_chunk), ("prefill_tokens", prefill_tokens)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise RunnerError(f"{name} must be an int, got {value!r}")
         if int(prefill_chunk) < 1 or int(prefill_tokens) < int(prefill_chunk):
             raise RunnerError(f"need 1 <= prefill_chunk <= prefill_tokens, got {prefill_chunk}, {prefill_tokens}")
         self.prefill_chunk = int(prefill_chunk)
@@ -343,7 +368,7 @@ class ModelRunner:
     def add(self, rid: str, prompt_ids: Sequence[int]) -> None:
         """Start request ``rid``: prefill the KV of ``prompt_ids[:-1]`` (the last prompt token is
         the root of the first draft tree). Raises :class:`RunnerError` on a duplicate id, an
-        empty prompt or ids outside ``[0, vocab_size)``."""
+        empty prompt, ids that are not ints or ids outside ``[0, vocab_size)``."""
         refused = self.add_batch([(rid, prompt_ids)])
         if refused:
             raise refused[rid]
@@ -355,31 +380,32 @@ class ModelRunner:
         launches of the whole model whatever its size (an eager SmolLM2-135M forward: 10-15 ms of
         launches on the H200 host), so 32 prompts prefilled one by one cost 32 of them.
 
-        Returns the requests refused (duplicate id, empty prompt, ids outside
-        ``[0, vocab_size)``) by id, with the reason; the others are started. A forward that
-        raises leaves none of this call's requests in the runner and propagates."""
+        Returns the requests refused (duplicate id, empty prompt, ids that are not ints or lie
+        outside ``[0, vocab_size)``) by id, with the reason; the others are started. A forward
+        (or a malformed entry) that raises leaves none of this call's requests in the runner and
+        propagates."""
         refused: dict[str, RunnerError] = {}
         started: list[tuple[int, list[int]]] = []  # (row, ids to prefill)
-        for rid, prompt_ids in requests:
-            try:
-                if rid in self._row:
-                    raise RunnerError(f"request {rid!r} is already in the runner")
-                ids = [int(t) for t in prompt_ids]
-                if not ids:
-                    raise RunnerError(f"request {rid!r}: the prompt is empty")
-                self._check_ids(ids)  # the last id is fed later as a tree root: check it here too
-            except RunnerError as e:
-                refused[rid] = e
-                continue
-            row = len(self._rids)
-            self._rids.append(rid)
-            self._row[rid] = row
-            self._len.append(0)
-            started.append((row, ids[:-1]))
-        if not started:
-            return refused
-        self._store.reserve(len(self._rids), 0)
-        try:
+        try:  # whatever raises (a malformed entry, a forward), none of this call's requests stay
+            for rid, prompt_ids in requests:
+                try:
+                    if rid in self._row:
+                        raise RunnerError(f"request {rid!r} is already in the runner")
+                    ids = _token_ids(prompt_ids, f"request {rid!r}")
+                    if not ids:
+                        raise RunnerError(f"request {rid!r}: the prompt is empty")
+                    self._check_ids(ids)  # the last id is fed later as a tree root: check it here too
+                except RunnerError as e:
+                    refused[rid] = e
+                    continue
+                row = len(self._rids)
+                self._rids.append(rid)
+                self._row[rid] = row
+                self._len.append(0)
+                started.append((row, ids[:-1]))
+            if not started:
+                return refused
+            self._store.reserve(len(self._rids), 0)
             self._prefill(started)
         except BaseException:
             for row, _ in reversed(started):  # the last rows first: no row moves
@@ -437,7 +463,7 @@ class ModelRunner:
     def extend(self, rid: str, token_ids: Sequence[int]) -> None:
         """Append the KV of committed ``token_ids`` to ``rid``'s cache (chunked prefill; a draft
         runner uses it to catch up with tokens the target committed). Drops a pending tree."""
-        ids = [int(t) for t in token_ids]
+        ids = _token_ids(token_ids, f"request {rid!r}")
         self._check_ids(ids)
         row = self._row_of(rid)
         self._pending.pop(rid, None)
