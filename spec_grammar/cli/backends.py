@@ -23,7 +23,8 @@ def run(args) -> int:
         return 0
     table = Table(title="spec-grammar backends")
     for col in ("name", "target", "version", "grammars", "native paths"):
-        table.add_column(col)
+        # fold, not "…": a cut entry-point target cannot be copied into --backend
+        table.add_column(col, overflow="fold")
     for i in infos:
         if i.error:
             table.add_row(i.name, i.target, "-", f"[red]{i.error}[/red]", "")
