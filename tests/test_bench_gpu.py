@@ -23,7 +23,7 @@ from spec_grammar.tree import DraftTree
 
 
 def test_quick_cli_run(tmp_path):
-    argv = ["bench", "gpu", "--quick", "--batches", "2", "--nodes", "8", "--eager-batches", "2",
+    argv = ["bench", "gpu", "--quick", "--batches", "2", "--nodes", "8", "--eager-batches", "2", "--repeats", "2",
             "--out", str(tmp_path), "--name", "q"]
     assert main(argv) == 0  # 1 when some mode's output differs from the document
     res = json.loads((tmp_path / "q.json").read_text())
@@ -32,14 +32,17 @@ def test_quick_cli_run(tmp_path):
     modes = ("plain", "overlap", "sync", "eager")
     # same trees, same agreeing target: every mode commits the whole document in the same steps
     assert len({row[m]["steps"] for m in modes}) == 1
-    assert {row[m]["tokens"] for m in modes} == {row["batch"] * (row["doc_tokens"] - 1)}
+    assert {row[m]["tokens"] for m in modes} == {2 * row["batch"] * (row["doc_tokens"] - 1)}  # 2 rounds
     assert row["forward_ms"] > 0 and row["ratio"] > 0 and row["overlap"]["grammar_ms"] > 0
+    assert len(row["ratio_rounds"]) == 2 and all(r > 0 for r in row["ratio_rounds"])  # one per round
     # the target applies where the whole grammar work (every tree row filled, in order) is
     # shorter than the forward, whatever the overlap mode's lazy steps left of it
     assert row["target_applies"] == (row["sync"]["grammar_ms"] < row["forward_ms"])
     assert 0.0 <= row["overlap"]["lazy_share"] <= 1.0 and row["sync"]["lazy_share"] == 0.0
     md = (tmp_path / "q.md").read_text()
     assert md.count("| tiny | smollm2 |") == 1 + 2  # one configuration + batch-1 forwards at 1 and 8 nodes
+    lo, hi = min(row["ratio_rounds"]), max(row["ratio_rounds"])
+    assert f"| {lo:.3f}-{hi:.3f} |" in md
     for png in ("q-step.png", "q-ratio.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG" and png in md
 
