@@ -157,6 +157,20 @@ def test_pytest_plugin_generates_one_test_per_property(tmp_path):
     assert "contract: fork is an independent copy" in out
 
 
+def test_pytest_plugin_marker_selects_only_the_properties(tmp_path):
+    # a user's own test whose name says "conformance": -k conformance would run it too
+    (tmp_path / "test_mine.py").write_text("def test_my_conformance_helper():\n    raise AssertionError('ran')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), "--spec-grammar-backend",
+            "broken_adapter:ForkSharesState", "--spec-grammar-tokenizer", "toy"]
+    proc = subprocess.run([*base, "-m", "spec_grammar_conformance", "-k", "toy_fork_independent or toy_T8"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = proc.stdout
+    assert "test_my_conformance_helper" not in out and "ran" not in out, out[-3000:]
+    m = re.search(r"(\d+) failed, (\d+) passed, (\d+) deselected", out)
+    assert m and (int(m[1]), int(m[2])) == (1, 1), out[-3000:]  # fork fails on this adapter, T8 passes
+
+
 # -- cross-backend: JSON-Schema-Test-Suite acceptance ------------------------------------------
 def test_json_suite_differences():
     if not AVAILABLE:

@@ -2,8 +2,9 @@
 
 ``pytest --spec-grammar-backend NAME|module:Class [--spec-grammar-tokenizer toy|smollm2]
 [--spec-grammar-slow]`` adds the items ``spec-grammar-conformance[NAME]::<property>`` to the
-session, next to whatever else is collected (pass an empty folder or ``-k conformance`` to run
-only them). Without the option the plugin adds nothing and imports nothing heavy.
+session, next to whatever else is collected, each marked ``spec_grammar_conformance`` (``-m
+spec_grammar_conformance`` runs only them; ``-k`` selects among them by property name). Without
+the option the plugin adds nothing and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--spec-grammar-slow", action="store_true", help="long mode: more random examples")
 
 
+MARKER = "spec_grammar_conformance"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}: a spec-grammar conformance property (--spec-grammar-backend)")
+
+
 class ConformanceItem(pytest.Item):
     """One property on one backend."""
 
@@ -41,6 +49,7 @@ class ConformanceItem(pytest.Item):
         super().__init__(**kwargs)
         self.backend_name = backend
         self.prop = prop
+        self.add_marker(MARKER)
 
     def runtest(self) -> None:
         from .core import Session
@@ -86,6 +95,7 @@ class ConformanceSuite(pytest.Collector):
         ]
 
 
+@pytest.hookimpl(tryfirst=True)  # added before -k / -m deselect, so that they select these too
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     backends = config.getoption("--spec-grammar-backend")
     fixtures = config.getoption("--spec-grammar-tokenizer") or ["toy", "smollm2"]
