@@ -731,9 +731,9 @@ def _span(values: list[float] | None) -> str:
     return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
 
 
-def _cooldown(cfg: dict, env: dict) -> str:
+def _cooldown(cfg: dict) -> str:
     secs = cfg.get("cooldown_s") or 0
-    if env.get("copy_bandwidth_gbs") is None:  # no CUDA: nothing to cool
+    if "cuda" not in str(cfg.get("device", "")):  # the runs pause on CUDA only
         return "none (not CUDA)"
     return f"up to {secs} s" if secs else "none"
 
@@ -813,7 +813,7 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         f"CUDA graphs {'default (on for CUDA)' if cfg['cuda_graphs'] is None else cfg['cuda_graphs']}; "
         f"lazy verification {({None: 'as measured', True: 'always', False: 'never'})[cfg.get('lazy_grammar')]}; "
         f"prefill tokens a forward at most: {cfg.get('prefill_tokens') or 'runner default'}; "
-        f"GPU idle before each run: {_cooldown(cfg, env)}; "
+        f"GPU idle before each run: {_cooldown(cfg)}; "
         f"replay drafter (accept rate {cfg['accept_rate']}, chain {cfg['chain_depth']}); every request of a "
         "batch writes the same valid document, every mode commits the same tokens (the target is made to "
         "agree with the document, real weights included). Method: `spec_grammar/bench/gpu.py` (module "
