@@ -164,16 +164,24 @@ class ToolCalls(GrammarSpec):
         return tools
 
     def to_json_schema(self) -> JsonSchema:
-        """The equivalent :class:`JsonSchema` (array of ``anyOf`` over the tools, name first)."""
-        variants = []
-        for tool in self.tools:
+        """The equivalent :class:`JsonSchema` (array of ``anyOf`` over the tools, name first).
+
+        Parameters with local references (``#``, ``#/$defs/X``: what pydantic writes for
+        nested models) move to ``#/$defs/tool<i>`` with their refs rebased there, so they still
+        resolve (outlines-core follows pointers through object keys only)."""
+        variants, defs = [], {}
+        for i, tool in enumerate(self.tools):
             fn = tool.get("function", tool)
+            params = fn.get("parameters", {"type": "object", "properties": {}})
+            rebased = _rebase_refs(params, f"#/$defs/tool{i}")
+            if rebased != params:
+                defs[f"tool{i}"], params = rebased, {"$ref": f"#/$defs/tool{i}"}
             variants.append(
                 {
                     "type": "object",
                     "properties": {
                         "name": {"const": fn["name"]},
-                        "arguments": fn.get("parameters", {"type": "object", "properties": {}}),
+                        "arguments": params,
                     },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
@@ -183,7 +191,37 @@ class ToolCalls(GrammarSpec):
         schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
+        if defs:
+            schema["$defs"] = defs
         return JsonSchema(schema, whitespace=self.whitespace)
+
+
+def _rebase_refs(schema: Any, at: str) -> Any:
+    """``schema`` with every local JSON-pointer ``$ref`` (``#`` or ``#/...``) prefixed by the
+    pointer ``at`` of the place the schema is embedded in. Literal values (``const``, ``enum``,
+    ``default``, ``examples``) are kept as they are; a schema with its own ``$id`` (its refs
+    resolve against it) is returned unchanged."""
+    if not isinstance(schema, dict) or "$id" in schema:
+        return schema
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                out[k] = at + v[1:]
+            elif k in ("const", "enum", "default", "examples"):
+                out[k] = v
+            elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+                out[k] = {name: walk(sub) for name, sub in v.items()}  # names, not keywords
+            else:
+                out[k] = walk(v)
+        return out
+
+    return walk(schema)
 
 
 AnyGrammarSpec = Union[JsonSchema, Regex, Ebnf, Lark, ToolCalls]

@@ -34,6 +34,7 @@ trailing bytes at some point (then that branch is refused, failing closed).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -82,6 +83,51 @@ _MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
 
 # JsonSchema.whitespace -> outlines' whitespace_pattern (None = outlines' default, `[ ]?`).
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
+
+
+_LITERAL_KEYWORDS = ("const", "enum", "default", "examples")
+
+
+def _for_outlines(schema: Any, where: str) -> Any:
+    """``schema`` made safe for outlines-core 0.2.14's schema-to-regex, which writes property
+    names into the pattern without JSON-escaping them (``a"b`` gave the output ``{"a"b": 1}``):
+    names needing an escape are written pre-escaped, in ``properties`` and ``required``.
+
+    Raises :class:`UnsupportedGrammarError` (naming the JSON pointer) where the library would
+    emit text that is not JSON: ``allOf`` with several branches (their patterns are
+    concatenated: ``{"a": 1}{"b": "x"}``) and a subschema ``enum: []`` (an empty pattern:
+    ``{"e": }``)."""
+    if isinstance(schema, list):
+        return [_for_outlines(x, f"{where}/{i}") for i, x in enumerate(schema)]
+    if not isinstance(schema, dict):
+        return schema
+    at = where or "/"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise UnsupportedGrammarError(
+            f"allOf with {len(schema['allOf'])} branches at {at}: outlines-core 0.2.14 concatenates the "
+            "branches' patterns (the output would not be JSON); merge them into one schema"
+        )
+    if where and schema.get("enum") == []:
+        raise UnsupportedGrammarError(
+            f"enum: [] at {at}: outlines-core 0.2.14 turns a subschema that accepts nothing into an empty "
+            "pattern (the output would not be JSON)"
+        )
+
+    def esc(name: Any) -> Any:
+        return json.dumps(name, ensure_ascii=False)[1:-1] if isinstance(name, str) else name
+
+    out = {}
+    for k, v in schema.items():
+        if k in _LITERAL_KEYWORDS:
+            out[k] = v
+        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+            rename = esc if k == "properties" else (lambda n: n)
+            out[k] = {rename(n): _for_outlines(sub, f"{where}/{k}/{n}") for n, sub in v.items()}
+        elif k == "required" and isinstance(v, list):
+            out[k] = [esc(n) for n in v]
+        else:
+            out[k] = _for_outlines(v, f"{where}/{k}")
+    return out
 
 
 class VocabularyInfo:
@@ -435,18 +481,29 @@ class OutlinesBackend(GrammarBackend):
         if isinstance(spec, JsonSchema):
             if spec.json_schema is False:
                 raise GrammarCompileError("the schema `false` accepts no document")
-            schema = spec.schema_json() if spec.json_schema is not True else "{}"
+            schema = "{}" if spec.json_schema is True else json.dumps(_for_outlines(spec.json_schema, ""), ensure_ascii=False)
             try:
                 return build_regex_from_schema(schema, whitespace_pattern=_WHITESPACE[spec.whitespace])
             except ValueError as e:
                 # outlines says "Unsupported ..." / "... is not supported by Outlines" for
                 # valid schemas it cannot express.
                 cls = UnsupportedGrammarError if "support" in str(e).lower() else GrammarCompileError
-                raise cls(f"json_schema: {e}", reason=str(e)) from e
+                # one line: the rest is outlines' "Make sure it is valid ... open an issue" advice
+                raise cls(f"json_schema: {str(e).strip().splitlines()[0].strip()}", reason=str(e)) from e
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by outlines-core (regex only)")
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
-        index = oc.Index(f"(?:{self._regex_of(spec)}){SENTINEL}", self._vocab.vocabulary)
+        try:
+            index = oc.Index(f"(?:{self._regex_of(spec)}){SENTINEL}", self._vocab.vocabulary)
+        except ValueError as e:
+            if "NFA" not in str(e):
+                raise
+            raise GrammarCompileError(
+                f"{spec.kind} failed to compile: outlines-core could not build an automaton from the pattern ({e}): it has a "
+                "construct the regex engine lacks (look-around, backreference) or a bound {m,n} with m > n "
+                "(such as minItems > maxItems)",
+                reason=str(e),
+            ) from e
         grammar = OutlinesGrammar(index, self.tokenizer_info, self._vocab, self.mask_cache_bytes)
         if isinstance(spec, JsonSchema) and grammar.is_final(grammar.initial_state):
             # outlines turns unsatisfiable schemas (e.g. `{"enum": []}`) into an empty

@@ -9,6 +9,7 @@ since xgrammar 0.2.9 has no non-mutating validate.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import threading
 import warnings
 from typing import Any
@@ -31,6 +32,39 @@ except ImportError as e:  # pragma: no cover - exercised when the extra is missi
 __all__ = ["XGrammarBackend", "XGrammarMatcher"]
 
 _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
+
+
+def _draft2020(schema: Any) -> Any:
+    """``schema`` with the draft-04..2019-09 forms xgrammar 0.2.9 refuses rewritten to their
+    draft 2020-12 equivalents (the same instances pass): array ``items`` (a tuple) ->
+    ``prefixItems`` + ``items`` = ``additionalItems``; boolean ``exclusiveMinimum`` /
+    ``exclusiveMaximum`` (draft 04) -> the number of ``minimum`` / ``maximum``. Returns
+    ``schema`` itself (the same object) when nothing needs rewriting."""
+    if isinstance(schema, list):
+        out = [_draft2020(x) for x in schema]
+        return schema if all(a is b for a, b in zip(out, schema)) else out
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in ("const", "enum", "default", "examples"):
+            out[k] = v
+        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+            out[k] = {n: _draft2020(sub) for n, sub in v.items()}
+            if all(out[k][n] is v[n] for n in v):
+                out[k] = v
+        else:
+            out[k] = _draft2020(v)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if "additionalItems" in out:
+            out["items"] = out.pop("additionalItems")
+    for excl, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(excl), bool):
+            if out.pop(excl) and bound in out:
+                out[excl] = out.pop(bound)
+    changed = out.keys() != schema.keys() or any(out[k] is not schema[k] for k in out)
+    return out if changed else schema
 
 
 class XGrammarMatcher(SpecGrammar):
@@ -232,6 +266,9 @@ class XGrammarBackend(GrammarBackend):
             if spec.json_schema is False:
                 raise GrammarCompileError("the schema `false` accepts no document")
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
+            older = _draft2020(spec.json_schema)
+            if older is not spec.json_schema:
+                schema = json.dumps(older, ensure_ascii=False)
             flexible = spec.whitespace == "flexible"
             return c.compile_json_schema(
                 schema,
