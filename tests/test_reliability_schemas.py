@@ -236,13 +236,6 @@ def test_property_names_needing_escapes_are_matched_to_their_schema(name):
 
 
 @pytest.mark.model
-@pytest.mark.xfail(
-    strict=True,
-    raises=(TypeError, OSError),
-    reason="spec_grammar/cli/generate.py: _spec_from_fields tests `'\\n' in value` on a non-string "
-    "ebnf/lark field (TypeError) and _read_text's Path.is_dir() raises OSError (ENAMETOOLONG) on a long "
-    "json_schema/tools string; both escape the batch instead of failing their line",
-)
 def test_cli_batch_lines_with_odd_grammar_values_fail_alone(capsys, tmp_path):
     from spec_grammar.cli import main as cli_main
 

@@ -99,11 +99,17 @@ def _positive_int(text: str) -> int:
 
 def _read_text(path: str, what: str) -> str:
     p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{what} path {path} is a directory, not a file")
-    if not p.is_file():
-        raise FileNotFoundError(f"{what} file not found: {path}")
-    return p.read_text(encoding="utf-8")
+    try:
+        if p.is_dir():
+            raise ValueError(f"{what} path {path} is a directory, not a file")
+        if not p.is_file():
+            raise FileNotFoundError(f"{what} file not found: {path}")
+        return p.read_text(encoding="utf-8")
+    except OSError as e:  # e.g. a name too long for the file system (inline text taken for a path)
+        if isinstance(e, FileNotFoundError) and e.filename is None:
+            raise
+        raise ValueError(f"{what} file {path[:80]}{'...' if len(path) > 80 else ''} cannot be read: "
+                         f"{e.strerror or e}") from None
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -127,6 +133,8 @@ def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files
         return None
     key = present[0]
     value = fields[key]
+    if key in ("regex", "ebnf", "lark") and not isinstance(value, str):
+        raise ValueError(f"{key} must be a string (the grammar or, for ebnf/lark, a file path), got {_json_type(value)}")
     if key == "regex":
         return Regex(value)
 
@@ -149,12 +157,19 @@ def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files
         return JsonSchema(value) if key == "json_schema" else ToolCalls(value)
     what = key.upper() if key == "ebnf" else "Lark"
     one_line = "\n" not in value
-    if files_only or (one_line and Path(path(value)).is_file()):
+    if files_only or (one_line and _is_file(path(value))):
         value = _read_text(path(value), what)
     elif one_line and Path(value).suffix.lower() in (".gbnf", ".ebnf", ".lark"):
         # a grammar-file name that does not exist, not one-line grammar text
         raise ValueError(f"{what} grammar file {path(value)} not found")
     return Ebnf(value) if key == "ebnf" else Lark(value)
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except OSError:  # a name too long for the file system: grammar text, not a path
+        return False
 
 
 def _json_type(value: Any) -> str:
