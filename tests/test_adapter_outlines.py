@@ -491,3 +491,22 @@ def test_tool_call_document_accepted(backend, tok):
     m = backend.matcher(backend.compile(spec))
     assert m.accept_tokens(ids) == len(ids)
     assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+
+
+def test_compile_cache_keeps_few_indexes_by_default(tok):
+    """An outlines index can take gigabytes: the backend keeps DEFAULT_COMPILE_CACHE_SIZE
+    compiled grammars, not the protocol's 256; a caller's own size still wins."""
+    from spec_grammar_outlines import DEFAULT_COMPILE_CACHE_SIZE
+
+    b = OutlinesBackend(tok)
+    specs = [Regex(f"a{{{i}}}") for i in range(1, DEFAULT_COMPILE_CACHE_SIZE + 2)]
+    for spec in specs:
+        b.compile(spec)
+    b.compile(specs[-1])  # the newest: still cached
+    assert b.num_compiles == len(specs)
+    b.compile(specs[0])  # the oldest was evicted
+    assert b.num_compiles == len(specs) + 1
+    big = OutlinesBackend(tok, compile_cache_size=64)
+    for spec in specs + specs[:1]:
+        big.compile(spec)
+    assert big.num_compiles == len(specs)

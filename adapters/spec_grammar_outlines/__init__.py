@@ -69,6 +69,9 @@ __all__ = [
     "DEFAULT_MASK_CACHE_BYTES",
 ]
 
+DEFAULT_COMPILE_CACHE_SIZE = 16
+"""Compiled grammars kept by default (the protocol keeps 256): an outlines index can be large."""
+
 DEFAULT_MASK_CACHE_BYTES = 32 << 20
 """Per compiled grammar: bytes of packed mask rows kept (SmolLM2: ~5,400 DFA states; a
 262k-token vocabulary: 1,024 states)."""
@@ -467,6 +470,10 @@ class OutlinesBackend(GrammarBackend):
     )
 
     def __init__(self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any):
+        # an outlines index keeps a transition table per DFA state: hundreds of MB for JSON with an
+        # unconstrained value, 6.3 GB for an array of <= 50 strings of <= 200 characters (SmolLM2):
+        # 256 of them (the protocol's default) could take the whole host
+        kwargs.setdefault("compile_cache_size", DEFAULT_COMPILE_CACHE_SIZE)
         super().__init__(tokenizer, **kwargs)
         self.mask_cache_bytes = int(mask_cache_bytes)
         self._vocab = VocabularyInfo(self.tokenizer_info)

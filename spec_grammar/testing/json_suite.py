@@ -119,19 +119,20 @@ def acceptance(backend: GrammarBackend, cases: Iterable[Case]) -> dict[str, Outc
     tok = backend.tokenizer_info.hf_tokenizer
     stop = backend.tokenizer_info.stop_token_ids[0]
     out: dict[str, Outcome] = {}
-    compiled: dict[str, Any] = {}
-    for case in cases:
-        key = json.dumps(case.schema, sort_keys=False)
-        if key not in compiled:
+    # one compiled grammar held at a time: an outlines index can take gigabytes
+    key, compiled = None, None
+    for case in sorted(cases, key=lambda c: json.dumps(c.schema, sort_keys=False)):
+        if json.dumps(case.schema, sort_keys=False) != key:
+            key = json.dumps(case.schema, sort_keys=False)
             try:
-                compiled[key] = backend.compile(JsonSchema(case.schema, whitespace="spaced"))
+                compiled = backend.compile(JsonSchema(case.schema, whitespace="spaced"))
             except GrammarCompileError:
-                compiled[key] = None
-        if compiled[key] is None:
+                compiled = None
+        if compiled is None:
             out[case.key] = "unsupported"
             continue
         ids = tok.encode(case.text, add_special_tokens=False) + [stop]
-        m = backend.matcher(compiled[key])
+        m = backend.matcher(compiled)
         n = m.accept_tokens(ids)
         out[case.key] = "accept" if n == len(ids) and m.is_terminated() else "reject"
     return out
