@@ -311,3 +311,21 @@ def test_older_draft_forms_compile_and_agree_with_jsonschema(name, schema, docs)
     check = jsonschema.validators.validator_for(schema)(schema)
     for doc in docs:
         assert _accepts(name, spec, json.dumps(doc)) == check.is_valid(doc), (name, doc)
+
+
+@pytest.mark.parametrize("name", JSON_BACKENDS)
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", None, 3]}}, "required": ["a"],
+         "additionalProperties": False},
+        {"type": "integer", "enum": [1.5, 2, "3"]},
+        {"type": ["string", "null"], "enum": ["x", None, 3]},
+    ],
+    ids=["nested-string-enum", "integer-enum", "type-list-enum"],
+)
+def test_enum_values_outside_the_type_are_refused(name, schema):
+    # JSON Schema asks for type AND enum; xgrammar and outlines let every listed value through
+    for text in ['{"a": "x"}', '{"a": null}', '{"a": 3}', "2", "1.5", '"3"', '"x"', "null", "3"]:
+        want = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        assert _accepts(name, JsonSchema(schema), text) == want, (name, schema, text)

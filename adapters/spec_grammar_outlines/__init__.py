@@ -50,6 +50,7 @@ from spec_grammar.protocol import (
     SpecGrammar,
     TokenizerInfo,
 )
+from spec_grammar.schema_rewrite import enum_within_type
 from spec_grammar.specs import GrammarSpec, JsonSchema, Regex
 from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
@@ -104,6 +105,7 @@ def _for_outlines(schema: Any, where: str) -> Any:
         return [_for_outlines(x, f"{where}/{i}") for i, x in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
+    schema = enum_within_type(schema)  # before the checks: a narrowed enum can be empty
     at = where or "/"
     if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
         raise UnsupportedGrammarError(

@@ -20,6 +20,7 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
+from spec_grammar.schema_rewrite import enum_within_type
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
@@ -63,6 +64,7 @@ def _draft2020(schema: Any) -> Any:
         if isinstance(out.get(excl), bool):
             if out.pop(excl) and bound in out:
                 out[excl] = out.pop(bound)
+    out = enum_within_type(out)
     changed = out.keys() != schema.keys() or any(out[k] is not schema[k] for k in out)
     return out if changed else schema
 
