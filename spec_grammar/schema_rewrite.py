@@ -1,15 +1,48 @@
-"""Rewrites of one JSON-schema node that keep its meaning, for backends that would otherwise
-enforce less than the schema says."""
+"""Rewrites of JSON schemas: a walk over every subschema (:func:`map_subschemas`, which the
+adapters and :class:`~spec_grammar.specs.ToolCalls` use to fit schemas to what a library
+takes), and node rewrites that keep a schema's meaning for backends that would otherwise
+enforce less than it says."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jsonschema
 
-__all__ = ["enum_within_type"]
+__all__ = ["LITERAL_KEYWORDS", "enum_within_type", "map_subschemas"]
 
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER
+
+LITERAL_KEYWORDS = ("const", "enum", "default", "examples")
+"""Keywords whose values are JSON values, not schemas: a walk leaves them as they are."""
+
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+"""Keywords whose values map names (not keywords) to schemas."""
+
+
+def map_subschemas(schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = "") -> Any:
+    """``schema`` with ``fn(node, pointer)`` applied to every object in it, the outer ones first
+    (``fn`` sees a node before its subschemas are walked; ``pointer`` is the node's JSON pointer
+    from ``where``, names unescaped). Values of :data:`LITERAL_KEYWORDS` are left alone, and
+    the keys of ``properties``, ``$defs`` and the like are names, never walked as keywords.
+    Returns ``schema`` itself (the same object) where ``fn`` changed nothing; exceptions of
+    ``fn`` propagate."""
+    if isinstance(schema, list):
+        items = [map_subschemas(x, fn, f"{where}/{i}") for i, x in enumerate(schema)]
+        return schema if all(a is b for a, b in zip(items, schema)) else items
+    if not isinstance(schema, dict):
+        return schema
+    node = fn(schema, where)
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k in LITERAL_KEYWORDS:
+            out[k] = v
+        elif k in _NAME_MAPS and isinstance(v, dict):
+            subs = {n: map_subschemas(sub, fn, f"{where}/{k}/{n}") for n, sub in v.items()}
+            out[k] = v if all(subs[n] is v[n] for n in v) else subs
+        else:
+            out[k] = map_subschemas(v, fn, f"{where}/{k}")
+    return node if all(out[k] is node[k] for k in node) else out
 
 
 def enum_within_type(node: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import GrammarSpecError
+from .schema_rewrite import map_subschemas
 
 Whitespace = Literal["spaced", "compact", "flexible"]
 """JSON whitespace policy.
@@ -204,24 +205,13 @@ def _rebase_refs(schema: Any, at: str) -> Any:
     if not isinstance(schema, dict) or "$id" in schema:
         return schema
 
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(x) for x in node]
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for k, v in node.items():
-            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
-                out[k] = at + v[1:]
-            elif k in ("const", "enum", "default", "examples"):
-                out[k] = v
-            elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
-                out[k] = {name: walk(sub) for name, sub in v.items()}  # names, not keywords
-            else:
-                out[k] = walk(v)
-        return out
+    def rebase(node: dict[str, Any], _where: str) -> dict[str, Any]:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            return {**node, "$ref": at + ref[1:]}
+        return node
 
-    return walk(schema)
+    return map_subschemas(schema, rebase)
 
 
 AnyGrammarSpec = Union[JsonSchema, Regex, Ebnf, Lark, ToolCalls]

@@ -50,7 +50,7 @@ from spec_grammar.protocol import (
     SpecGrammar,
     TokenizerInfo,
 )
-from spec_grammar.schema_rewrite import enum_within_type
+from spec_grammar.schema_rewrite import enum_within_type, map_subschemas
 from spec_grammar.specs import GrammarSpec, JsonSchema, Regex
 from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
@@ -89,50 +89,46 @@ _MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
 
 
-_LITERAL_KEYWORDS = ("const", "enum", "default", "examples")
-
-
-def _for_outlines(schema: Any, where: str) -> Any:
+def _for_outlines(schema: Any) -> Any:
     """``schema`` made safe for outlines-core 0.2.14's schema-to-regex, which writes property
     names into the pattern without JSON-escaping them (``a"b`` gave the output ``{"a"b": 1}``):
-    names needing an escape are written pre-escaped, in ``properties`` and ``required``.
+    names needing an escape are written pre-escaped, in ``properties`` and ``required``; ``enum``
+    values outside a node's ``type`` are dropped (:func:`enum_within_type`).
 
     Raises :class:`UnsupportedGrammarError` (naming the JSON pointer) where the library would
     emit text that is not JSON: ``allOf`` with several branches (their patterns are
     concatenated: ``{"a": 1}{"b": "x"}``) and a subschema ``enum: []`` (an empty pattern:
     ``{"e": }``)."""
-    if isinstance(schema, list):
-        return [_for_outlines(x, f"{where}/{i}") for i, x in enumerate(schema)]
-    if not isinstance(schema, dict):
-        return schema
-    schema = enum_within_type(schema)  # before the checks: a narrowed enum can be empty
+    # two walks: the checks name pointers with the names as written, before they are escaped
+    return map_subschemas(map_subschemas(schema, _checked_node), _escaped_names)
+
+
+def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
+    node = enum_within_type(node)  # before the checks: a narrowed enum can be empty
     at = where or "/"
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise UnsupportedGrammarError(
-            f"allOf with {len(schema['allOf'])} branches at {at}: outlines-core 0.2.14 concatenates the "
+            f"allOf with {len(node['allOf'])} branches at {at}: outlines-core 0.2.14 concatenates the "
             "branches' patterns (the output would not be JSON); merge them into one schema"
         )
-    if where and schema.get("enum") == []:
+    if where and node.get("enum") == []:
         raise UnsupportedGrammarError(
             f"enum: [] at {at}: outlines-core 0.2.14 turns a subschema that accepts nothing into an empty "
             "pattern (the output would not be JSON)"
         )
+    return node
 
+
+def _escaped_names(node: dict[str, Any], _where: str) -> dict[str, Any]:
     def esc(name: Any) -> Any:
         return json.dumps(name, ensure_ascii=False)[1:-1] if isinstance(name, str) else name
 
-    out = {}
-    for k, v in schema.items():
-        if k in _LITERAL_KEYWORDS:
-            out[k] = v
-        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
-            rename = esc if k == "properties" else (lambda n: n)
-            out[k] = {rename(n): _for_outlines(sub, f"{where}/{k}/{n}") for n, sub in v.items()}
-        elif k == "required" and isinstance(v, list):
-            out[k] = [esc(n) for n in v]
-        else:
-            out[k] = _for_outlines(v, f"{where}/{k}")
-    return out
+    out = dict(node)
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = {esc(n): sub for n, sub in out["properties"].items()}
+    if isinstance(out.get("required"), list):
+        out["required"] = [esc(n) for n in out["required"]]
+    return node if out == node else out
 
 
 class VocabularyInfo:
@@ -490,7 +486,7 @@ class OutlinesBackend(GrammarBackend):
         if isinstance(spec, JsonSchema):
             if spec.json_schema is False:
                 raise GrammarCompileError("the schema `false` accepts no document")
-            schema = "{}" if spec.json_schema is True else json.dumps(_for_outlines(spec.json_schema, ""), ensure_ascii=False)
+            schema = "{}" if spec.json_schema is True else json.dumps(_for_outlines(spec.json_schema), ensure_ascii=False)
             try:
                 return build_regex_from_schema(schema, whitespace_pattern=_WHITESPACE[spec.whitespace])
             except ValueError as e:

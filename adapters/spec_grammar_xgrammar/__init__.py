@@ -20,7 +20,7 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
-from spec_grammar.schema_rewrite import enum_within_type
+from spec_grammar.schema_rewrite import enum_within_type, map_subschemas
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
@@ -39,23 +39,14 @@ def _draft2020(schema: Any) -> Any:
     """``schema`` with the draft-04..2019-09 forms xgrammar 0.2.9 refuses rewritten to their
     draft 2020-12 equivalents (the same instances pass): array ``items`` (a tuple) ->
     ``prefixItems`` + ``items`` = ``additionalItems``; boolean ``exclusiveMinimum`` /
-    ``exclusiveMaximum`` (draft 04) -> the number of ``minimum`` / ``maximum``. Returns
-    ``schema`` itself (the same object) when nothing needs rewriting."""
-    if isinstance(schema, list):
-        out = [_draft2020(x) for x in schema]
-        return schema if all(a is b for a, b in zip(out, schema)) else out
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for k, v in schema.items():
-        if k in ("const", "enum", "default", "examples"):
-            out[k] = v
-        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
-            out[k] = {n: _draft2020(sub) for n, sub in v.items()}
-            if all(out[k][n] is v[n] for n in v):
-                out[k] = v
-        else:
-            out[k] = _draft2020(v)
+    ``exclusiveMaximum`` (draft 04) -> the number of ``minimum`` / ``maximum``; and ``enum``
+    values outside the node's ``type`` dropped (:func:`enum_within_type`). Returns ``schema``
+    itself (the same object) when nothing needs rewriting."""
+    return map_subschemas(schema, _draft2020_node)
+
+
+def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
+    out = dict(node)
     if isinstance(out.get("items"), list):
         out["prefixItems"] = out.pop("items")
         if "additionalItems" in out:
@@ -65,8 +56,7 @@ def _draft2020(schema: Any) -> Any:
             if out.pop(excl) and bound in out:
                 out[excl] = out.pop(bound)
     out = enum_within_type(out)
-    changed = out.keys() != schema.keys() or any(out[k] is not schema[k] for k in out)
-    return out if changed else schema
+    return node if out == node else out
 
 
 class XGrammarMatcher(SpecGrammar):
