@@ -68,7 +68,9 @@ def _walk(backend, compiled, path, walk_len, seed):
         if path is not None:
             tok = path[i]
         else:
-            ids = [t for t in allowed_token_ids(bm[i], backend.vocab_size) if not m.is_stop_token(t)]
+            ids = [
+                t for t in allowed_token_ids(bm[i], backend.vocab_size) if not m.is_stop_token(t)
+            ]
             if not ids:
                 break
             tok = rng.choice(ids)
@@ -82,7 +84,13 @@ def _specs(whitespace: str, n_schemas: int, tok):
     out = []
     for case in bfcl_cases():
         text = json.dumps(case["example_output"], **_DUMPS[whitespace])
-        out.append(("bfcl", ToolCalls(case["tools"], whitespace=whitespace), tok.encode(text, add_special_tokens=False)))
+        out.append(
+            (
+                "bfcl",
+                ToolCalls(case["tools"], whitespace=whitespace),
+                tok.encode(text, add_special_tokens=False),
+            )
+        )
     for row in jsonschemabench_sample()[:n_schemas]:
         out.append(("jsb", JsonSchema(row["schema"], whitespace=whitespace), None))
     return out
@@ -129,7 +137,9 @@ def run_modes(tok, whitespace: str, n_schemas: int, walk_len: int) -> list[str]:
             em, ep = statistics.median(e[key]), _pct(e[key], 0.9)
             dm, dp = statistics.median(d[key]), _pct(d[key], 0.9)
             cells += [f"{em:.1f} / {ep:.1f}", f"{dm:.1f} / {dp:.1f}", f"{em / dm:.1f}x"]
-        lines.append(f"| {whitespace} | {group} ({n}) | " + " | ".join(cells) + f" | {mismatches[group]} |")
+        lines.append(
+            f"| {whitespace} | {group} ({n}) | " + " | ".join(cells) + f" | {mismatches[group]} |"
+        )
     if skipped:
         lines.append(f"({skipped} spec(s) skipped: compile error in both modes)")
     return lines
@@ -140,10 +150,17 @@ def run_options(tok, n_cases: int) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id])
+        info = xgr.TokenizerInfo.from_huggingface(
+            tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id]
+        )
     schemas = [ToolCalls(c["tools"]).to_json_schema().schema_json() for c in bfcl_cases()[:n_cases]]
-    print(f"\nraw xgrammar compile_json_schema, first {n_cases} BFCL cases, max_threads=1, cache off (ms median, EBNF chars median)")
-    print("| any_whitespace | separators | strict_mode | eager ms | dynamic ms | EBNF chars |\n|---|---|---|---|---|---|")
+    print(
+        f"\nraw xgrammar compile_json_schema, first {n_cases} BFCL cases, max_threads=1, cache off "
+        "(ms median, EBNF chars median)"
+    )
+    print(
+        "| any_whitespace | separators | strict_mode | eager ms | dynamic ms | EBNF chars |\n|---|---|---|---|---|---|"
+    )
     for aw, sep in ((True, None), (False, (", ", ": ")), (False, (",", ":"))):
         for strict in (True, False):
             kw = {"any_whitespace": aw, "separators": sep, "strict_mode": strict}
@@ -151,7 +168,9 @@ def run_options(tok, n_cases: int) -> None:
             sizes = [len(str(xgr.Grammar.from_json_schema(s, **kw))) for s in schemas]
             for s in schemas:
                 for dyn in (False, True):
-                    c = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=dyn)
+                    c = xgr.GrammarCompiler(
+                        info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=dyn
+                    )
                     t0 = time.perf_counter()
                     c.compile_json_schema(s, **kw)
                     times[dyn].append((time.perf_counter() - t0) * 1e3)
@@ -162,15 +181,21 @@ def run_options(tok, n_cases: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--whitespace", default="spaced", help="comma list of spaced,compact,flexible")
     ap.add_argument("--schemas", type=int, default=30, help="JSONSchemaBench schemas (first N)")
     ap.add_argument("--walk", type=int, default=32, help="random-walk length for schemas (tokens)")
-    ap.add_argument("--options", type=int, default=0, help="also time raw xgrammar options on N BFCL cases")
+    ap.add_argument(
+        "--options", type=int, default=0, help="also time raw xgrammar options on N BFCL cases"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = load_tokenizer("smollm2")
-    print("xgrammar compile, SmolLM2 (V=49,152), ms median / p90; eager = dynamic_compilation=False (before)")
+    print(
+        "xgrammar compile, SmolLM2 (V=49,152), ms median / p90; eager = dynamic_compilation=False (before)"
+    )
     print(
         "| whitespace | inputs | compile eager | compile dynamic | ratio "
         "| compile+walk eager | compile+walk dynamic | ratio | mask mismatches |"

@@ -52,8 +52,11 @@ def profile(runner: ModelRunner, batch: int, nodes: int, prompt: int) -> str:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             count += 1
             name = e.name.lower()
-            kind = "gemm" if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90", "nvjet")) else (
-                "attention" if "attention" in name or "fmha" in name else name[:40])
+            kind = (
+                "gemm"
+                if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90", "nvjet"))
+                else ("attention" if "attention" in name or "fmha" in name else name[:40])
+            )
             groups[kind] += e.device_time_total
     top = ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in groups.most_common(6))
     return f"{count} kernels; {top}"
@@ -79,16 +82,25 @@ def main() -> None:
         "fused graphs": ModelRunner(model, fused_forward=True, cuda_graphs=True),
         "fused eager": ModelRunner(model, fused_forward=True, cuda_graphs=False),
     }
-    print(f"{args.shape}: {weight_bytes / 1e9:.2f} GB of weights, weight-read {read_ms:.2f} ms "
-          f"({torch.cuda.get_device_name(dev)}, torch {torch.__version__})")
-    print(f"| B | nodes | {' | '.join(runners)} | hf / fused (graphs) | fused graphs / weight-read |")
+    print(
+        f"{args.shape}: {weight_bytes / 1e9:.2f} GB of weights, weight-read {read_ms:.2f} ms "
+        f"({torch.cuda.get_device_name(dev)}, torch {torch.__version__})"
+    )
+    print(
+        f"| B | nodes | {' | '.join(runners)} | hf / fused (graphs) | fused graphs / weight-read |"
+    )
     print("|---|---|" + "---|" * (len(runners) + 2))
     for b in (int(x) for x in args.batches.split(",")):
         for n in (int(x) for x in args.nodes.split(",")):
-            ms = {k: _forward_ms(r, chain(n), b, args.prompt, args.reps) for k, r in runners.items()}
-            print(f"| {b} | {n} | " + " | ".join(f"{v:.2f}" for v in ms.values())
-                  + f" | {ms['hf graphs'] / ms['fused graphs']:.2f}x | {ms['fused graphs'] / read_ms:.2f}x |",
-                  flush=True)
+            ms = {
+                k: _forward_ms(r, chain(n), b, args.prompt, args.reps) for k, r in runners.items()
+            }
+            print(
+                f"| {b} | {n} | "
+                + " | ".join(f"{v:.2f}" for v in ms.values())
+                + f" | {ms['hf graphs'] / ms['fused graphs']:.2f}x | {ms['fused graphs'] / read_ms:.2f}x |",
+                flush=True,
+            )
     if args.profile:
         for k in ("hf graphs", "fused graphs"):
             print(f"profile {k}, B=1, 8 nodes: {profile(runners[k], 1, 8, args.prompt)}")

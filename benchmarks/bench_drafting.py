@@ -43,7 +43,9 @@ MODES = {
 }
 
 
-def real_requests(tokenizer, n_schemas: int, n_bfcl: int, max_new_tokens: int, backend) -> list[tuple[str, Request]]:
+def real_requests(
+    tokenizer, n_schemas: int, n_bfcl: int, max_new_tokens: int, backend
+) -> list[tuple[str, Request]]:
     """``(group, request)``: the smallest compilable schema of each JSONSchemaBench subset in
     turn, then the first BFCL cases."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
@@ -101,7 +103,9 @@ def write_markdown(rows: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="xgrammar")
-    ap.add_argument("--drafters", default="ngram,self:4,grammar", help="comma-separated: ngram, self:L, grammar")
+    ap.add_argument(
+        "--drafters", default="ngram,self:4,grammar", help="comma-separated: ngram, self:L, grammar"
+    )
     ap.add_argument("--modes", default="plain,constrain,forced,both")
     ap.add_argument("--schemas", type=int, default=6)
     ap.add_argument("--bfcl", type=int, default=6)
@@ -124,8 +128,10 @@ def main() -> None:
     out_path = Path(args.out)
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
     reference = None
-    print(f"{args.backend}: {groups.count('schemas')} schemas + {groups.count('bfcl')} BFCL, "
-          f"{args.max_new_tokens} new tokens, {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.backend}: {groups.count('schemas')} schemas + {groups.count('bfcl')} BFCL, "
+        f"{args.max_new_tokens} new tokens, {args.dtype}, torch threads {torch.get_num_threads()}"
+    )
     for drafter in args.drafters.split(","):
         for mode in modes:
             if drafter == "grammar" and not MODES[mode]["forced_tokens"]:
@@ -146,17 +152,33 @@ def main() -> None:
                 n = sum(r.num_tokens for r in sel)
                 steps = sum(r.steps for r in sel)
                 row = dict(
-                    backend=args.backend, drafter=drafter, mode=mode, group=group, requests=len(sel),
-                    output_tokens=n, steps=steps, accept_length=n / max(steps, 1),
-                    tokens_per_s=n / wall, wall_s=wall,
+                    backend=args.backend,
+                    drafter=drafter,
+                    mode=mode,
+                    group=group,
+                    requests=len(sel),
+                    output_tokens=n,
+                    steps=steps,
+                    accept_length=n / max(steps, 1),
+                    tokens_per_s=n / wall,
+                    wall_s=wall,
                     errors=sum(r.finish_reason == "error" for r in sel),
                     same=all(a == b for g, a, b in zip(groups, tokens, reference) if g == group),
-                    dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                    dtype=args.dtype,
+                    max_new_tokens=args.max_new_tokens,
                 )
-                rows = [r for r in rows if (r["backend"], r["drafter"], r["mode"], r["group"]) != (args.backend, drafter, mode, group)]
+                rows = [
+                    r
+                    for r in rows
+                    if (r["backend"], r["drafter"], r["mode"], r["group"])
+                    != (args.backend, drafter, mode, group)
+                ]
                 rows.append(row)
-                print(f"{drafter:8} {mode:9} {group:7} accept {row['accept_length']:.2f} "
-                      f"tok/s {row['tokens_per_s']:.2f} same {row['same']} errors {row['errors']}", flush=True)
+                print(
+                    f"{drafter:8} {mode:9} {group:7} accept {row['accept_length']:.2f} "
+                    f"tok/s {row['tokens_per_s']:.2f} same {row['same']} errors {row['errors']}",
+                    flush=True,
+                )
             out_path.parent.mkdir(parents=True, exist_ok=True)
             out_path.write_text(json.dumps(rows, indent=1))
             write_markdown(rows, out_path.with_suffix(".md"))

@@ -42,7 +42,9 @@ from spec_grammar.worker.request import RequestState
 from spec_grammar.worker.sampling import SamplingParams
 
 
-def legal_walk(matcher, steps: int, rng: random.Random, row: torch.Tensor, stops: set[int]) -> list[int]:
+def legal_walk(
+    matcher, steps: int, rng: random.Random, row: torch.Tensor, stops: set[int]
+) -> list[int]:
     """Up to ``steps`` tokens accepted one by one, each a seeded pick among the allowed
     non-stop tokens (stops early where only a stop token is allowed)."""
     out = []
@@ -69,7 +71,11 @@ def legal_tree(matcher, root: int, nodes: int, rng: random.Random, row, stops) -
         if len(tokens) >= nodes:
             break
         fork.fill_next_token_bitmask(row, 0)
-        others = [t for t in allowed_token_ids(row[0], fork.info.vocab_size) if t != tok and t not in stops]
+        others = [
+            t
+            for t in allowed_token_ids(row[0], fork.info.vocab_size)
+            if t != tok and t not in stops
+        ]
         if others:
             tokens.append(rng.choice(others))
             parents.append(d)
@@ -88,14 +94,24 @@ def _spin_bytes(seconds: float) -> bytes:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokenizer", default="smollm2", help="smollm2, gemma3, NAME=DIR or DIR (with tokenizer.json)")
+    ap.add_argument(
+        "--tokenizer",
+        default="smollm2",
+        help="smollm2, gemma3, NAME=DIR or DIR (with tokenizer.json)",
+    )
     ap.add_argument("--backend", default="xgrammar")
     ap.add_argument("--batches", default="16,32")
     ap.add_argument("--nodes", default="16,64", help="draft-tree sizes, root included")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first")
+    ap.add_argument(
+        "--walk", type=int, default=12, help="tokens each matcher is walked into its grammar first"
+    )
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--placements", default="caller", help="caller, thread, thread+busy, thread+spin, pinned (comma-separated)")
+    ap.add_argument(
+        "--placements",
+        default="caller",
+        help="caller, thread, thread+busy, thread+spin, pinned (comma-separated)",
+    )
     args = ap.parse_args()
     placements = args.placements.split(",")
     pool = ThreadPoolExecutor(max_workers=1)
@@ -104,8 +120,9 @@ def main() -> None:
     if "pinned" in placements:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[0]})
-        pinned_pool = ThreadPoolExecutor(max_workers=1, initializer=os.sched_setaffinity,
-                                         initargs=(0, {cores[1 % len(cores)]}))
+        pinned_pool = ThreadPoolExecutor(
+            max_workers=1, initializer=os.sched_setaffinity, initargs=(0, {cores[1 % len(cores)]})
+        )
 
     def timed(worker, live, trees, mask, placement):
         """(wall ms seen by the caller, the work's own ms)."""
@@ -113,7 +130,9 @@ def main() -> None:
         if placement == "caller":
             work = worker._grammar_work(live, trees, [], mask)
         else:
-            fut = (pinned_pool if placement == "pinned" else pool).submit(worker._grammar_work, live, trees, [], mask)
+            fut = (pinned_pool if placement == "pinned" else pool).submit(
+                worker._grammar_work, live, trees, [], mask
+            )
             if placement == "thread+busy":
                 end = time.perf_counter() + 1e-4
                 while time.perf_counter() < end:
@@ -131,7 +150,10 @@ def main() -> None:
     model = build_model("tiny", "cpu", torch.float32, vocab_size=len(tok))
     backend = get_backend(args.backend, tok, vocab_size=model.config.vocab_size)
     threads = [int(x) for x in args.threads.split(",")]
-    workers = {t: SpecWorker(model, tok, backend=backend, draft="none", overlap=False, grammar_threads=t) for t in threads}
+    workers = {
+        t: SpecWorker(model, tok, backend=backend, draft="none", overlap=False, grammar_threads=t)
+        for t in threads
+    }
     stops = set(backend.tokenizer_info.stop_token_ids)
     row = allocate_token_bitmask(1, backend.vocab_size)
     compiled = []
@@ -142,10 +164,14 @@ def main() -> None:
             continue
         if len(compiled) >= max(int(b) for b in args.batches.split(",")):
             break
-    print(f"grammar work of one step ({args.backend}, {name} tokenizer, {os.cpu_count()} cores), "
-          f"matchers walked {args.walk} tokens in, {args.reps} reps")
-    print(f"{'batch':>5} {'nodes':>5} {'threads':>7} {'placement':>11} {'best ms':>8} {'x 1st':>6} {'median ms':>9} "
-          f"{'x 1st':>6} {'us/node':>8} {'inner med':>9}")
+    print(
+        f"grammar work of one step ({args.backend}, {name} tokenizer, {os.cpu_count()} cores), "
+        f"matchers walked {args.walk} tokens in, {args.reps} reps"
+    )
+    print(
+        f"{'batch':>5} {'nodes':>5} {'threads':>7} {'placement':>11} {'best ms':>8} {'x 1st':>6} {'median ms':>9} "
+        f"{'x 1st':>6} {'us/node':>8} {'inner med':>9}"
+    )
     params = SamplingParams()
     for batch in [int(b) for b in args.batches.split(",")]:
         for nodes in [int(n) for n in args.nodes.split(",")]:
@@ -154,7 +180,9 @@ def main() -> None:
             for i, c in enumerate(compiled[:batch]):
                 m = backend.matcher(c)
                 walked = legal_walk(m, args.walk, rng, row, stops)
-                st = RequestState(request=Request([1], None, params, rid=f"r{i}"), prompt_ids=[1], sampling=params)
+                st = RequestState(
+                    request=Request([1], None, params, rid=f"r{i}"), prompt_ids=[1], sampling=params
+                )
                 st.matcher = m
                 live.append(st)
                 trees.append(legal_tree(m, walked[-1] if walked else 0, nodes, rng, row, stops))
@@ -169,12 +197,18 @@ def main() -> None:
                     ms, work = timed(workers[t], live, trees, mask, p)
                     times[t, p].append(ms)
                     inner[t, p].append(work.ms)
-                    results[t, p] = (mask.clone(), {k: v.tolist() for k, v in work.valid.items()}, dict(work.errors))
+                    results[t, p] = (
+                        mask.clone(),
+                        {k: v.tolist() for k, v in work.valid.items()},
+                        dict(work.errors),
+                    )
             best0, med0 = min(times[keys[0]]), statistics.median(times[keys[0]])
             for k in keys:
                 best, med = min(times[k]), statistics.median(times[k])
-                print(f"{batch:5d} {nodes:5d} {k[0]:7d} {k[1]:>11} {best:8.2f} {best0 / best:6.2f} {med:9.2f} "
-                      f"{med0 / med:6.2f} {best * 1e3 / rows:8.1f} {statistics.median(inner[k]):9.2f}")
+                print(
+                    f"{batch:5d} {nodes:5d} {k[0]:7d} {k[1]:>11} {best:8.2f} {best0 / best:6.2f} {med:9.2f} "
+                    f"{med0 / med:6.2f} {best * 1e3 / rows:8.1f} {statistics.median(inner[k]):9.2f}"
+                )
                 ref_mask, ref_valid, ref_err = results[keys[0]]
                 mask, valid, err = results[k]
                 if not (torch.equal(mask, ref_mask) and valid == ref_valid and err == ref_err):

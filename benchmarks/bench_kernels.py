@@ -75,7 +75,9 @@ def load_others(device: str) -> dict:
         import xgrammar
 
         backend = "triton" if device == "cuda" else "cpu"
-        others["xgrammar"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(l, m, backend=backend)
+        others["xgrammar"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(
+            l, m, backend=backend
+        )
     except Exception as e:  # noqa: BLE001 - report, and benchmark without it
         print(f"xgrammar unavailable: {type(e).__name__}: {e}")
     try:
@@ -136,7 +138,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     ms = eager_time_ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * n / (ms * 1e-3)
 
 
@@ -166,10 +167,14 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
     expect = ours.float().argmax(dim=1)
     expect[ours.float().amax(dim=1) == float("-inf")] = -1
-    checks["masked_argmax == apply+argmax"] = bool(torch.equal(masked_argmax(logits0, mask0), expect))
+    checks["masked_argmax == apply+argmax"] = bool(
+        torch.equal(masked_argmax(logits0, mask0), expect)
+    )
     probs = masked_softmax(logits0, mask0, TEMPERATURE)
     ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
-    checks["masked_softmax ~= apply+softmax"] = bool(torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7))
+    checks["masked_softmax ~= apply+softmax"] = bool(
+        torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7)
+    )
     del ref, probs, ref_p, ours
 
     k = buffer_sets(rows * vocab * logits0.element_size() + rows * width * 4)
@@ -188,7 +193,8 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         "apply+argmax": lambda s, w, m: (apply_token_bitmask_inplace(w, m), torch.argmax(w, dim=1)),
         "fused_softmax": lambda s, w, m: masked_softmax(s, m, TEMPERATURE),
         "apply+softmax": lambda s, w, m: (
-            apply_token_bitmask_inplace(w, m), torch.softmax(w.float() / TEMPERATURE, dim=1)
+            apply_token_bitmask_inplace(w, m),
+            torch.softmax(w.float() / TEMPERATURE, dim=1),
         ),
     }
     t, notes = {}, {}
@@ -199,9 +205,10 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
             notes[name] = f"not capturable ({type(e).__name__}: {str(e)[:120]}); eager time"
             torch.cuda.synchronize()
             t[name] = eager_time_ms(lambda fn=fn: fn(*sets[0]))
-    eager = {name: eager_time_ms(lambda fn=candidates[name]: fn(*sets[0]))
-             for name in ("spec_grammar", *others, "fused_argmax", "apply+argmax")}
-    del src, work, masks, sets, logits0
+    eager = {
+        name: eager_time_ms(lambda fn=candidates[name]: fn(*sets[0]))
+        for name in ("spec_grammar", *others, "fused_argmax", "apply+argmax")
+    }
     return {
         "rows": rows,
         "vocab": vocab,
@@ -230,15 +237,28 @@ def sweep(gen) -> list[dict]:
             mask = make_mask("random", rows, vocab, "cuda", gen)
             sets = [(logits.clone(), mask.clone()) for _ in range(buffer_sets(logits.nbytes))]
             for words, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)):
-                ms = graph_time_ms([
-                    lambda l=l, m=m: apply_token_bitmask_inplace_triton(
-                        l, m, words_per_program=words, num_warps=warps)
-                    for l, m in sets
-                ])
-                out.append({"dtype": dname, "rows": rows, "vocab": vocab, "words": words,
-                            "warps": warps, "ms": ms})
-                print(f"sweep {dname} {rows}x{vocab} words={words} warps={warps}: {ms * 1e3:.1f} us",
-                      flush=True)
+                ms = graph_time_ms(
+                    [
+                        lambda l=l, m=m: apply_token_bitmask_inplace_triton(
+                            l, m, words_per_program=words, num_warps=warps
+                        )
+                        for l, m in sets
+                    ]
+                )
+                out.append(
+                    {
+                        "dtype": dname,
+                        "rows": rows,
+                        "vocab": vocab,
+                        "words": words,
+                        "warps": warps,
+                        "ms": ms,
+                    }
+                )
+                print(
+                    f"sweep {dname} {rows}x{vocab} words={words} warps={warps}: {ms * 1e3:.1f} us",
+                    flush=True,
+                )
             del logits, mask, sets
     return out
 
@@ -286,8 +306,12 @@ def cpu_time_ms(fn, reps: int) -> float:
 def run_cpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     others = load_others("cpu")
-    result = {"device": f"{platform.machine()} CPU, {os.cpu_count()} cores", "threads": torch.get_num_threads(),
-              "torch": torch.__version__, "cells": []}
+    result = {
+        "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cells": [],
+    }
     for kind in args.masks:
         for rows in args.rows or CPU_ROWS:
             for vocab in args.vocabs or CPU_VOCABS:
@@ -303,15 +327,29 @@ def run_cpu(args) -> dict:
                         checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
                     reps = max(5, min(200, int(2e7 // (rows * vocab))))
                     work = logits0.clone()
-                    t = {"spec_grammar": cpu_time_ms(lambda: apply_token_bitmask_inplace(work, mask), reps)}
+                    t = {
+                        "spec_grammar": cpu_time_ms(
+                            lambda: apply_token_bitmask_inplace(work, mask), reps
+                        )
+                    }
                     for name, fn in others.items():
                         t[name] = cpu_time_ms(lambda fn=fn: fn(work, mask), reps)
                     t["fused_argmax"] = cpu_time_ms(lambda: masked_argmax(logits0, mask), reps)
                     t["apply+argmax"] = cpu_time_ms(
-                        lambda: (apply_token_bitmask_inplace(work, mask), torch.argmax(work, dim=1)), reps
+                        lambda: (
+                            apply_token_bitmask_inplace(work, mask),
+                            torch.argmax(work, dim=1),
+                        ),
+                        reps,
                     )
-                    cell = {"rows": rows, "vocab": vocab, "dtype": dname, "mask": kind, "ms": t,
-                            "checks": checks}
+                    cell = {
+                        "rows": rows,
+                        "vocab": vocab,
+                        "dtype": dname,
+                        "mask": kind,
+                        "ms": t,
+                        "checks": checks,
+                    }
                     result["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
     return result
@@ -337,23 +375,33 @@ def markdown(result: dict, gpu: bool) -> str:
             "",
         ]
     else:
-        lines += [f"{result['threads']} torch threads; wall-clock medians, microseconds. "
-                  "'x' columns: their time / ours (> 1 = ours faster).", ""]
+        lines += [
+            f"{result['threads']} torch threads; wall-clock medians, microseconds. "
+            "'x' columns: their time / ours (> 1 = ours faster).",
+            "",
+        ]
     for kind in sorted({c["mask"] for c in result["cells"]}):
         lines += [f"## {kind} masks", ""]
         if gpu:
-            head = ("| rows | vocab | dtype | ours us | ours eager us | bound us | % of bound | GB/s | "
-                    "xgrammar us | xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
-                    "fused softmax us | apply+softmax us | checks |")
+            head = (
+                "| rows | vocab | dtype | ours us | ours eager us | bound us | % of bound | GB/s | "
+                "xgrammar us | xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
+                "fused softmax us | apply+softmax us | checks |"
+            )
         else:
-            head = ("| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
-                    "fused argmax us | apply+argmax us | checks |")
+            head = (
+                "| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
+                "fused argmax us | apply+argmax us | checks |"
+            )
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for c in (c for c in result["cells"] if c["mask"] == kind):
             t = c["ms"]
             us = lambda k: f"{t[k] * 1e3:.1f}" if k in t else "n/a"  # noqa: E731
-            ok = "ok" if all(c["checks"].values()) else "FAIL: " + ", ".join(
-                k for k, v in c["checks"].items() if not v)
+            ok = (
+                "ok"
+                if all(c["checks"].values())
+                else "FAIL: " + ", ".join(k for k, v in c["checks"].items() if not v)
+            )
             if gpu:
                 lines.append(
                     f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
@@ -370,7 +418,9 @@ def markdown(result: dict, gpu: bool) -> str:
                     f"{_ratio(t, 'llguidance')} | {us('fused_argmax')} | {us('apply+argmax')} | {ok} |"
                 )
         lines.append("")
-    notes = sorted({f"{name}: {note}" for c in result["cells"] for name, note in c.get("notes", {}).items()})
+    notes = sorted(
+        {f"{name}: {note}" for c in result["cells"] for name, note in c.get("notes", {}).items()}
+    )
     if notes:
         lines += ["Notes:", *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
@@ -382,7 +432,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default=None, help="file stem suffix (default: h200 on CUDA, cpu)")
-    ap.add_argument("--masks", nargs="+", default=["random", "sparse"], choices=("random", "sparse"))
+    ap.add_argument(
+        "--masks", nargs="+", default=["random", "sparse"], choices=("random", "sparse")
+    )
     ap.add_argument("--rows", nargs="+", type=int, help="override the row counts")
     ap.add_argument("--vocabs", nargs="+", type=int, help="override the vocab sizes")
     ap.add_argument("--threads", type=int, help="torch CPU threads")

@@ -22,7 +22,8 @@ Draft 2020-12, over all requests; length-cut outputs are counted apart), mean ac
 prefill included), draft / verify-forward ms per step, grammar ms per step and the exposed
 part (waited for after the verify forward), the mean step time (draft to commit: tokens/s
 also pays the requests' prefill), and the share of steps whose greedy walks met a token
-the grammar refuses (*refused*: a masked row on the device; lazily, a one-row fill too). Ratios are against ``no-spec`` and the in-order
+the grammar refuses (*refused*: a masked row on the device; lazily, a one-row fill too). Ratios are
+against ``no-spec`` and the in-order
 row of the same drafter. Every constrained row must produce the no-spec tokens (greedy): a
 mismatch is printed.
 
@@ -69,14 +70,25 @@ def real_requests(tokenizer, n: int, max_new_tokens: int, max_schema_chars: int)
     reqs, oracles = [], []
     for r in schemas:
         spec = JsonSchema(r["schema"])
-        reqs.append(Request(build_prompt(tokenizer, schema_prompt(spec, "Give a short, realistic example.")), spec, params, rid=r["id"]))
+        reqs.append(
+            Request(
+                build_prompt(tokenizer, schema_prompt(spec, "Give a short, realistic example.")),
+                spec,
+                params,
+                rid=r["id"],
+            )
+        )
         oracles.append(r["schema"])
     for case in bfcl_cases()[:n_bfcl]:
         spec = ToolCalls(case["tools"])
         msgs = case["messages"]
         turn = msgs[0] if msgs and isinstance(msgs[0], list) else msgs
         question = " ".join(m["content"] for m in turn if m.get("role") == "user")
-        reqs.append(Request(build_prompt(tokenizer, schema_prompt(spec, question)), spec, params, rid=case["id"]))
+        reqs.append(
+            Request(
+                build_prompt(tokenizer, schema_prompt(spec, question)), spec, params, rid=case["id"]
+            )
+        )
         oracles.append(case.get("required_schema") or spec.to_json_schema().json_schema)
     return reqs, oracles
 
@@ -100,11 +112,16 @@ def compare_grammar_threads(args, model, tok, backend) -> list[dict]:
     """Grammar ms per step with the step's grammar work split over 1..N threads, side by side."""
     threads = [int(x) for x in args.grammar_threads.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    print(f"grammar threads {threads} ({args.backend}, {args.model}, {args.device}, torch threads "
-          f"{torch.get_num_threads()}, {os.cpu_count()} cores), ngram drafter ({args.num_draft_tokens} nodes), "
-          f"max_new_tokens {args.max_new_tokens}, "
-          f"median of {args.rounds} round(s)")
-    print(f"{'batch':>5} {'mode':8} {'threads':>7} {'gram ms':>8} {'x 1st':>6} {'exposed':>8} {'fwd ms':>7} {'tok/s':>7} {'steps':>6}")
+    print(
+        f"grammar threads {threads} ({args.backend}, {args.model}, {args.device}, torch threads "
+        f"{torch.get_num_threads()}, {os.cpu_count()} cores), ngram drafter ({args.num_draft_tokens} nodes), "
+        f"max_new_tokens {args.max_new_tokens}, "
+        f"median of {args.rounds} round(s)"
+    )
+    print(
+        f"{'batch':>5} {'mode':8} {'threads':>7} {'gram ms':>8} {'x 1st':>6} {'exposed':>8} "
+        f"{'fwd ms':>7} {'tok/s':>7} {'steps':>6}"
+    )
     out = []
     for n in batches:
         reqs, _ = real_requests(tok, n, args.max_new_tokens, args.max_schema_chars)
@@ -118,8 +135,16 @@ def compare_grammar_threads(args, model, tok, backend) -> list[dict]:
             tokens: dict[int, list] = {}
             for _ in range(args.rounds):
                 for t in threads:  # interleaved: load on a shared machine hits every row alike
-                    with SpecWorker(model, tok, backend=backend, device=args.device, draft="ngram",
-                                    num_draft_tokens=args.num_draft_tokens, overlap=overlap, grammar_threads=t) as w:
+                    with SpecWorker(
+                        model,
+                        tok,
+                        backend=backend,
+                        device=args.device,
+                        draft="ngram",
+                        num_draft_tokens=args.num_draft_tokens,
+                        overlap=overlap,
+                        grammar_threads=t,
+                    ) as w:
                         start = time.perf_counter()
                         res = w.run(reqs)
                         runs[t].append(summarize(res, w.step_stats, time.perf_counter() - start))
@@ -129,13 +154,23 @@ def compare_grammar_threads(args, model, tok, backend) -> list[dict]:
                 s = sorted(runs[t], key=lambda x: x.grammar_ms_per_step)[len(runs[t]) // 2]
                 base = base or s.grammar_ms_per_step
                 mode = "overlap" if overlap else "in order"
-                print(f"{len(reqs):5d} {mode:8} {t:7d} {s.grammar_ms_per_step:8.2f} {base / s.grammar_ms_per_step:6.2f} "
-                      f"{s.grammar_exposed_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} {s.tokens_per_s:7.1f} {s.steps:6d}")
+                print(
+                    f"{len(reqs):5d} {mode:8} {t:7d} {s.grammar_ms_per_step:8.2f} {base / s.grammar_ms_per_step:6.2f} "
+                    f"{s.grammar_exposed_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} "
+                    f"{s.tokens_per_s:7.1f} {s.steps:6d}"
+                )
                 if tokens[t] != tokens[threads[0]]:
                     diff = sum(a != b for a, b in zip(tokens[t], tokens[threads[0]]))
                     print(f"  !! {diff} outputs differ from grammar_threads={threads[0]}")
-                out.append({"batch": len(reqs), "overlap": overlap, "grammar_threads": t,
-                            "same_tokens": tokens[t] == tokens[threads[0]], **s.model_dump()})
+                out.append(
+                    {
+                        "batch": len(reqs),
+                        "overlap": overlap,
+                        "grammar_threads": t,
+                        "same_tokens": tokens[t] == tokens[threads[0]],
+                        **s.model_dump(),
+                    }
+                )
     return out
 
 
@@ -145,16 +180,24 @@ def main() -> None:
     ap.add_argument("--backend", default="xgrammar")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-schema-chars", type=int, default=1200, help="skip larger schemas (prompt length)")
+    ap.add_argument(
+        "--max-schema-chars", type=int, default=1200, help="skip larger schemas (prompt length)"
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--rows", help="comma-separated subset of the rows (no-spec included)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs per row before the rounds")
     ap.add_argument("--self-layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    ap.add_argument("--grammar-threads", metavar="N,M,..", help="compare grammar thread counts instead (see above)")
+    ap.add_argument(
+        "--grammar-threads",
+        metavar="N,M,..",
+        help="compare grammar thread counts instead (see above)",
+    )
     ap.add_argument("--batches", default="16,32", help="batch sizes of --grammar-threads")
-    ap.add_argument("--num-draft-tokens", type=int, default=8, help="n-gram tree size of --grammar-threads")
+    ap.add_argument(
+        "--num-draft-tokens", type=int, default=8, help="n-gram tree size of --grammar-threads"
+    )
     args = ap.parse_args()
 
     from spec_grammar.models import load_model, load_tokenizer
@@ -183,16 +226,23 @@ def main() -> None:
         "ngram": dict(draft="ngram", num_draft_tokens=8),
         "ngram sync": dict(draft="ngram", num_draft_tokens=8, overlap=False),
         "ngram lazy": dict(draft="ngram", num_draft_tokens=8, lazy_grammar=True),
-        f"self:{args.self_layers} topk=3": dict(draft=f"self:{args.self_layers}", topk=3, num_steps=4, num_draft_tokens=8),
+        f"self:{args.self_layers} topk=3": dict(
+            draft=f"self:{args.self_layers}", topk=3, num_steps=4, num_draft_tokens=8
+        ),
     }
     if args.rows:
         unknown = set(args.rows.split(",")) - set(rows)
         if unknown or "no-spec" not in args.rows.split(","):
-            ap.error(f"--rows: unknown {sorted(unknown)} or no no-spec (the baseline); rows: {', '.join(rows)}")
+            ap.error(
+                f"--rows: unknown {sorted(unknown)} or no no-spec (the baseline); rows: {', '.join(rows)}"
+            )
         rows = {k: v for k, v in rows.items() if k in args.rows.split(",")}
     runs: dict[str, list] = {k: [] for k in rows}
     tokens: dict[str, list] = {}
-    workers = {name: SpecWorker(model, tok, backend=backend, device=args.device, **opts) for name, opts in rows.items()}
+    workers = {
+        name: SpecWorker(model, tok, backend=backend, device=args.device, **opts)
+        for name, opts in rows.items()
+    }
     try:
         for w in workers.values():
             for _ in range(args.warmup):
@@ -202,18 +252,31 @@ def main() -> None:
                 t = time.perf_counter()
                 res = w.run(reqs)
                 wall = time.perf_counter() - t
-                refused = sum(s.forbidden_rows > 0 for s in w.step_stats) / max(1, len(w.step_stats))
+                refused = sum(s.forbidden_rows > 0 for s in w.step_stats) / max(
+                    1, len(w.step_stats)
+                )
                 step_ms = sum(s.step_ms for s in w.step_stats) / max(1, len(w.step_stats))
-                runs[name].append((summarize(res, w.step_stats, wall), valid_count(res, oracles), refused, step_ms))
+                runs[name].append(
+                    (
+                        summarize(res, w.step_stats, wall),
+                        valid_count(res, oracles),
+                        refused,
+                        step_ms,
+                    )
+                )
                 tokens[name] = [r.token_ids for r in res]
     finally:
         for w in workers.values():
             w.close()
-    print(f"{len(reqs)} requests ({args.backend}, {args.model}, {args.device}, torch threads {torch.get_num_threads()}), "
-          f"max_new_tokens {args.max_new_tokens}, compile {compile_s:.1f} s, {args.warmup} warm-up run(s), "
-          f"{args.rounds} round(s)")
-    head = (f"{'row':18} {'valid':>7} {'cut':>4} {'accept':>6} {'tok/s':>7} {'x no-spec':>9} {'draft ms':>8} "
-            f"{'fwd ms':>7} {'gram ms':>7} {'exposed':>7} {'refused':>7} {'step ms':>7}")
+    print(
+        f"{len(reqs)} requests ({args.backend}, {args.model}, {args.device}, torch threads {torch.get_num_threads()}), "
+        f"max_new_tokens {args.max_new_tokens}, compile {compile_s:.1f} s, {args.warmup} warm-up run(s), "
+        f"{args.rounds} round(s)"
+    )
+    head = (
+        f"{'row':18} {'valid':>7} {'cut':>4} {'accept':>6} {'tok/s':>7} {'x no-spec':>9} {'draft ms':>8} "
+        f"{'fwd ms':>7} {'gram ms':>7} {'exposed':>7} {'refused':>7} {'step ms':>7}"
+    )
     print(head)
     out = []
     base = None
@@ -221,15 +284,26 @@ def main() -> None:
         ranked = sorted(runs[name], key=lambda x: x[0].tokens_per_s)
         s, (ok, cut), refused, step_ms = ranked[len(ranked) // 2]
         base = base or s.tokens_per_s
-        print(f"{name:18} {ok:3d}/{s.requests:<3d} {cut:4d} {s.accept_length:6.2f} {s.tokens_per_s:7.1f} "
-              f"{s.tokens_per_s / base:9.2f} {s.draft_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} "
-              f"{s.grammar_ms_per_step:7.2f} {s.grammar_exposed_ms_per_step:7.2f} {100 * refused:6.0f}% {step_ms:7.2f}")
+        print(
+            f"{name:18} {ok:3d}/{s.requests:<3d} {cut:4d} {s.accept_length:6.2f} {s.tokens_per_s:7.1f} "
+            f"{s.tokens_per_s / base:9.2f} {s.draft_ms_per_step:8.2f} {s.verify_forward_ms_per_step:7.1f} "
+            f"{s.grammar_ms_per_step:7.2f} {s.grammar_exposed_ms_per_step:7.2f} {100 * refused:6.0f}% {step_ms:7.2f}"
+        )
         same = tokens[name] == tokens["no-spec"]
         if not same:
             diff = sum(a != b for a, b in zip(tokens[name], tokens["no-spec"]))
             print(f"  !! {diff} outputs differ from no-spec (near-tie argmax flips in float32?)")
-        out.append({"row": name, "valid": ok, "cut": cut, "same_as_no_spec": same, "refused_share": refused,
-                    "step_ms": step_ms, **s.model_dump()})
+        out.append(
+            {
+                "row": name,
+                "valid": ok,
+                "cut": cut,
+                "same_as_no_spec": same,
+                "refused_share": refused,
+                "step_ms": step_ms,
+                **s.model_dump(),
+            }
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -92,7 +92,11 @@ def graph_step_timeline(trace_path: Path, top: int = 8) -> dict | None:
     steps, tail_ops = [], Counter()
     for a, b in zip(launches, launches[1:]):
         t0, t1 = a["ts"], b["ts"]
-        ends = [graph_end[a["args"]["correlation"]]] if a["args"].get("correlation") in graph_end else []
+        ends = (
+            [graph_end[a["args"]["correlation"]]]
+            if a["args"].get("correlation") in graph_end
+            else []
+        )
         if not ends:
             continue
         gpu_end = max(ends)
@@ -102,7 +106,10 @@ def graph_step_timeline(trace_path: Path, top: int = 8) -> dict | None:
                 tail_ops[e["name"]] += e["dur"]
     if not steps:
         return None
-    med = {k: statistics.median(x[i] for x in steps) for i, k in enumerate(("step", "launch", "gpu_end", "tail"))}
+    med = {
+        k: statistics.median(x[i] for x in steps)
+        for i, k in enumerate(("step", "launch", "gpu_end", "tail"))
+    }
     med["steps"] = len(steps)
     med["tail_ops"] = [(name, us / len(steps)) for name, us in tail_ops.most_common(top)]
     return med
@@ -111,15 +118,25 @@ def graph_step_timeline(trace_path: Path, top: int = 8) -> dict | None:
 def estimates(worker: SpecWorker) -> str:
     """The worker's placement estimates (ms) that decide lazy vs fill verification."""
     lazy, placement, early = worker._lazy, worker._placement, worker._early_mask
-    return (f"fill ms/row {lazy.row_ms}, lazy ms/request {lazy.request_ms}, launch ms {placement.launch_ms}, "
-            f"forward ms {early.forward_ms}")
+    return (
+        f"fill ms/row {lazy.row_ms}, lazy ms/request {lazy.request_ms}, launch ms {placement.launch_ms}, "
+        f"forward ms {early.forward_ms}"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", action="append", required=True, help="MODEL:TOKENIZER:BATCH:NODES (repeatable)")
-    ap.add_argument("--tokenizer", action="append", default=[], help="NAME=DIR or a known name (repeatable)")
-    ap.add_argument("--modes", default="plain,overlap", help="comma-separated: plain, overlap, fill, lazy, sync")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--config", action="append", required=True, help="MODEL:TOKENIZER:BATCH:NODES (repeatable)"
+    )
+    ap.add_argument(
+        "--tokenizer", action="append", default=[], help="NAME=DIR or a known name (repeatable)"
+    )
+    ap.add_argument(
+        "--modes", default="plain,overlap", help="comma-separated: plain, overlap, fill, lazy, sync"
+    )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda")
@@ -132,13 +149,27 @@ def main() -> None:
     for config in args.config:
         model, tok, batch, nodes = config.split(":")
         batch, nodes = int(batch), int(nodes)
-        cfg = GpuBenchConfig(models=[model], tokenizers=[tok_specs.get(tok, tok)], batches=[batch],
-                             nodes=[nodes], cases=1, device=args.device, dtype=args.dtype, eager_batches=[],
-                             grammar_threads=args.grammar_threads,
-                             cuda_graphs=None if args.device.startswith("cuda") else False)
+        cfg = GpuBenchConfig(
+            models=[model],
+            tokenizers=[tok_specs.get(tok, tok)],
+            batches=[batch],
+            nodes=[nodes],
+            cases=1,
+            device=args.device,
+            dtype=args.dtype,
+            eager_batches=[],
+            grammar_threads=args.grammar_threads,
+            cuda_graphs=None if args.device.startswith("cuda") else False,
+        )
         res = dict(skipped=[])
-        setups = _build_setups(cfg, torch.device(args.device), getattr(torch, args.dtype),
-                               [_load_tokenizer(t) for t in cfg.tokenizers], res, print)
+        setups = _build_setups(
+            cfg,
+            torch.device(args.device),
+            getattr(torch, args.dtype),
+            [_load_tokenizer(t) for t in cfg.tokenizers],
+            res,
+            print,
+        )
         if not setups:
             print(f"{config}: skipped {res['skipped']}")
             continue
@@ -151,13 +182,24 @@ def main() -> None:
         s.runner.agree_with(cfg.prompt_tokens, doc["ids"])
         prompt = [(1000 + 37 * i) % 40000 + 10 for i in range(cfg.prompt_tokens)]
         wrong = _wrong_tokens(doc["ids"], frozenset(s.backend.tokenizer_info.stop_token_ids))
-        drafter = ReplayDrafter(doc["ids"], num_draft_tokens=nodes, chain_depth=cfg.chain_depth,
-                                accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
+        drafter = ReplayDrafter(
+            doc["ids"],
+            num_draft_tokens=nodes,
+            chain_depth=cfg.chain_depth,
+            accept_rate=cfg.accept_rate,
+            wrong_token=wrong,
+            seed=cfg.seed,
+        )
         for mode in args.modes.split(","):
-            worker = SpecWorker(s.runner, s.tokenizer, backend=None if mode == "plain" else s.backend,
-                                draft=drafter, overlap=mode not in ("plain", "sync"),
-                                grammar_threads=cfg.grammar_threads,
-                                lazy_grammar={"fill": False, "lazy": True}.get(mode))
+            worker = SpecWorker(
+                s.runner,
+                s.tokenizer,
+                backend=None if mode == "plain" else s.backend,
+                draft=drafter,
+                overlap=mode not in ("plain", "sync"),
+                grammar_threads=cfg.grammar_threads,
+                lazy_grammar={"fill": False, "lazy": True}.get(mode),
+            )
             try:
                 _run_mode(worker, doc, batch, prompt)  # untimed: captures, allocations
                 if mode != "plain":
@@ -169,28 +211,39 @@ def main() -> None:
                     run, _ = _run_mode(worker, doc, batch, prompt)
                     prof.disable()
                     stats += [x for x in run if x.batch_size == batch]
-                print(f"\n=== {config} {mode}: {len(stats)} full-batch steps; mean ms: step "
-                      f"{_mean([x.step_ms for x in stats]):.3f}, draft {_mean([x.draft_ms for x in stats]):.3f}, "
-                      f"launch {_mean([x.verify_forward_ms for x in stats]):.3f}, grammar "
-                      f"{_mean([x.grammar_ms for x in stats]):.3f}, verify+commit {_mean([x.sample_ms for x in stats]):.3f}")
+                print(
+                    f"\n=== {config} {mode}: {len(stats)} full-batch steps; mean ms: step "
+                    f"{_mean([x.step_ms for x in stats]):.3f}, draft {_mean([x.draft_ms for x in stats]):.3f}, "
+                    f"launch {_mean([x.verify_forward_ms for x in stats]):.3f}, grammar "
+                    f"{_mean([x.grammar_ms for x in stats]):.3f}, "
+                    f"verify+commit {_mean([x.sample_ms for x in stats]):.3f}"
+                )
                 if mode != "plain":  # the steps by how their grammar was verified
-                    for kind, sel in (("lazy", [x for x in stats if x.lazy_requests]),
-                                      ("fill", [x for x in stats if not x.lazy_requests])):
+                    for kind, sel in (
+                        ("lazy", [x for x in stats if x.lazy_requests]),
+                        ("fill", [x for x in stats if not x.lazy_requests]),
+                    ):
                         if sel:
-                            print(f"  {kind} steps: {len(sel)}, mean ms: step {_mean([x.step_ms for x in sel]):.3f}, "
-                                  f"median {statistics.median(x.step_ms for x in sel):.3f}, grammar "
-                                  f"{_mean([x.grammar_ms for x in sel]):.3f}, verify+commit "
-                                  f"{_mean([x.sample_ms for x in sel]):.3f}, in thread "
-                                  f"{sum(x.grammar_in_thread for x in sel)}")
-                    print(f"  decisions (L lazy, F fill): {''.join('L' if x.lazy_requests else 'F' for x in stats)}; "
-                          f"{estimates(worker)}")
+                            print(
+                                f"  {kind} steps: {len(sel)}, mean ms: step {_mean([x.step_ms for x in sel]):.3f}, "
+                                f"median {statistics.median(x.step_ms for x in sel):.3f}, grammar "
+                                f"{_mean([x.grammar_ms for x in sel]):.3f}, verify+commit "
+                                f"{_mean([x.sample_ms for x in sel]):.3f}, in thread "
+                                f"{sum(x.grammar_in_thread for x in sel)}"
+                            )
+                    print(
+                        f"  decisions (L lazy, F fill): {''.join('L' if x.lazy_requests else 'F' for x in stats)}; "
+                        f"{estimates(worker)}"
+                    )
                 else:
                     print(f"  median step {statistics.median(x.step_ms for x in stats):.3f}")
                 out = io.StringIO()
                 st = pstats.Stats(prof, stream=out)
                 st.sort_stats("tottime").print_stats(args.top)
                 st.sort_stats("cumulative").print_stats("spec_grammar", args.top)
-                print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+                print(
+                    "\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000]
+                )
                 if args.trace is not None:
                     from torch.profiler import ProfilerActivity, profile
 
@@ -202,10 +255,12 @@ def main() -> None:
                     print(f"trace {path}; GPU busy {gpu_busy_fraction(tp):.0%} of the traced span")
                     line = graph_step_timeline(path)
                     if line is not None:
-                        print(f"graph steps: {line['steps']}; median us: step {line['step']:.0f}, launch "
-                              f"{line['launch']:.0f}, GPU end {line['gpu_end']:.0f}, tail {line['tail']:.0f}; "
-                              "host ops in the tail, us/step: "
-                              + ", ".join(f"{n} {us:.0f}" for n, us in line["tail_ops"]))
+                        print(
+                            f"graph steps: {line['steps']}; median us: step {line['step']:.0f}, launch "
+                            f"{line['launch']:.0f}, GPU end {line['gpu_end']:.0f}, tail {line['tail']:.0f}; "
+                            "host ops in the tail, us/step: "
+                            + ", ".join(f"{n} {us:.0f}" for n, us in line["tail_ops"])
+                        )
             finally:
                 worker.close()
         s.runner.agree_with(None)

@@ -28,7 +28,10 @@ import time
 from pathlib import Path
 
 REGEXES = [r"(yes|no|maybe)", r"[A-Z][a-z]{2,8}", r"\d{3}-\d{4}", r"[a-z]+@[a-z]+\.com"]
-EBNF = ['root ::= "The answer is " [0-9]+ "."', 'root ::= item (", " item)*\nitem ::= "red" | "green" | "blue"']
+EBNF = [
+    'root ::= "The answer is " [0-9]+ "."',
+    'root ::= item (", " item)*\nitem ::= "red" | "green" | "blue"',
+]
 
 
 def rss_mib() -> float:
@@ -47,12 +50,18 @@ def make_batch(path: Path, n: int, seed: int = 0) -> None:
     tools = [c["tools"] for c in bfcl_cases()][:5]
     lines = []
     for i in range(n):
-        kind = rng.choice(["schema", "schema", "distinct", "regex", "ebnf", "tools", "plain", "bad"])
+        kind = rng.choice(
+            ["schema", "schema", "distinct", "regex", "ebnf", "tools", "plain", "bad"]
+        )
         rec: dict = {"prompt": rng.choice(["Answer:", "Here is the JSON:", "Output:", "Reply:"])}
         if kind == "schema":
             rec["json_schema"] = rng.choice(schemas)
         elif kind == "distinct":  # a grammar no other request shares
-            rec["json_schema"] = {"type": "object", "properties": {"id": {"enum": [f"r{i}"]}}, "required": ["id"]}
+            rec["json_schema"] = {
+                "type": "object",
+                "properties": {"id": {"enum": [f"r{i}"]}},
+                "required": ["id"],
+            }
         elif kind == "regex":
             rec["regex"] = rng.choice(REGEXES)
         elif kind == "ebnf":
@@ -67,7 +76,15 @@ def make_batch(path: Path, n: int, seed: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def soak(batch: Path, *, backend_name: str, chunk: int, max_new_tokens: int, cache_size: int, warmup: float) -> dict:
+def soak(
+    batch: Path,
+    *,
+    backend_name: str,
+    chunk: int,
+    max_new_tokens: int,
+    cache_size: int,
+    warmup: float,
+) -> dict:
     import torch
 
     from spec_grammar.cli.generate import _GRAMMAR_FIELDS, _spec_from_fields
@@ -77,7 +94,9 @@ def soak(batch: Path, *, backend_name: str, chunk: int, max_new_tokens: int, cac
     from spec_grammar.worker.sampling import SamplingParams
 
     model, tok = load_model("smollm2", dtype=torch.float32), load_tokenizer("smollm2")
-    backend = get_backend(backend_name, tok, vocab_size=model.config.vocab_size, compile_cache_size=cache_size)
+    backend = get_backend(
+        backend_name, tok, vocab_size=model.config.vocab_size, compile_cache_size=cache_size
+    )
     records = [json.loads(x) for x in batch.read_text().splitlines() if x.strip()]
     reasons: collections.Counter = collections.Counter()
     samples: list[tuple[int, float]] = []
@@ -87,17 +106,30 @@ def soak(batch: Path, *, backend_name: str, chunk: int, max_new_tokens: int, cac
             reqs = []
             for rec in records[start : start + chunk]:
                 try:
-                    spec = _spec_from_fields(rec) if any(rec.get(k) is not None for k in _GRAMMAR_FIELDS) else None
+                    spec = (
+                        _spec_from_fields(rec)
+                        if any(rec.get(k) is not None for k in _GRAMMAR_FIELDS)
+                        else None
+                    )
                 except ValueError:  # a line the CLI would mark as failed
                     reasons["bad line"] += 1
                     continue
-                reqs.append(Request(tok.encode(rec["prompt"]), spec, SamplingParams(max_new_tokens=max_new_tokens)))
+                reqs.append(
+                    Request(
+                        tok.encode(rec["prompt"]),
+                        spec,
+                        SamplingParams(max_new_tokens=max_new_tokens),
+                    )
+                )
             for r in worker.run(reqs):
                 reasons[r.finish_reason] += 1
             gc.collect()
             done = min(start + chunk, len(records))
             samples.append((done, rss_mib()))
-            print(f"{done:6d} requests  rss {samples[-1][1]:8.1f} MiB  {time.perf_counter() - t0:7.1f} s", file=sys.stderr)
+            print(
+                f"{done:6d} requests  rss {samples[-1][1]:8.1f} MiB  {time.perf_counter() - t0:7.1f} s",
+                file=sys.stderr,
+            )
     n_warm = max(1, int(len(samples) * warmup))
     after = samples[n_warm - 1 :]
     xs = [x for x, _ in after]
@@ -134,7 +166,9 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--grammar-backend", default="xgrammar")
     p.add_argument("--compile-cache-size", type=int, default=32)
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of the requests counted as warm-up")
+    p.add_argument(
+        "--warmup", type=float, default=0.1, help="fraction of the requests counted as warm-up"
+    )
     p.add_argument("--batch-file", type=Path, help="use this JSONL file instead of generating one")
     p.add_argument("--out", type=Path, help="directory for soak-<backend>-<n>.json")
     args = p.parse_args()
@@ -142,12 +176,20 @@ def main() -> int:
     if batch is None:
         batch = Path(f"/tmp/spec-grammar-soak-{args.requests}.jsonl")
         make_batch(batch, args.requests)
-    res = soak(batch, backend_name=args.grammar_backend, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
-               cache_size=args.compile_cache_size, warmup=args.warmup)
+    res = soak(
+        batch,
+        backend_name=args.grammar_backend,
+        chunk=args.chunk,
+        max_new_tokens=args.max_new_tokens,
+        cache_size=args.compile_cache_size,
+        warmup=args.warmup,
+    )
     print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=2))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"soak-{args.grammar_backend}-{res['requests']}.json").write_text(json.dumps(res, indent=2))
+        (args.out / f"soak-{args.grammar_backend}-{res['requests']}.json").write_text(
+            json.dumps(res, indent=2)
+        )
     return 0
 
 

@@ -38,7 +38,9 @@ def allocate_token_bitmask(
     mask can be non-blocking.
     """
     if rows < 0 or vocab_size <= 0:
-        raise BitmaskError(f"need rows >= 0 and vocab_size > 0, got rows={rows}, vocab_size={vocab_size}")
+        raise BitmaskError(
+            f"need rows >= 0 and vocab_size > 0, got rows={rows}, vocab_size={vocab_size}"
+        )
     pin = pin_memory and torch.cuda.is_available()
     return torch.full(
         (rows, bitmask_width(vocab_size)), -1, dtype=torch.int32, device=device, pin_memory=pin
@@ -92,7 +94,9 @@ def pack_bool_mask(allowed: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(packed.astype(np.int32))
 
 
-def clear_padding_bits(bitmask: torch.Tensor, start: int, stop: int, tokenizer_vocab_size: int) -> None:
+def clear_padding_bits(
+    bitmask: torch.Tensor, start: int, stop: int, tokenizer_vocab_size: int
+) -> None:
     """Zero the bits of ids ``>= tokenizer_vocab_size`` in rows ``[start, stop)`` (padding
     columns of the logits are never allowed in a constrained row)."""
     width = bitmask.shape[1]

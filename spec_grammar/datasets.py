@@ -4,8 +4,9 @@ licenses)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from importlib.resources import files
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["jsonschemabench_sample", "bfcl_cases", "json_schema_test_suite"]
 
@@ -19,7 +20,9 @@ def _jsonl(relpath: str) -> Iterator[dict[str, Any]]:
 
 def jsonschemabench_sample(subset: str | None = None) -> list[dict[str, Any]]:
     """84 real schemas, ``{"subset", "id", "schema"}``, 12 per JSONSchemaBench subset."""
-    return [r for r in _jsonl("jsonschemabench/sample.jsonl") if subset is None or r["subset"] == subset]
+    return [
+        r for r in _jsonl("jsonschemabench/sample.jsonl") if subset is None or r["subset"] == subset
+    ]
 
 
 def bfcl_cases() -> list[dict[str, Any]]:

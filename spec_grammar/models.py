@@ -20,7 +20,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "locate_gguf", "load_tokenizer", "load_model", "KNOWN_MODELS", "DEFAULT_MODEL"]
+__all__ = [
+    "cache_dir",
+    "locate_gguf",
+    "load_tokenizer",
+    "load_model",
+    "KNOWN_MODELS",
+    "DEFAULT_MODEL",
+]
 
 DEFAULT_MODEL = "smollm2"
 KNOWN_MODELS = {
@@ -36,7 +43,9 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Root of the local cache (``$SPEC_GRAMMAR_CACHE`` or ``~/.cache/spec_grammar``)."""
-    root = os.environ.get("SPEC_GRAMMAR_CACHE") or os.path.join(Path.home(), ".cache", "spec_grammar")
+    root = os.environ.get("SPEC_GRAMMAR_CACHE") or os.path.join(
+        Path.home(), ".cache", "spec_grammar"
+    )
     return Path(root)
 
 
@@ -46,7 +55,9 @@ def locate_gguf(name: str) -> Path:
     Raises :class:`ModelNotFoundError` with the install command when the wheel is missing.
     """
     if name not in KNOWN_MODELS:
-        raise ModelNotFoundError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)} or a path")
+        raise ModelNotFoundError(
+            f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)} or a path"
+        )
     dist_name, filename = KNOWN_MODELS[name]
     if name == "gemma3":
         target = cache_dir() / "gguf" / filename

@@ -17,10 +17,11 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -79,7 +80,7 @@ class TokenizerInfo:
         *,
         vocab_size: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
-    ) -> "TokenizerInfo":
+    ) -> TokenizerInfo:
         """Build from a Hugging Face tokenizer. ``vocab_size`` = logits width (default
         ``len(tokenizer)``); ``stop_token_ids`` default to the tokenizer's EOS id.
 
@@ -102,7 +103,9 @@ class TokenizerInfo:
         stops = tuple(int(t) for t in stop_token_ids)
         for t in stops:
             if not 0 <= t < min(n_tok, width):
-                raise ValueError(f"stop token id {t} is outside the vocabulary [0, {min(n_tok, width)})")
+                raise ValueError(
+                    f"stop token id {t} is outside the vocabulary [0, {min(n_tok, width)})"
+                )
         specials = set(getattr(tokenizer, "all_special_ids", []) or [])
         for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
             if getattr(tok, "special", False):
@@ -185,7 +188,9 @@ def _as_index(value: Any, what: str, error: type[Exception]) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise error(f"{what} must be an integer, got {type(value).__name__} {value!r:.40}") from None
+        raise error(
+            f"{what} must be an integer, got {type(value).__name__} {value!r:.40}"
+        ) from None
 
 
 class SpecGrammar:
@@ -205,7 +210,9 @@ class SpecGrammar:
     terminated matcher (except ``_rollback`` and ``_fork``).
     """
 
-    def __init__(self, info: TokenizerInfo, *, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS):
+    def __init__(
+        self, info: TokenizerInfo, *, max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS
+    ):
         self.info = info
         self._max_rollback_tokens = int(max_rollback_tokens)
         self._num_accepted = 0
@@ -301,7 +308,7 @@ class SpecGrammar:
             self._rollback(k)
             self._num_accepted -= k
 
-    def fork(self) -> "SpecGrammar":
+    def fork(self) -> SpecGrammar:
         """An independent copy (one per draft branch); it shares the compiled grammar."""
         child = self._fork()
         child._num_accepted = self._num_accepted
@@ -347,7 +354,9 @@ class SpecGrammar:
         before = self._num_accepted
         valid = self._fill_tree_bitmask(tree, bitmask, row_offset)
         self._num_accepted = before
-        clear_padding_bits(bitmask, row_offset, row_offset + tree.num_nodes, self.info.tokenizer_vocab_size)
+        clear_padding_bits(
+            bitmask, row_offset, row_offset + tree.num_nodes, self.info.tokenizer_vocab_size
+        )
         return valid
 
     def is_terminated(self) -> bool:
@@ -379,7 +388,9 @@ class SpecGrammar:
             self._rollback(n)
         return n
 
-    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _fill_tree_bitmask(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
         from .traverse import fill_tree_bitmask_dfs
 
         return fill_tree_bitmask_dfs(self, tree, bitmask, row_offset)
@@ -396,7 +407,7 @@ class SpecGrammar:
     def _rollback(self, num_tokens: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _fork(self) -> "SpecGrammar":  # pragma: no cover - abstract
+    def _fork(self) -> SpecGrammar:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:  # pragma: no cover
@@ -511,7 +522,9 @@ class GrammarBackend:
         if self.max_rollback_tokens < 0:
             raise ValueError(f"max_rollback_tokens must be >= 0, got {self.max_rollback_tokens}")
         if int(compile_cache_size) < 0:
-            raise ValueError(f"compile_cache_size must be >= 0 (0 = no caching), got {compile_cache_size}")
+            raise ValueError(
+                f"compile_cache_size must be >= 0 (0 = no caching), got {compile_cache_size}"
+            )
         self._cache = _CompileCache(int(compile_cache_size))
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = int(max_grammar_bytes)
@@ -537,9 +550,13 @@ class GrammarBackend:
         :class:`GrammarCompileError` when the spec is invalid; library exceptions are wrapped.
         """
         if not isinstance(spec, GrammarSpec):
-            raise TypeError(f"compile() takes a grammar spec (JsonSchema, Regex, ...), got {type(spec).__name__}")
+            raise TypeError(
+                f"compile() takes a grammar spec (JsonSchema, Regex, ...), got {type(spec).__name__}"
+            )
         if not getattr(self.capabilities, spec.kind, False):
-            raise UnsupportedGrammarError(f"{spec.kind} grammars are not supported", backend=self.name)
+            raise UnsupportedGrammarError(
+                f"{spec.kind} grammars are not supported", backend=self.name
+            )
 
         key = spec.cache_key()
         if len(key) > self.max_grammar_bytes:
@@ -559,7 +576,8 @@ class GrammarBackend:
                     if ignored and target.strict:
                         raise UnsupportedGrammarError(
                             f"strict mode: {len(ignored)} keyword use(s) would not be enforced: "
-                            + "; ".join(ignored[:5]) + ("; ..." if len(ignored) > 5 else "")
+                            + "; ".join(ignored[:5])
+                            + ("; ..." if len(ignored) > 5 else "")
                         )
                 native = self._compile_with_timeout(target)
             except SpecGrammarError as e:
@@ -570,9 +588,13 @@ class GrammarBackend:
                 # xgrammar prefixes "[hh:mm:ss] /path/file.cc:94: " and ends with blank lines
                 reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()
                 raise GrammarCompileError(
-                    f"{spec.kind} failed to compile: {type(e).__name__}: {reason}", backend=self.name, reason=reason
+                    f"{spec.kind} failed to compile: {type(e).__name__}: {reason}",
+                    backend=self.name,
+                    reason=reason,
                 ) from e
-            return CompiledGrammar(spec, self.name, native, time.perf_counter() - t0, id(self), tuple(ignored))
+            return CompiledGrammar(
+                spec, self.name, native, time.perf_counter() - t0, id(self), tuple(ignored)
+            )
 
         return self._cache.get_or_compile(key, run)
 
@@ -598,7 +620,9 @@ class GrammarBackend:
     def matcher(self, compiled: CompiledGrammar) -> SpecGrammar:
         """A fresh matcher at the grammar's start state."""
         if not isinstance(compiled, CompiledGrammar) or compiled.backend_id != id(self):
-            raise GrammarStateError("this CompiledGrammar was not compiled by this backend instance")
+            raise GrammarStateError(
+                "this CompiledGrammar was not compiled by this backend instance"
+            )
         return self._matcher(compiled)
 
     def fill_tree_bitmasks(

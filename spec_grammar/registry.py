@@ -47,7 +47,11 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         try:
             cls = eps[name].load()
         except (ImportError, AttributeError) as e:
-            hint = f"; install it with: pip install 'spec-grammar[{name}]'" if name in _BUILT_IN else ""
+            hint = (
+                f"; install it with: pip install 'spec-grammar[{name}]'"
+                if name in _BUILT_IN
+                else ""
+            )
             raise BackendNotFoundError(
                 f"backend {name!r} is registered but cannot be loaded ({e}){hint}"
             ) from e
@@ -61,11 +65,15 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         known = ", ".join(sorted(eps)) or "none"
         raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
     if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
-        raise BackendNotFoundError(f"{name!r} does not name a GrammarBackend subclass (got {cls!r})")
+        raise BackendNotFoundError(
+            f"{name!r} does not name a GrammarBackend subclass (got {cls!r})"
+        )
     return cls
 
 
-def get_backend(name: str, tokenizer: Any, *, vocab_size: int | None = None, **options: Any) -> GrammarBackend:
+def get_backend(
+    name: str, tokenizer: Any, *, vocab_size: int | None = None, **options: Any
+) -> GrammarBackend:
     """Instantiate backend ``name`` (entry-point name or ``module:Class``) for a Hugging Face
     ``tokenizer``. ``vocab_size`` is the logits width when it differs from ``len(tokenizer)``;
     ``options`` go to the backend (``stop_token_ids``, ``max_rollback_tokens``,
@@ -80,7 +88,14 @@ def list_backends() -> list[BackendInfo]:
     for name, ep in sorted(_entry_points().items()):
         try:
             cls = load_backend_class(name)
-            out.append(BackendInfo(name=name, target=ep.value, version=cls.library_version(), capabilities=cls.capabilities))
+            out.append(
+                BackendInfo(
+                    name=name,
+                    target=ep.value,
+                    version=cls.library_version(),
+                    capabilities=cls.capabilities,
+                )
+            )
         except BackendNotFoundError as e:
             out.append(BackendInfo(name=name, target=ep.value, error=str(e)))
     return out

@@ -5,7 +5,8 @@ enforce less than it says."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jsonschema
 
@@ -20,7 +21,9 @@ _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depend
 """Keywords whose values map names (not keywords) to schemas."""
 
 
-def map_subschemas(schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = "") -> Any:
+def map_subschemas(
+    schema: Any, fn: Callable[[dict[str, Any], str], dict[str, Any]], where: str = ""
+) -> Any:
     """``schema`` with ``fn(node, pointer)`` applied to every object in it, the outer ones first
     (``fn`` sees a node before its subschemas are walked; ``pointer`` is the node's JSON pointer
     from ``where``, names unescaped). Values of :data:`LITERAL_KEYWORDS` are left alone, and
@@ -57,6 +60,7 @@ def enum_within_type(node: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(types, list) or not ("enum" in node or "const" in node):
         return node
     try:
+
         def fits(value: Any) -> bool:
             return any(_TYPES.is_type(value, t) for t in types)
 

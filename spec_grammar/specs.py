@@ -9,7 +9,7 @@ grammars).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -59,7 +59,7 @@ class JsonSchema(GrammarSpec):
     """
 
     kind: Literal["json_schema"] = "json_schema"
-    json_schema: Union[dict[str, Any], bool] = Field(alias="schema")
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
     whitespace: Whitespace = "spaced"
     strict: bool = False
 
@@ -214,4 +214,4 @@ def _rebase_refs(schema: Any, at: str) -> Any:
     return map_subschemas(schema, rebase)
 
 
-AnyGrammarSpec = Union[JsonSchema, Regex, Ebnf, Lark, ToolCalls]
+AnyGrammarSpec = JsonSchema | Regex | Ebnf | Lark | ToolCalls

@@ -16,30 +16,72 @@ JSON-Schema-Test-Suite that a backend compiles in strict mode must reject every 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
-__all__ = ["KeywordSupport", "unenforced_keywords", "TYPE_KEYWORDS", "REMOTE_REF", "REQUIRED_UNDECLARED"]
+__all__ = [
+    "KeywordSupport",
+    "unenforced_keywords",
+    "TYPE_KEYWORDS",
+    "REMOTE_REF",
+    "REQUIRED_UNDECLARED",
+]
 
 TYPE_KEYWORDS: Mapping[str, str] = {
     **dict.fromkeys(("minLength", "maxLength", "pattern"), "string"),
-    **dict.fromkeys(("multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum"), "number"),
     **dict.fromkeys(
-        ("items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems", "contains",
-         "minContains", "maxContains", "unevaluatedItems"),
+        ("multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum"), "number"
+    ),
+    **dict.fromkeys(
+        (
+            "items",
+            "prefixItems",
+            "additionalItems",
+            "minItems",
+            "maxItems",
+            "uniqueItems",
+            "contains",
+            "minContains",
+            "maxContains",
+            "unevaluatedItems",
+        ),
         "array",
     ),
     **dict.fromkeys(
-        ("properties", "required", "additionalProperties", "patternProperties", "minProperties",
-         "maxProperties", "propertyNames", "dependentRequired", "dependentSchemas", "dependencies",
-         "unevaluatedProperties"),
+        (
+            "properties",
+            "required",
+            "additionalProperties",
+            "patternProperties",
+            "minProperties",
+            "maxProperties",
+            "propertyNames",
+            "dependentRequired",
+            "dependentSchemas",
+            "dependencies",
+            "unevaluatedProperties",
+        ),
         "object",
     ),
 }
 """Keywords that constrain one JSON type only (instances of other types pass them)."""
 
 _OTHER_KEYWORDS = frozenset(
-    {"type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef"}
+    {
+        "type",
+        "enum",
+        "const",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "$ref",
+        "$dynamicRef",
+    }
 )
 
 REMOTE_REF = "$ref:uri"
@@ -51,8 +93,19 @@ REQUIRED_UNDECLARED = "required:undeclared"
 does not define."""
 
 # Keywords whose value is one subschema, a list of subschemas, or a name -> subschema map.
-_ONE = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not", "if",
-        "then", "else", "unevaluatedItems", "unevaluatedProperties")
+_ONE = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "contains",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 

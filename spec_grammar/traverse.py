@@ -24,7 +24,7 @@ _MAX_FORCED = 64
 
 
 def fill_tree_bitmask_dfs(
-    matcher: "SpecGrammar", tree: DraftTree, bitmask: torch.Tensor, row_offset: int = 0
+    matcher: SpecGrammar, tree: DraftTree, bitmask: torch.Tensor, row_offset: int = 0
 ) -> torch.Tensor:
     """Fill rows ``row_offset .. row_offset+N-1`` of ``bitmask`` for ``tree`` with
     accept/fill/rollback on ``matcher``'s hooks; returns the ``(N,)`` bool valid-node mask.
@@ -87,7 +87,7 @@ def single_allowed_token(row: np.ndarray) -> int | None:
     return int(nz[0]) * 32 + w.bit_length() - 1
 
 
-def forced_tokens_by_mask(matcher: "SpecGrammar", limit: int = _MAX_FORCED) -> list[int]:
+def forced_tokens_by_mask(matcher: SpecGrammar, limit: int = _MAX_FORCED) -> list[int]:
     """Forced tokens found by filling masks: while exactly one non-stop token is allowed, take
     it. Generic fallback for libraries without jump-forward; the matcher is unchanged."""
     from .bitmask import allocate_token_bitmask, clear_padding_bits

@@ -18,8 +18,8 @@ A chain (``topk=1`` drafts) is the tree whose node ``i`` is the only child of ``
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -35,7 +35,9 @@ def _as_long_list(values: Sequence[int] | torch.Tensor, name: str) -> list[int]:
             raise DraftTreeError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
         if values.dtype == torch.bool or values.dtype.is_floating_point or values.dtype.is_complex:
             # int() would truncate 0.7 to 0 silently; a float list is rejected, so is this
-            raise DraftTreeError(f"{name} must be a sequence of ints: dtype {values.dtype} is not an integer dtype")
+            raise DraftTreeError(
+                f"{name} must be a sequence of ints: dtype {values.dtype} is not an integer dtype"
+            )
         return [int(v) for v in values.tolist()]
     try:
         out = [operator.index(v) for v in values]
@@ -94,7 +96,7 @@ class DraftTree:
     @classmethod
     def from_parents(
         cls, tokens: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor
-    ) -> "DraftTree":
+    ) -> DraftTree:
         """Tree from per-node tokens and parent indices (``parents[0] == -1``, ``parents[n] < n``).
 
         Raises :class:`~spec_grammar.errors.DraftTreeError` on inconsistent links.
@@ -102,7 +104,7 @@ class DraftTree:
         return cls(_as_long_list(tokens, "tokens"), _as_long_list(parents, "parents"))
 
     @classmethod
-    def chain(cls, root_token: int, draft_tokens: Sequence[int] | torch.Tensor) -> "DraftTree":
+    def chain(cls, root_token: int, draft_tokens: Sequence[int] | torch.Tensor) -> DraftTree:
         """A chain: ``root_token`` followed by ``draft_tokens`` one after another."""
         drafts = _as_long_list(draft_tokens, "draft_tokens")
         return cls([int(root_token)] + drafts, list(range(-1, len(drafts))))
@@ -113,7 +115,7 @@ class DraftTree:
         draft_tokens: Sequence[int] | torch.Tensor,
         retrieve_next_token: Sequence[int] | torch.Tensor,
         retrieve_next_sibling: Sequence[int] | torch.Tensor,
-    ) -> "DraftTree":
+    ) -> DraftTree:
         """Tree from SGLang's first-child / next-sibling links (one request's slice).
 
         Children must have larger indices than their parent and siblings must be listed in

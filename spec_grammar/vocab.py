@@ -20,8 +20,10 @@ from typing import Any
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     # GPT-2's bytes_to_unicode: printable bytes map to themselves, the rest to 256+n.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
     )
     cs = bs[:]
     n = 0

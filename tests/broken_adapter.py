@@ -9,13 +9,14 @@ catches every one of them and names the right property. Usable from the CLI as w
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
+from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
 from spec_grammar.protocol import CompiledGrammar
 from spec_grammar.tree import DraftTree
-from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
 BUGS = {
     "rollback_keeps_termination": "rollback past an accepted EOS leaves the matcher terminated",
@@ -33,7 +34,7 @@ BUGS = {
 class BrokenMatcher(XGrammarMatcher):
     """:class:`XGrammarMatcher` with the bugs named in ``bugs`` switched on."""
 
-    def __init__(self, backend: "BrokenBackend", matcher: Any):
+    def __init__(self, backend: BrokenBackend, matcher: Any):
         super().__init__(backend, matcher)
         self.bugs = backend.bugs
         self._ended = False
@@ -53,8 +54,10 @@ class BrokenMatcher(XGrammarMatcher):
             return True
         return super()._is_terminated()
 
-    def _fork(self) -> "BrokenMatcher":
-        twin = BrokenMatcher(self._backend, self._m if "fork_shares_state" in self.bugs else self._m.fork())
+    def _fork(self) -> BrokenMatcher:
+        twin = BrokenMatcher(
+            self._backend, self._m if "fork_shares_state" in self.bugs else self._m.fork()
+        )
         twin._ended = self._ended
         return twin
 
@@ -74,21 +77,27 @@ class BrokenMatcher(XGrammarMatcher):
         if "padding_allowed" in self.bugs:
             _set_padding_bits(bitmask, row, self.info.tokenizer_vocab_size, self.info.vocab_size)
 
-    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _fill_tree_bitmask(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
         if "tree_stale_rows" in self.bugs:
             safe = tree.tokens.clamp(0, self.info.tokenizer_vocab_size - 1)
             # xgrammar's native walk alone (gotcha G8: descendants of rejected nodes keep stale rows)
             words = self._traverse(tree, safe.numpy(), bitmask, row_offset)
             return torch.tensor(
-                [i == 0 or bool((int(words[p, t >> 5]) >> (t & 31)) & 1)
-                 for i, (p, t) in enumerate(zip(tree.parent_list, safe.tolist()))],
+                [
+                    i == 0 or bool((int(words[p, t >> 5]) >> (t & 31)) & 1)
+                    for i, (p, t) in enumerate(zip(tree.parent_list, safe.tolist()))
+                ],
                 dtype=torch.bool,
             )
         if "tree_expands_invalid" in self.bugs:
             return self._expand_everything(tree, bitmask, row_offset)
         return super()._fill_tree_bitmask(tree, bitmask, row_offset)
 
-    def _expand_everything(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _expand_everything(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
         # Trusts accept instead of the parent's row, and on a refusal still fills the child's
         # row (from the parent's state) and walks its subtree.
         valid = [True] * tree.num_nodes
@@ -144,4 +153,6 @@ def _class_name(bug: str) -> str:
 
 
 for _bug in BUGS:
-    globals()[_class_name(_bug)] = type(_class_name(_bug), (BrokenBackend,), {"bugs": frozenset([_bug])})
+    globals()[_class_name(_bug)] = type(
+        _class_name(_bug), (BrokenBackend,), {"bugs": frozenset([_bug])}
+    )

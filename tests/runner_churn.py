@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import random
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -13,7 +13,10 @@ from spec_grammar.tree import DraftTree
 
 def random_tree(rng: random.Random, root: int, n: int, vocab: int) -> DraftTree:
     """``n`` nodes: ``root`` then random tokens below ``vocab`` under random earlier nodes."""
-    return DraftTree([root] + [rng.randrange(vocab) for _ in range(n - 1)], [-1] + [rng.randrange(i) for i in range(1, n)])
+    return DraftTree(
+        [root] + [rng.randrange(vocab) for _ in range(n - 1)],
+        [-1] + [rng.randrange(i) for i in range(1, n)],
+    )
 
 
 def first_child_path(tree: DraftTree) -> list[int]:
@@ -25,8 +28,16 @@ def first_child_path(tree: DraftTree) -> list[int]:
 
 
 def compare_under_churn(
-    a, b, rng: random.Random, *, steps: int, new_every: int, prompt_lens: Sequence[int],
-    tree_sizes: Sequence[int], vocab: int, check: Callable[[torch.Tensor, torch.Tensor, int], None],
+    a,
+    b,
+    rng: random.Random,
+    *,
+    steps: int,
+    new_every: int,
+    prompt_lens: Sequence[int],
+    tree_sizes: Sequence[int],
+    vocab: int,
+    check: Callable[[torch.Tensor, torch.Tensor, int], None],
     subsets: bool = False,
 ) -> None:
     """Every ``new_every`` steps a request joins both runners (a prompt of a random length from

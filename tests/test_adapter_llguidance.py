@@ -14,18 +14,26 @@ from hypothesis import strategies as st
 
 pytest.importorskip("llguidance")
 
+from spec_grammar_llguidance import LLGuidanceBackend, LLGuidanceMatcher
+
 from spec_grammar.bitmask import allocate_token_bitmask, clear_padding_bits
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
-from spec_grammar.errors import GrammarCompileError, GrammarStateError, InvalidTokenError, UnsupportedGrammarError
+from spec_grammar.errors import (
+    GrammarCompileError,
+    GrammarStateError,
+    InvalidTokenError,
+    UnsupportedGrammarError,
+)
 from spec_grammar.models import load_tokenizer
 from spec_grammar.registry import get_backend
 from spec_grammar.specs import Ebnf, JsonSchema, Lark, Regex, ToolCalls
 from spec_grammar.traverse import fill_tree_bitmask_dfs
 from spec_grammar.tree import DraftTree
-from spec_grammar_llguidance import LLGuidanceBackend, LLGuidanceMatcher
 
 PAD = 64  # logits columns past the tokenizer, as a padded lm_head has
-SCHEMA_ID = "o19071"  # Github_easy: required keys, an array of objects, an int enum, an optional key
+SCHEMA_ID = (
+    "o19071"  # Github_easy: required keys, an array of objects, an int enum, an optional key
+)
 INSTANCE = {
     "user_id": "u-42",
     "events": [{"type": 3, "show_id": "s 1", "time": 12.5}, {"type": 1}],
@@ -101,7 +109,9 @@ def test_registered_with_honest_capabilities(backend):
     assert isinstance(backend, LLGuidanceBackend)
     assert isinstance(backend.matcher(backend.compile(Regex("a+"))), LLGuidanceMatcher)
     caps = backend.capabilities
-    assert caps.ebnf and caps.lark and caps.native_rollback and caps.native_fork and caps.parallel_fill
+    assert (
+        caps.ebnf and caps.lark and caps.native_rollback and caps.native_fork and caps.parallel_fill
+    )
     assert backend.library_version().startswith("1.")
 
 
@@ -211,7 +221,9 @@ def check_forced(m, eos) -> list[int]:
     for t in forced:
         row = row_of(f)
         assert bit(row, t)
-        assert not [u for u in allowed_token_ids(row) if len(tb[u]) > len(tb[t]) and tb[u].startswith(tb[t])]
+        assert not [
+            u for u in allowed_token_ids(row) if len(tb[u]) > len(tb[t]) and tb[u].startswith(tb[t])
+        ]
         assert f.accept_token(t)
     assert torch.equal(row_of(m), before) and m.num_accepted == n_before
     return forced
@@ -243,7 +255,9 @@ def test_padding_ids_never_allowed(tok, backend):
     assert not m.accept_token(n_tok) and not m.accept_token(n_tok + PAD - 1)
     with pytest.raises(InvalidTokenError):
         m.accept_token(n_tok + PAD)
-    tree = DraftTree.from_parents([0, n_tok + 3, -1, tok.encode("a", add_special_tokens=False)[0]], [-1, 0, 0, 0])
+    tree = DraftTree.from_parents(
+        [0, n_tok + 3, -1, tok.encode("a", add_special_tokens=False)[0]], [-1, 0, 0, 0]
+    )
     bm = allocate_token_bitmask(4, m.info.vocab_size)
     assert m.fill_tree_bitmask(tree, bm).tolist() == [True, False, False, True]
     assert not bm[1:3].any() and allowed_token_ids(bm[3])[-1] < n_tok
@@ -261,13 +275,17 @@ def test_llguidance_needs_vocab_size_at_least_the_tokenizer(tok):
 def draft_trees(draw, ids: list[int], eos: int, n_tok: int):
     """(root position p, tree): the root is the state after ``ids[:p]``; children mix the true
     continuation, tokens of the instance, EOS, padding / out-of-range ids and random ids."""
-    p = draw(st.one_of(st.integers(0, len(ids)), st.integers(len(ids) - 3, len(ids))))  # + near the end
+    p = draw(
+        st.one_of(st.integers(0, len(ids)), st.integers(len(ids) - 3, len(ids)))
+    )  # + near the end
     n = draw(st.integers(1, 20))
     tokens, parents, depth = [ids[p - 1] if p else eos], [-1], [0]
     for i in range(1, n):
         par = draw(st.integers(0, i - 1))
         d = depth[par] + 1
-        kind = draw(st.sampled_from(["true", "true", "true", "instance", "eos", "pad", "neg", "random"]))
+        kind = draw(
+            st.sampled_from(["true", "true", "true", "instance", "eos", "pad", "neg", "random"])
+        )
         if kind == "true":
             t = ids[p + d - 1] if p + d - 1 < len(ids) else eos
         elif kind == "instance":
@@ -374,11 +392,17 @@ def test_tree_with_shared_matcher_and_terminated_job(par_backend, schema, ids, e
             "ABC-123 active",
         ),
         (
-            Lark('start: expr\nexpr: term (("+"|"-") term)*\nterm: NUMBER | "(" expr ")"\n%import common.NUMBER'),
+            Lark(
+                'start: expr\nexpr: term (("+"|"-") term)*\nterm: NUMBER | "(" expr ")"\n%import common.NUMBER'
+            ),
             "(1+22)-3",
             "1++",
         ),
-        (Ebnf('root ::= "{" pair ("," pair)* "}"\npair ::= [a-z]+ "=" [0-9]+'), "{ab=1,c=23}", "{ab=}"),
+        (
+            Ebnf('root ::= "{" pair ("," pair)* "}"\npair ::= [a-z]+ "=" [0-9]+'),
+            "{ab=1,c=23}",
+            "{ab=}",
+        ),
         (Ebnf('expr ::= "x" digit+\ndigit ::= [0-9]', root="expr"), "x42", "xx"),
     ],
     ids=["regex", "lark", "gbnf", "gbnf-root"],
@@ -402,7 +426,11 @@ def test_grammar_kinds_accept_a_sample(tok, backend, eos, spec, sample, wrong):
     [
         ("spaced", ['{"a": 1, "b": [1, 2]}'], ['{"a":1,"b":[1,2]}', '{ "a": 1, "b": [1, 2]}']),
         ("compact", ['{"a":1,"b":[1,2]}'], ['{"a": 1, "b": [1, 2]}']),
-        ("flexible", ['{"a":1,"b":[1,2]}', '{"a": 1, "b": [1, 2]}', '{\n  "a" : 1,\n  "b": [ 1 , 2 ]\n}'], []),
+        (
+            "flexible",
+            ['{"a":1,"b":[1,2]}', '{"a": 1, "b": [1, 2]}', '{\n  "a" : 1,\n  "b": [ 1 , 2 ]\n}'],
+            [],
+        ),
     ],
 )
 def test_json_whitespace_policies(tok, backend, eos, whitespace, accepted, refused):
@@ -416,13 +444,17 @@ def test_json_whitespace_policies(tok, backend, eos, whitespace, accepted, refus
     compiled = backend.compile(JsonSchema(schema, whitespace=whitespace))
     for text in accepted + refused:
         toks = tok.encode(text, add_special_tokens=False) + [eos]
-        assert (backend.matcher(compiled).validate_tokens(toks) == len(toks)) == (text in accepted), text
+        assert (backend.matcher(compiled).validate_tokens(toks) == len(toks)) == (
+            text in accepted
+        ), text
 
 
 def test_json_schema_semantics(tok, backend, eos):
     def accepts(schema, text):
         toks = tok.encode(text, add_special_tokens=False) + [eos]
-        return backend.matcher(backend.compile(JsonSchema(schema))).validate_tokens(toks) == len(toks)
+        return backend.matcher(backend.compile(JsonSchema(schema))).validate_tokens(toks) == len(
+            toks
+        )
 
     props = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     assert accepts(props, '{"a": 1, "zz": [true]}')  # additionalProperties defaults to allowed
@@ -436,7 +468,9 @@ def test_tool_calls_compile_and_force_the_call_head(tok, backend):
     m = backend.matcher(backend.compile(ToolCalls(case["tools"])))
     forced = m.forced_tokens()  # single tool: the name const and the keys are forced
     assert m.accept_tokens(forced) == len(forced)
-    assert m.info.decode(forced).startswith(json.dumps([{"name": fn["name"], "arguments": {}}])[:-4])
+    assert m.info.decode(forced).startswith(
+        json.dumps([{"name": fn["name"], "arguments": {}}])[:-4]
+    )
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,10 @@ INVOICE = next(
 # Keys in the schema's property order: outlines emits properties in that order.
 INVOICE_DOC = {
     "customer_name": "Ann Lee",
-    "items": [{"name": "pen", "price": 1.5, "quantity": 2}, {"name": "ink", "price": 0.25, "quantity": 10}],
+    "items": [
+        {"name": "pen", "price": 1.5, "quantity": 2},
+        {"name": "ink", "price": 0.25, "quantity": 10},
+    ],
     "order_total": 5.5,
 }
 SHORT_REGEX = r"[a-c]{1,4}( [0-9]{1,2})?"
@@ -106,7 +109,7 @@ def random_walk(m, rng: random.Random, steps: int, eos_bias: float = 0.3) -> lis
     return taken
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _text_tokens(info) -> tuple[list[int], list[str], list[int]]:
     """(ids of tokens whose bytes are valid UTF-8, their text, ids that must never be allowed)."""
     ids, texts, never = [], [], []
@@ -177,7 +180,9 @@ def test_bad_grammars_raise_typed_errors(backend, spec, error):
 # -- masks against the regex oracle -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("pattern, text", [(SHORT_REGEX, "abc 42"), (r"\d{1,3}(\.\d{1,2})?", "7.25")])
+@pytest.mark.parametrize(
+    "pattern, text", [(SHORT_REGEX, "abc 42"), (r"\d{1,3}(\.\d{1,2})?", "7.25")]
+)
 def test_regex_masks_match_partial_regex_oracle(backend, tok, pattern, text):
     compiled = backend.compile(Regex(pattern))
     ids = tok.encode(text)
@@ -211,9 +216,9 @@ def test_sentinel_bytes_allowed_only_where_the_grammar_allows_them(backend, tok)
     assert not set(byte_ids) & set(ids_of(row_of(m)).tolist())
     assert m.validate_tokens(byte_ids) == 0
     tree = DraftTree.chain(0, byte_ids)
-    assert m.fill_tree_bitmask(tree, allocate_token_bitmask(len(tree), backend.vocab_size)).tolist() == [
-        True
-    ] + [False] * len(byte_ids)
+    assert m.fill_tree_bitmask(
+        tree, allocate_token_bitmask(len(tree), backend.vocab_size)
+    ).tolist() == [True] + [False] * len(byte_ids)
     # Inside a string the same code point is ordinary text.
     pattern = r'"[^"]*"'
     m = backend.matcher(backend.compile(Regex(pattern)))
@@ -347,7 +352,9 @@ def test_rollback_bound_and_long_history(tok):
     with pytest.raises(GrammarStateError):
         m.rollback(5)
     m.rollback(4)
-    np.testing.assert_array_equal(row_of(m), row_of(replay(be, compiled, (word * 30)[: m.num_accepted])))
+    np.testing.assert_array_equal(
+        row_of(m), row_of(replay(be, compiled, (word * 30)[: m.num_accepted]))
+    )
     assert len(m._states) <= 2 * (be.max_rollback_tokens + 1)
 
 
@@ -404,7 +411,9 @@ def test_tree_rows_equal_fresh_replay(padded, invoice, tok, data):
     paths: list[list[int]] = [[]]  # root..node tokens
     for i in range(1, n):
         parent = data.draw(st.integers(0, i - 1), label="parent")
-        kind = data.draw(st.sampled_from(["allowed", "allowed", "allowed", "any", "eos", "pad", "neg"]))
+        kind = data.draw(
+            st.sampled_from(["allowed", "allowed", "allowed", "any", "eos", "pad", "neg"])
+        )
         ppath = paths[parent]
         probe = padded.matcher(invoice)
         reachable = probe.validate_tokens(prefix + ppath) == root + len(ppath)

@@ -34,9 +34,17 @@ def _same_masks(tok, a_backend, b_backend) -> None:
     rng = random.Random(0)
     for case in bfcl_cases()[:6]:
         spec = ToolCalls(case["tools"], whitespace="spaced")
-        ids = tok.encode(json.dumps(case["example_output"], separators=(", ", ": ")), add_special_tokens=False)
-        a, b = a_backend.matcher(a_backend.compile(spec)), b_backend.matcher(b_backend.compile(spec))
-        rows_a, rows_b = allocate_token_bitmask(2, a_backend.vocab_size), allocate_token_bitmask(2, b_backend.vocab_size)
+        ids = tok.encode(
+            json.dumps(case["example_output"], separators=(", ", ": ")), add_special_tokens=False
+        )
+        a, b = (
+            a_backend.matcher(a_backend.compile(spec)),
+            b_backend.matcher(b_backend.compile(spec)),
+        )
+        rows_a, rows_b = (
+            allocate_token_bitmask(2, a_backend.vocab_size),
+            allocate_token_bitmask(2, b_backend.vocab_size),
+        )
         for t in ids:
             a.fill_next_token_bitmask(rows_a, 1)
             b.fill_next_token_bitmask(rows_b, 1)
@@ -47,8 +55,10 @@ def _same_masks(tok, a_backend, b_backend) -> None:
             if rng.random() < 0.3:  # a tree of the true next tokens and random siblings
                 pos = a.num_accepted
                 nxt = ids[pos : pos + 4]
-                tree = DraftTree([t] + nxt + [rng.randrange(len(tok)) for _ in range(3)],
-                                 [-1] + list(range(len(nxt))) + [rng.randrange(len(nxt) + 1) for _ in range(3)])
+                tree = DraftTree(
+                    [t] + nxt + [rng.randrange(len(tok)) for _ in range(3)],
+                    [-1] + list(range(len(nxt))) + [rng.randrange(len(nxt) + 1) for _ in range(3)],
+                )
                 ta = allocate_token_bitmask(tree.num_nodes + 3, a_backend.vocab_size)
                 tb = allocate_token_bitmask(tree.num_nodes + 3, b_backend.vocab_size)
                 va, vb = a.fill_tree_bitmask(tree, ta, 3), b.fill_tree_bitmask(tree, tb, 3)
@@ -59,7 +69,9 @@ def _same_masks(tok, a_backend, b_backend) -> None:
 def test_lazy_compilation_masks_equal_eager(tok):
     from spec_grammar.registry import get_backend
 
-    _same_masks(tok, get_backend("xgrammar", tok), get_backend("xgrammar", tok, dynamic_compilation=False))
+    _same_masks(
+        tok, get_backend("xgrammar", tok), get_backend("xgrammar", tok, dynamic_compilation=False)
+    )
 
 
 def test_head_wider_than_tokenizer_same_masks(tok):

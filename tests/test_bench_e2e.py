@@ -15,14 +15,33 @@ xgr = pytest.importorskip("xgrammar")
 pytest.importorskip("matplotlib")
 
 MAX_NEW = 8
-ROWS = {"ours-spec/xgrammar", "ours-nospec/xgrammar", "ours-spec/unconstrained", "hf/xgrammar", "hf/xgrammar+pld"}
+ROWS = {
+    "ours-spec/xgrammar",
+    "ours-nospec/xgrammar",
+    "ours-spec/unconstrained",
+    "hf/xgrammar",
+    "hf/xgrammar+pld",
+}
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e")
-    code = main(["bench", "e2e", "--quick", "--out", str(out), "--max-new-tokens", str(MAX_NEW),
-                 "--hf-processors", "xgrammar", "--hf-speculation", "none,prompt_lookup"])
+    code = main(
+        [
+            "bench",
+            "e2e",
+            "--quick",
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--hf-processors",
+            "xgrammar",
+            "--hf-speculation",
+            "none,prompt_lookup",
+        ]
+    )
     assert code == 0
     return out
 
@@ -33,7 +52,13 @@ def result(run_dir):
 
 
 def test_report_files_exist(run_dir):
-    for name in ("e2e.json", "e2e.md", "e2e_tokens_per_s.png", "e2e_accept_length.png", "e2e_outcomes.png"):
+    for name in (
+        "e2e.json",
+        "e2e.md",
+        "e2e_tokens_per_s.png",
+        "e2e_accept_length.png",
+        "e2e_outcomes.png",
+    ):
         path = run_dir / name
         assert path.is_file() and path.stat().st_size > 0, name
         if name.endswith(".png"):
@@ -42,7 +67,10 @@ def test_report_files_exist(run_dir):
 
 def test_every_row_ran_every_prompt(result):
     assert {r["id"] for r in result["rows"]} == ROWS
-    assert len(result["prompts"]) == 2 and {p["source"] for p in result["prompts"]} == {"jsonschemabench", "bfcl"}
+    assert len(result["prompts"]) == 2 and {p["source"] for p in result["prompts"]} == {
+        "jsonschemabench",
+        "bfcl",
+    }
     pairs = [(s["row"], s["prompt"]) for s in result["samples"]]
     assert sorted(pairs) == sorted((r, p["name"]) for r in ROWS for p in result["prompts"])
     for s in result["samples"]:
@@ -60,14 +88,22 @@ def test_summary_matches_samples(result):
         assert row["tokens"] == sum(len(s["token_ids"]) for s in ok)
         assert row["completed"] + row["cut"] <= row["ok"] and row["valid"] <= row["completed"]
         if row["tokens"]:
-            assert row["tokens_per_s"] == pytest.approx(row["tokens"] / sum(s["wall_s"] for s in ok))
-            assert row["accept_length"] == pytest.approx(row["tokens"] / sum(s["forwards"] for s in ok))
+            assert row["tokens_per_s"] == pytest.approx(
+                row["tokens"] / sum(s["wall_s"] for s in ok)
+            )
+            assert row["accept_length"] == pytest.approx(
+                row["tokens"] / sum(s["forwards"] for s in ok)
+            )
         for s in ok:
             assert s["tokens"] == len(s["token_ids"]) <= MAX_NEW
-            assert (s["finish"] == "length") == (s["tokens"] == MAX_NEW and s["finish"] != "complete")
+            assert (s["finish"] == "length") == (
+                s["tokens"] == MAX_NEW and s["finish"] != "complete"
+            )
             assert (s["valid"] is None) == (s["finish"] != "complete")
         if row["row"] == "ours-nospec/xgrammar":
-            assert row["accept_length"] == pytest.approx(1.0, abs=0.15)  # one token per forward (+ the stop step)
+            assert row["accept_length"] == pytest.approx(
+                1.0, abs=0.15
+            )  # one token per forward (+ the stop step)
 
 
 def test_constrained_outputs_pass_the_oracles(result):
@@ -80,15 +116,21 @@ def test_constrained_outputs_pass_the_oracles(result):
     tok = load_tokenizer("smollm2")
     prompts = {p.name: p for p in load_prompts(E2EBenchConfig.quick(), tok)}
     vocab = int(load_model("smollm2").config.vocab_size)
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab,
-                                                                      stop_token_ids=result["meta"]["stop_token_ids"]))
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(
+            tok, vocab_size=vocab, stop_token_ids=result["meta"]["stop_token_ids"]
+        )
+    )
     for s in result["samples"]:
         if s["status"] != "ok" or s["row"] == "ours-spec/unconstrained":
             continue
         p = prompts[s["prompt"]]
         spec = p.spec.to_json_schema() if hasattr(p.spec, "to_json_schema") else p.spec
-        matcher = xgr.GrammarMatcher(compiler.compile_json_schema(spec.schema_json(), any_whitespace=False,
-                                                                  separators=(", ", ": ")))
+        matcher = xgr.GrammarMatcher(
+            compiler.compile_json_schema(
+                spec.schema_json(), any_whitespace=False, separators=(", ", ": ")
+            )
+        )
         for t in s["token_ids"]:
             assert matcher.accept_token(t), (s["row"], s["prompt"], t)
         if s["finish"] == "complete":

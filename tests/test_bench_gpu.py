@@ -23,8 +23,23 @@ from spec_grammar.tree import DraftTree
 
 
 def test_quick_cli_run(tmp_path):
-    argv = ["bench", "gpu", "--quick", "--batches", "2", "--nodes", "8", "--eager-batches", "2", "--repeats", "2",
-            "--out", str(tmp_path), "--name", "q"]
+    argv = [
+        "bench",
+        "gpu",
+        "--quick",
+        "--batches",
+        "2",
+        "--nodes",
+        "8",
+        "--eager-batches",
+        "2",
+        "--repeats",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "q",
+    ]
     assert main(argv) == 0  # 1 when some mode's output differs from the document
     res = json.loads((tmp_path / "q.json").read_text())
     assert res["problems"] == [] and res["skipped"] == [] and len(res["rows"]) == 1
@@ -32,15 +47,21 @@ def test_quick_cli_run(tmp_path):
     modes = ("plain", "overlap", "sync", "eager")
     # same trees, same agreeing target: every mode commits the whole document in the same steps
     assert len({row[m]["steps"] for m in modes}) == 1
-    assert {row[m]["tokens"] for m in modes} == {2 * row["batch"] * (row["doc_tokens"] - 1)}  # 2 rounds
+    assert {row[m]["tokens"] for m in modes} == {
+        2 * row["batch"] * (row["doc_tokens"] - 1)
+    }  # 2 rounds
     assert row["forward_ms"] > 0 and row["ratio"] > 0 and row["overlap"]["grammar_ms"] > 0
-    assert len(row["ratio_rounds"]) == 2 and all(r > 0 for r in row["ratio_rounds"])  # one per round
+    assert len(row["ratio_rounds"]) == 2 and all(
+        r > 0 for r in row["ratio_rounds"]
+    )  # one per round
     # the target applies where the whole grammar work (every tree row filled, in order) is
     # shorter than the forward, whatever the overlap mode's lazy steps left of it
     assert row["target_applies"] == (row["sync"]["grammar_ms"] < row["forward_ms"])
     assert 0.0 <= row["overlap"]["lazy_share"] <= 1.0 and row["sync"]["lazy_share"] == 0.0
     md = (tmp_path / "q.md").read_text()
-    assert md.count("| tiny | smollm2 |") == 1 + 2  # one configuration + batch-1 forwards at 1 and 8 nodes
+    assert (
+        md.count("| tiny | smollm2 |") == 1 + 2
+    )  # one configuration + batch-1 forwards at 1 and 8 nodes
     lo, hi = min(row["ratio_rounds"]), max(row["ratio_rounds"])
     assert f"| {lo:.3f}-{hi:.3f} |" in md
     for png in ("q-step.png", "q-ratio.png"):
@@ -48,8 +69,23 @@ def test_quick_cli_run(tmp_path):
 
 
 def test_lazy_grammar_flag_reaches_the_overlapped_modes_only(tmp_path):
-    argv = ["bench", "gpu", "--quick", "--batches", "2", "--nodes", "8", "--eager-batches", "2",
-            "--lazy-grammar", "on", "--out", str(tmp_path), "--name", "q"]
+    argv = [
+        "bench",
+        "gpu",
+        "--quick",
+        "--batches",
+        "2",
+        "--nodes",
+        "8",
+        "--eager-batches",
+        "2",
+        "--lazy-grammar",
+        "on",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "q",
+    ]
     assert main(argv) == 0
     row = json.loads((tmp_path / "q.json").read_text())["rows"][0]
     assert row["overlap"]["lazy_share"] == row["eager"]["lazy_share"] == 1.0
@@ -61,7 +97,9 @@ def test_replay_drafter_wrong_tokens_are_wrong():
     doc = [5, 9, 5, 7, 11, 13, 9, 17, 2]
     wrong = _wrong_tokens(doc, frozenset({2}))
     for rate in (0.0, 0.5, 1.0):
-        d = ReplayDrafter(doc, num_draft_tokens=16, chain_depth=4, accept_rate=rate, wrong_token=wrong, seed=3)
+        d = ReplayDrafter(
+            doc, num_draft_tokens=16, chain_depth=4, accept_rate=rate, wrong_token=wrong, seed=3
+        )
         for pos in range(len(doc)):
             tree = d._tree(1, pos)
             for node in range(1, tree.num_nodes):
@@ -124,7 +162,10 @@ def no_bench_run(monkeypatch):
         (["--tokenizers", "bad=/nonexistent"], "--tokenizers"),
         (["--tokenizers", "nonsense"], "--tokenizers"),
         (["--device", "bogus"], "--device"),
-        (["--quick", "--cuda-graphs", "on"], "--cuda-graphs"),  # graphs are never captured on the CPU
+        (
+            ["--quick", "--cuda-graphs", "on"],
+            "--cuda-graphs",
+        ),  # graphs are never captured on the CPU
         (["--quick", "--batches", "2,0"], "--batches"),
     ],
 )
@@ -141,7 +182,10 @@ def test_tokenizer_directory_needs_tokenizer_json(capsys, tmp_path, no_bench_run
     rc = main(["bench", "gpu", "--tokenizers", f"mine={tmp_path}", "--out", str(tmp_path / "out")])
     assert rc == 2 and "holds no tokenizer.json" in capsys.readouterr().err
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert GpuBenchConfig(tokenizers=[f"mine={tmp_path}", str(tmp_path), "smollm2"]).tokenizers[0] == f"mine={tmp_path}"
+    assert (
+        GpuBenchConfig(tokenizers=[f"mine={tmp_path}", str(tmp_path), "smollm2"]).tokenizers[0]
+        == f"mine={tmp_path}"
+    )
 
 
 def test_config_checks_graphs_against_the_device():

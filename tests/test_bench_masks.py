@@ -20,11 +20,29 @@ SIZES = [8, 16]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("masks")
-    code = main([
-        "bench", "masks", "--quick", "--out", str(out), "--tokenizers", "smollm2", "--backends", "xgrammar",
-        "--sizes", ",".join(map(str, SIZES)), "--requests", "1,2", "--threads", "1,2", "--reps", "2",
-        "--compile-cases", "1",
-    ])
+    code = main(
+        [
+            "bench",
+            "masks",
+            "--quick",
+            "--out",
+            str(out),
+            "--tokenizers",
+            "smollm2",
+            "--backends",
+            "xgrammar",
+            "--sizes",
+            ",".join(map(str, SIZES)),
+            "--requests",
+            "1,2",
+            "--threads",
+            "1,2",
+            "--reps",
+            "2",
+            "--compile-cases",
+            "1",
+        ]
+    )
     assert code == 0, "the benchmark's own consistency checks failed (see its output)"
     return out
 
@@ -76,8 +94,12 @@ def test_tree_numbers_consistent(result):
             assert math.isclose(r["visited_mean"], setup[n]["valid_mean"], rel_tol=1e-9)
         else:
             # one batch: per-tree, per-node and per-visited are the same time divided differently
-            assert math.isclose(r["us_per_tree"] * r["requests"], r["us_per_node"] * n * r["requests"], rel_tol=1e-9)
-            assert math.isclose(r["us_per_visited"] * r["visited_mean"], r["us_per_tree"], rel_tol=1e-9)
+            assert math.isclose(
+                r["us_per_tree"] * r["requests"], r["us_per_node"] * n * r["requests"], rel_tol=1e-9
+            )
+            assert math.isclose(
+                r["us_per_visited"] * r["visited_mean"], r["us_per_tree"], rel_tol=1e-9
+            )
     for n in SIZES:
         for method in ("ours", "hook", "naive", "native"):
             assert (method, n, 1, 1) in seen
@@ -88,13 +110,19 @@ def test_markdown_and_docs_show_the_json_numbers(run_dir, result, tmp_path):
     from spec_grammar.bench.report import _f, speedups
 
     md = (run_dir / "masks.md").read_text()
-    ours8 = next(r for r in result["trees"] if r["method"] == "ours" and r["nodes"] == 8 and r["requests"] == 1)
+    ours8 = next(
+        r
+        for r in result["trees"]
+        if r["method"] == "ours" and r["nodes"] == 8 and r["requests"] == 1
+    )
     assert f"{_f(ours8['us_per_node'])} ({_f(ours8['us_per_visited'])})" in md
     sp = speedups(result)
     assert len(sp) == len(SIZES) * 3  # (1 request, 1 thread), (2, 1), (2, 2)
     for s in sp:
         assert f"{s['speedup']:.2f}x" in md
-        assert math.isclose(s["speedup"], s["naive_us_per_node"] / s["ours_us_per_node"], rel_tol=1e-9)
+        assert math.isclose(
+            s["speedup"], s["naive_us_per_node"] / s["ours_us_per_node"], rel_tol=1e-9
+        )
     docs = tmp_path / "docs" / "benchmarks.md"
     assert main(["bench", "report", "--from", str(run_dir), "--docs", str(docs)]) == 0
     page = docs.read_text()

@@ -85,7 +85,10 @@ def test_cuda_without_cuda_is_one_line(capsys, no_model_load):
 def test_cli_grammar_compiles_before_the_model(capsys, no_model_load, tmp_path, flags, needle):
     (tmp_path / "s.json").write_text('{"type": "strnig"}')
     (tmp_path / "g.ebnf").write_text('root ::= "yes" | "no"\n')
-    flags = [{"SCHEMA": str(tmp_path / "s.json"), "EBNF": str(tmp_path / "g.ebnf")}.get(a, a) for a in flags]
+    flags = [
+        {"SCHEMA": str(tmp_path / "s.json"), "EBNF": str(tmp_path / "g.ebnf")}.get(a, a)
+        for a in flags
+    ]
     rc, _, err = cli(capsys, *flags, "hi")
     assert rc == 2
     one_error_line(err, needle)
@@ -110,7 +113,9 @@ def test_directory_instead_of_file(capsys, no_model_load, tmp_path, flag):
 def test_unknown_drafter_lists_grammar(capsys):
     rc, _, err = cli(capsys, "--draft", "nonsense", "--max-new-tokens", "1", "hi")
     assert rc == 2
-    assert err.rstrip().splitlines()[-1].endswith("use ngram, self:L, model:PATH, grammar or none"), err
+    assert (
+        err.rstrip().splitlines()[-1].endswith("use ngram, self:L, model:PATH, grammar or none")
+    ), err
 
 
 def test_request_fields_are_checked():
@@ -118,7 +123,9 @@ def test_request_fields_are_checked():
         check_request(Request(prompt="x", grammar="not a spec"))
     with pytest.raises(RequestError, match="temperature"):
         check_request(Request(prompt="x", sampling={"temperature": -1}))
-    assert check_request(Request(prompt="x", sampling={"temperature": 0.5})) == SamplingParams(temperature=0.5)
+    assert check_request(Request(prompt="x", sampling={"temperature": 0.5})) == SamplingParams(
+        temperature=0.5
+    )
 
 
 def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
@@ -128,15 +135,36 @@ def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
         {"prompt": "x", "regex": "[0-9]+", "temperature": "hot"},
         {"prompt": "x", "regex": "[0-9]+", "max_new_tokens": -5},
         {"prompt": "Give a list", "json_schema": {"type": "array", "uniqueItems": True}},
-        {"prompt": "json", "schema": {"type": "object"}, "max_tokens": 3, "temprature": 2},  # misspelt keys
-        {"prompt": "x", "ebnf": "missing.gbnf"},  # a grammar file that is not there, not grammar text
+        {
+            "prompt": "json",
+            "schema": {"type": "object"},
+            "max_tokens": 3,
+            "temprature": 2,
+        },  # misspelt keys
+        {
+            "prompt": "x",
+            "ebnf": "missing.gbnf",
+        },  # a grammar file that is not there, not grammar text
     ]
-    f.write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n\n" + "\n".join(json.dumps(x) for x in lines[2:]))
+    f.write_text(
+        "\n".join(json.dumps(x) for x in lines[:2])
+        + "\n\n"
+        + "\n".join(json.dumps(x) for x in lines[2:])
+    )
     rc, out, err = cli(capsys, "--batch-file", str(f), "--max-new-tokens", "3", "--json")
     assert rc == 1
     res = {r["rid"]: r for r in json.loads(out)["results"]}
-    assert list(res) == ["line-1", "line-2", "line-4", "line-5", "line-6", "line-7"]  # line 3 is blank
-    assert res["line-7"]["error"] == f"{f}:7: EBNF grammar file {tmp_path / 'missing.gbnf'} not found"
+    assert list(res) == [
+        "line-1",
+        "line-2",
+        "line-4",
+        "line-5",
+        "line-6",
+        "line-7",
+    ]  # line 3 is blank
+    assert (
+        res["line-7"]["error"] == f"{f}:7: EBNF grammar file {tmp_path / 'missing.gbnf'} not found"
+    )
     assert res["line-1"]["finish_reason"] != "error" and res["line-1"]["text"]
     assert res["line-2"]["error"].startswith(f"{f}:2: field 'temperature': ")
     assert res["line-4"]["error"].startswith(f"{f}:4: field 'max_new_tokens': ")
@@ -144,8 +172,9 @@ def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
     assert res["line-5"]["finish_reason"] != "error"
     assert any("uniqueItems" in w for w in res["line-5"]["warnings"])
     bad_keys = res["line-6"]["error"]
-    assert bad_keys.startswith(f"{f}:6: unknown fields 'schema', 'max_tokens', 'temprature'; "
-                               "accepted: prompt, json_schema")
+    assert bad_keys.startswith(
+        f"{f}:6: unknown fields 'schema', 'max_tokens', 'temprature'; accepted: prompt, json_schema"
+    )
     assert "max_new_tokens" in bad_keys and "temperature" in bad_keys and "\n" not in bad_keys
     warn = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
     assert len(warn) == 1 and "line-5" in warn[0] and "uniqueItems" in warn[0]
@@ -155,11 +184,17 @@ def test_bad_requests_fail_alone_in_the_api():
     """Wrong-typed grammar / sampling and out-of-vocabulary prompt ids: a typed error for
     that request; the good request completes and a dict ``sampling`` is accepted."""
     sp = SamplingParams(max_new_tokens=2)
-    good = Request(prompt="<|im_start|>user\nA number<|im_end|>\n<|im_start|>assistant\n", grammar=Regex("[0-9]+"), sampling=sp)
+    good = Request(
+        prompt="<|im_start|>user\nA number<|im_end|>\n<|im_start|>assistant\n",
+        grammar=Regex("[0-9]+"),
+        sampling=sp,
+    )
     reqs = [
         good,
         Request(prompt="x", grammar="not a spec", sampling=sp),
-        Request(prompt="x", grammar=Regex("[0-9]+"), sampling={"temperature": 5, "max_new_tokens": 2}),
+        Request(
+            prompt="x", grammar=Regex("[0-9]+"), sampling={"temperature": 5, "max_new_tokens": 2}
+        ),
         Request(prompt="x", sampling={"temperature": "hot"}),
         Request(prompt=[10**9], grammar=Regex("[0-9]+"), sampling=sp),
         Request(prompt=[-1, 5], sampling=sp),
@@ -175,7 +210,14 @@ def test_bad_requests_fail_alone_in_the_api():
 
 
 def test_precompile_is_reused_by_the_worker():
-    spec = JsonSchema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "title": "precompile-test"})
+    spec = JsonSchema(
+        {
+            "type": "object",
+            "properties": {"n": {"type": "integer"}},
+            "required": ["n"],
+            "title": "precompile-test",
+        }
+    )
     compiled = api.precompile(spec)
     worker = api.build_worker(draft=None)
     before = worker.backend.num_compiles

@@ -11,14 +11,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import broken_adapter
 import pytest
 
-import broken_adapter
 from spec_grammar.cli import main
 from spec_grammar.registry import get_backend, list_backends
-from spec_grammar.testing import PROPERTIES, Session, resolve_factory, run_conformance, run_property, select_properties
-from spec_grammar.testing.fixtures import TOY_TOKEN_BYTES, TOY_WIDTH, fixture_tokenizer, toy_tokenizer
-from spec_grammar.testing.json_suite import acceptance, compare_backends, format_table, suite_cases, unsound_cases
+from spec_grammar.testing import (
+    PROPERTIES,
+    Session,
+    resolve_factory,
+    run_conformance,
+    run_property,
+    select_properties,
+)
+from spec_grammar.testing.fixtures import (
+    TOY_TOKEN_BYTES,
+    TOY_WIDTH,
+    fixture_tokenizer,
+    toy_tokenizer,
+)
+from spec_grammar.testing.json_suite import (
+    acceptance,
+    compare_backends,
+    format_table,
+    suite_cases,
+    unsound_cases,
+)
 from spec_grammar.vocab import token_bytes_table
 
 TESTS = Path(__file__).parent
@@ -92,12 +110,16 @@ def test_every_bug_has_a_catching_property():
 
 def test_broken_adapter_without_bugs_passes_toy_suite():
     results = run_conformance(broken_adapter.BrokenBackend, fixtures=["toy"])
-    assert all(r.status == "PASS" for r in results), [r.detail for r in results if r.status != "PASS"]
+    assert all(r.status == "PASS" for r in results), [
+        r.detail for r in results if r.status != "PASS"
+    ]
 
 
 @pytest.mark.parametrize("bug", sorted(broken_adapter.BUGS))
 def test_suite_catches_bug(bug):
-    results = {r.name: r for r in run_conformance(broken_adapter.backend_with(bug), fixtures=["toy"])}
+    results = {
+        r.name: r for r in run_conformance(broken_adapter.backend_with(bug), fixtures=["toy"])
+    }
     failed = {n for n, r in results.items() if r.status in ("FAIL", "ERROR")}
     name = CAUGHT_BY[bug]
     assert name in failed, f"{bug} not caught by {name}; failed: {sorted(failed)}"
@@ -133,7 +155,14 @@ def test_cli_reports_failure_with_sets_and_text(capsys):
     code = main(["conformance", "--backend", "broken_adapter:FortyTwo", "--quick"])
     assert code == 2  # no such class: a usage error, not a conformance failure
     capsys.readouterr()
-    args = ["conformance", "--backend", "broken_adapter:EosMidGrammar", "--quick", "--property", "toy_G_allowed_sets"]
+    args = [
+        "conformance",
+        "--backend",
+        "broken_adapter:EosMidGrammar",
+        "--quick",
+        "--property",
+        "toy_G_allowed_sets",
+    ]
     code = main(args)
     out = capsys.readouterr().out
     assert code == 1
@@ -145,48 +174,95 @@ def test_cli_reports_failure_with_sets_and_text(capsys):
 
 
 def test_pytest_plugin_generates_one_test_per_property(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
-           "--spec-grammar-backend", "broken_adapter:ForkSharesState", "--spec-grammar-tokenizer", "toy"]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(tmp_path),
+        "--spec-grammar-backend",
+        "broken_adapter:ForkSharesState",
+        "--spec-grammar-tokenizer",
+        "toy",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
     m = re.search(r"(\d+) failed, (\d+) passed", out)
     assert m and int(m[1]) + int(m[2]) == len(select_properties(["toy"])), out[-3000:]
-    assert "FAILED ::spec-grammar-conformance[broken_adapter:ForkSharesState]::toy_fork_independent" in out
+    assert (
+        "FAILED ::spec-grammar-conformance[broken_adapter:ForkSharesState]::toy_fork_independent"
+        in out
+    )
     assert "contract: fork is an independent copy" in out
 
 
 def test_pytest_plugin_marker_selects_only_the_properties(tmp_path):
     # a user's own test whose name says "conformance": -k conformance would run it too
-    (tmp_path / "test_mine.py").write_text("def test_my_conformance_helper():\n    raise AssertionError('ran')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path), "--spec-grammar-backend",
-            "broken_adapter:ForkSharesState", "--spec-grammar-tokenizer", "toy"]
-    proc = subprocess.run([*base, "-m", "spec_grammar_conformance", "-k", "toy_fork_independent or toy_T8"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    (tmp_path / "test_mine.py").write_text(
+        "def test_my_conformance_helper():\n    raise AssertionError('ran')\n"
+    )
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    )
+    base = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(tmp_path),
+        "--spec-grammar-backend",
+        "broken_adapter:ForkSharesState",
+        "--spec-grammar-tokenizer",
+        "toy",
+    ]
+    proc = subprocess.run(
+        [*base, "-m", "spec_grammar_conformance", "-k", "toy_fork_independent or toy_T8"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     out = proc.stdout
     assert "test_my_conformance_helper" not in out and "ran" not in out, out[-3000:]
     m = re.search(r"(\d+) failed, (\d+) passed, (\d+) deselected", out)
-    assert m and (int(m[1]), int(m[2])) == (1, 1), out[-3000:]  # fork fails on this adapter, T8 passes
+    assert m and (int(m[1]), int(m[2])) == (1, 1), out[
+        -3000:
+    ]  # fork fails on this adapter, T8 passes
 
 
 # -- cross-backend: JSON-Schema-Test-Suite acceptance ------------------------------------------
 def test_json_suite_differences():
     if not AVAILABLE:
         pytest.skip("no backend installed")
-    json_backends = [b.name for b in list_backends() if b.error is None and b.capabilities.json_schema]
+    json_backends = [
+        b.name for b in list_backends() if b.error is None and b.capabilities.json_schema
+    ]
     tok, width = fixture_tokenizer("smollm2")
     cases = suite_cases()
-    outcomes = {name: acceptance(get_backend(name, tok, vocab_size=width), cases) for name in json_backends}
+    outcomes = {
+        name: acceptance(get_backend(name, tok, vocab_size=width), cases) for name in json_backends
+    }
     rows = compare_backends(outcomes, cases)
     # The table is the report users read; pytest shows it with -s (or on failure).
-    print(f"\nJSON-Schema-Test-Suite, {len(cases)} instances: {len(rows)} differ from jsonschema or a backend")
+    print(
+        f"\nJSON-Schema-Test-Suite, {len(cases)} instances: {len(rows)} differ from jsonschema or a backend"
+    )
     print(format_table(rows, json_backends))
     for name, res in outcomes.items():
         assert set(res) == {c.key for c in cases}
         bad = unsound_cases(name, res, cases)
-        assert not bad, f"{name} accepts instances jsonschema rejects: {[(c.key, c.text[:60]) for c in bad]}"
+        assert not bad, (
+            f"{name} accepts instances jsonschema rejects: {[(c.key, c.text[:60]) for c in bad]}"
+        )
 
 
 @pytest.mark.slow

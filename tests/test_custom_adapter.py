@@ -347,7 +347,9 @@ def test_every_state_mask_agrees_with_accept(backend):
 
 
 def run_suite(fixtures: tuple[str, ...]) -> None:
-    testing = pytest.importorskip("spec_grammar.testing", reason="the conformance suite is not in this tree yet")
+    testing = pytest.importorskip(
+        "spec_grammar.testing", reason="the conformance suite is not in this tree yet"
+    )
     results = testing.run_conformance(InteregularBackend, fixtures=fixtures)
     bad = [f"{r.name}: {r.status}\n{r.detail}" for r in results if r.status in ("FAIL", "ERROR")]
     assert not bad, "\n\n".join(bad)
@@ -370,4 +372,6 @@ def test_mask_rows_are_cached_per_state(backend):
     row_ids(m)
     row_ids(m.fork())
     assert grammar.cached_rows == 1
-    np.testing.assert_array_equal(grammar.mask_row(grammar.dfa.initial), grammar.mask_row(grammar.dfa.initial))
+    np.testing.assert_array_equal(
+        grammar.mask_row(grammar.dfa.initial), grammar.mask_row(grammar.dfa.initial)
+    )

@@ -11,10 +11,17 @@ import textwrap
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
 from real_model import backend, model_and_tokenizer, replays
 from runner_churn import compare_under_churn
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.specs import JsonSchema
 from spec_grammar.worker.decoder import FusedLlama, unsupported_reason
@@ -24,10 +31,22 @@ from spec_grammar.worker.request import Request
 from spec_grammar.worker.runner import ModelRunner, RunnerError
 from spec_grammar.worker.sampling import SamplingParams
 
-SMALL = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-             num_key_value_heads=2)
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=32)
+SMALL = dict(
+    vocab_size=500,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
 
 
 def _small(kind: str):
@@ -54,8 +73,18 @@ def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     def check(x, y, step):
         assert torch.allclose(x, y, rtol=0, atol=1e-10), (kind, step)
 
-    compare_under_churn(hf, fused, random.Random(0), steps=12, new_every=4, prompt_lens=[2, 9, 30],
-                        tree_sizes=[1, 3, 6], vocab=500, check=check, subsets=True)
+    compare_under_churn(
+        hf,
+        fused,
+        random.Random(0),
+        steps=12,
+        new_every=4,
+        prompt_lens=[2, 9, 30],
+        tree_sizes=[1, 3, 6],
+        vocab=500,
+        check=check,
+        subsets=True,
+    )
 
 
 def test_fused_worker_outputs_equal_hf_on_real_smollm2():
@@ -67,15 +96,21 @@ def test_fused_worker_outputs_equal_hf_on_real_smollm2():
     for fused in (False, True):
         runner = ModelRunner(model, fused_forward=fused)
         reqs = [
-            Request(tok.encode(f"Write JSON for: {s['id']}"), JsonSchema(schema=s["schema"]),
-                    SamplingParams(max_new_tokens=24), rid=f"q{i}")
+            Request(
+                tok.encode(f"Write JSON for: {s['id']}"),
+                JsonSchema(schema=s["schema"]),
+                SamplingParams(max_new_tokens=24),
+                rid=f"q{i}",
+            )
             for i, s in enumerate(schemas)
         ]
         with SpecWorker(runner, tok, backend=backend("xgrammar"), draft="ngram") as worker:
             outs[fused] = worker.run(reqs)
     for s, a, b in zip(schemas, outs[False], outs[True]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        assert replays("xgrammar", JsonSchema(schema=s["schema"]), b.token_ids, b.finish_reason == "stop")
+        assert replays(
+            "xgrammar", JsonSchema(schema=s["schema"]), b.token_ids, b.finish_reason == "stop"
+        )
 
 
 def test_merged_weights_share_the_model_memory():
@@ -88,15 +123,25 @@ def test_merged_weights_share_the_model_memory():
     attn = model.model.layers[0].self_attn
     merged = fused.layers[0].qkv_w
     assert attn.q_proj.weight.untyped_storage().data_ptr() == merged.untyped_storage().data_ptr()
-    assert attn.v_proj.bias.untyped_storage().data_ptr() == fused.layers[0].qkv_b.untyped_storage().data_ptr()
+    assert (
+        attn.v_proj.bias.untyped_storage().data_ptr()
+        == fused.layers[0].qkv_b.untyped_storage().data_ptr()
+    )
     assert torch.equal(model(ids).logits, before)
     draft = FusedLlama(truncated_model(model, 2))
     assert draft.layers[0].qkv_w is merged and len(draft.layers) == 2
 
 
 def test_unsupported_models_and_bad_values_are_refused():
-    config = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, num_hidden_layers=2)
+    config = Gemma3TextConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=2,
+    )
     gemma = Gemma3ForCausalLM(config).eval()
     assert "gemma3" in unsupported_reason(gemma)
     with pytest.raises(RunnerError, match="cannot run this model: model type 'gemma3_text'"):
@@ -145,7 +190,12 @@ _INTERPRET_SCRIPT = textwrap.dedent(
 def test_decoder_kernels_logic_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERPRET_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interpreted decoder kernels ok" in proc.stdout

@@ -6,13 +6,16 @@ import random
 
 import pytest
 import torch
-
 from runner_churn import compare_under_churn
+
 from spec_grammar.bench.gpu import build_model
 from spec_grammar.worker.decoder import ops
 from spec_grammar.worker.runner import ModelRunner
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,5 +34,14 @@ def test_fused_cuda_logits_match_hf(dtype, graphs):
             cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
             assert cos.min() > 0.995, (step, cos.min().item())
 
-    compare_under_churn(hf, fused, random.Random(1), steps=10, new_every=3, prompt_lens=[5, 40, 200],
-                        tree_sizes=[1, 4, 9, 16], vocab=1000, check=check)
+    compare_under_churn(
+        hf,
+        fused,
+        random.Random(1),
+        steps=10,
+        new_every=3,
+        prompt_lens=[5, 40, 200],
+        tree_sizes=[1, 4, 9, 16],
+        vocab=1000,
+        check=check,
+    )

@@ -2,7 +2,8 @@
 
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spec_grammar.worker.drafters import NgramDrafter, ngram_tree
 from spec_grammar.worker.request import Request, RequestState
@@ -51,7 +52,9 @@ def reference_tree(ctx, num_draft_tokens, max_match=8, min_match=1, max_depth=No
 def test_matches_the_definition(ctx, cap, max_match, min_match, max_depth):
     min_match = min(min_match, max_match)
     tree = ngram_tree(ctx, cap, max_match=max_match, min_match=min_match, max_depth=max_depth)
-    assert (tree.token_list, tree.parent_list) == reference_tree(ctx, cap, max_match, min_match, max_depth)
+    assert (tree.token_list, tree.parent_list) == reference_tree(
+        ctx, cap, max_match, min_match, max_depth
+    )
     assert tree.num_nodes <= max(1, cap)
 
 
@@ -63,7 +66,10 @@ def test_longer_then_more_recent_matches_come_first():
 
 
 def test_drafter_builds_one_tree_per_request_from_its_growing_context():
-    states = [RequestState(Request([5, 6], rid="a"), [5, 6], None), RequestState(Request([1], rid="b"), [1], None)]
+    states = [
+        RequestState(Request([5, 6], rid="a"), [5, 6], None),
+        RequestState(Request([1], rid="b"), [1], None),
+    ]
     drafter = NgramDrafter(num_draft_tokens=3)
     rng = random.Random(0)
     for _ in range(200):  # the context buffer grows past its first size several times

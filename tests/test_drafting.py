@@ -13,19 +13,26 @@ import re
 
 import pytest
 import torch
+from real_model import JSON_BACKENDS, backend, draft_steps, model_and_tokenizer, replays
 
 from spec_grammar import JsonSchema, Regex, ToolCalls
 from spec_grammar.bitmask import allocate_token_bitmask, unpack_bitmask
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
 from spec_grammar.worker import Request, SpecWorker, build_prompt, schema_prompt
 from spec_grammar.worker.drafters import ModelDrafter, NgramDrafter, truncated_model
-from spec_grammar.worker.drafters.constrained import GrammarAwareDrafter, current_matcher, make_grammar_drafter
-from spec_grammar.worker.drafters.vocab_map import DraftVocabError, check_draft_vocab, draft_vocab_bitmask
+from spec_grammar.worker.drafters.constrained import (
+    GrammarAwareDrafter,
+    current_matcher,
+    make_grammar_drafter,
+)
+from spec_grammar.worker.drafters.vocab_map import (
+    DraftVocabError,
+    check_draft_vocab,
+    draft_vocab_bitmask,
+)
 from spec_grammar.worker.request import RequestState
 from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams
-
-from real_model import JSON_BACKENDS, backend, draft_steps, model_and_tokenizer, replays
 
 pytestmark = pytest.mark.model
 
@@ -42,11 +49,20 @@ def requests() -> list[Request]:
     for case in bfcl_cases()[:2]:
         spec = ToolCalls(case["tools"])
         question = " ".join(m["content"] for m in case["messages"][0] if m.get("role") == "user")
-        reqs.append(Request(build_prompt(tok, schema_prompt(spec, question)), spec, params, rid=case["id"]))
+        reqs.append(
+            Request(build_prompt(tok, schema_prompt(spec, question)), spec, params, rid=case["id"])
+        )
     by_id = {r["id"]: r for r in jsonschemabench_sample()}
     for sid in ("o27841", "wp_69_Normalized"):
         spec = JsonSchema(by_id[sid]["schema"])
-        reqs.append(Request(build_prompt(tok, schema_prompt(spec, "Give a short example.")), spec, params, rid=sid))
+        reqs.append(
+            Request(
+                build_prompt(tok, schema_prompt(spec, "Give a short example.")),
+                spec,
+                params,
+                rid=sid,
+            )
+        )
     return reqs
 
 
@@ -87,10 +103,14 @@ def test_drafted_rows_equal_fresh_fill_and_are_reused(name):
     from spec_grammar.worker.drafters import make_drafter
 
     drafters = [
-        CheckedDrafter(NgramDrafter(num_draft_tokens=8), num_draft_tokens=8, constrain=True, forced=True),
+        CheckedDrafter(
+            NgramDrafter(num_draft_tokens=8), num_draft_tokens=8, constrain=True, forced=True
+        ),
         CheckedDrafter(
             make_drafter("self:2", target_model=model, topk=2, num_steps=3, num_draft_tokens=7),
-            num_draft_tokens=7, constrain=True, forced=True,
+            num_draft_tokens=7,
+            constrain=True,
+            forced=True,
         ),
     ]
     ref = reference(name)
@@ -121,8 +141,17 @@ def test_greedy_outputs_identical_across_drafting_modes(name):
         "grammar": dict(draft="grammar"),
     }
     if name == "xgrammar":  # the other backends' constrained drafting is checked by the row test
-        modes["ngram+constrain sync"] = dict(draft="ngram", constrain_draft=True, forced_tokens=False, overlap=False)
-        modes["self+both"] = dict(draft="self:2", topk=2, num_steps=3, num_draft_tokens=7, constrain_draft=True, forced_tokens=True)
+        modes["ngram+constrain sync"] = dict(
+            draft="ngram", constrain_draft=True, forced_tokens=False, overlap=False
+        )
+        modes["self+both"] = dict(
+            draft="self:2",
+            topk=2,
+            num_steps=3,
+            num_draft_tokens=7,
+            constrain_draft=True,
+            forced_tokens=True,
+        )
     accept = {}
     for mode, opts in modes.items():
         results, _ = run(name, **opts)
@@ -164,7 +193,9 @@ def test_forced_tokens_go_through_verification(name):
 def test_draft_vocab_translation_with_a_synthetic_d2t_map():
     _, tok = model_and_tokenizer()
     b = backend("xgrammar")
-    m = b.matcher(b.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}})))
+    m = b.matcher(
+        b.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    )
     rows = allocate_token_bitmask(2, b.vocab_size)
     m.fill_next_token_bitmask(rows, 0)
     m.accept_tokens(tok.encode('{"a": 1'))
@@ -172,8 +203,13 @@ def test_draft_vocab_translation_with_a_synthetic_d2t_map():
     gen = torch.Generator().manual_seed(0)
     # a "hot" draft vocabulary: 1000 target ids, including some allowed ones, in random order
     allowed = unpack_bitmask(rows, b.vocab_size)
-    hot = torch.cat([allowed[0].nonzero().flatten()[:20], allowed[1].nonzero().flatten()[:20],
-                     torch.randperm(b.vocab_size, generator=gen)[:960]])
+    hot = torch.cat(
+        [
+            allowed[0].nonzero().flatten()[:20],
+            allowed[1].nonzero().flatten()[:20],
+            torch.randperm(b.vocab_size, generator=gen)[:960],
+        ]
+    )
     hot = hot[torch.randperm(len(hot), generator=gen)]
     d2t = hot - torch.arange(len(hot))
     draft_rows = draft_vocab_bitmask(rows, d2t, b.vocab_size)
@@ -226,15 +262,28 @@ def test_batched_device_topk_equals_per_row_host_reference():
         for i, ids in enumerate(prompts):
             spec = reqs[0].grammar if i == 0 else reqs[2].grammar if i == 1 else None
             m = b.matcher(b.compile(spec)) if grammar and spec is not None else None
-            out.append(RequestState(Request(ids, spec, rid=f"r{i}"), list(ids), SamplingParams(), matcher=m))
+            out.append(
+                RequestState(
+                    Request(ids, spec, rid=f"r{i}"), list(ids), SamplingParams(), matcher=m
+                )
+            )
         return out
 
-    opts = {"topk": 3, "num_steps": 3, "num_draft_tokens": 7, "vocab_limit": model.config.vocab_size}
+    opts = {
+        "topk": 3,
+        "num_steps": 3,
+        "num_draft_tokens": 7,
+        "vocab_limit": model.config.vocab_size,
+    }
     for grammar in (False, True):
         got, want = [], []
         for cls, trees in ((ModelDrafter, got), (PerRowReference, want)):
             drafter = cls(ModelRunner(draft_model), **opts)
-            outer = GrammarAwareDrafter(drafter, num_draft_tokens=7, constrain=True, forced=False) if grammar else drafter
+            outer = (
+                GrammarAwareDrafter(drafter, num_draft_tokens=7, constrain=True, forced=False)
+                if grammar
+                else drafter
+            )
             trees.extend(draft_steps(outer, states(grammar), steps=3))
         assert drafter.rows_seen > 3 * 3  # the reference ran at every depth, several rows each
         assert got == want

@@ -97,7 +97,9 @@ def test_apply_chunks_rows(monkeypatch):
     logits, mask = random_case(7, 70, 3, torch.bfloat16)
     assert torch.equal(applied(logits, mask), reference_apply(logits, mask))
     idx = [6, 1, 3, 0]
-    assert torch.equal(applied(logits, mask[:4], indices=idx), reference_apply(logits, mask[:4], idx))
+    assert torch.equal(
+        applied(logits, mask[:4], indices=idx), reference_apply(logits, mask[:4], idx)
+    )
 
 
 def test_disallowed_nan_and_inf_become_neg_inf_allowed_keep_bits():
@@ -108,7 +110,9 @@ def test_disallowed_nan_and_inf_become_neg_inf_allowed_keep_bits():
     assert out[0, 2] == 1.0 and torch.isnan(out[0, 3]) and torch.signbit(out[0, 4])
 
 
-@pytest.mark.parametrize("make_idx", [list, lambda x: torch.tensor(x, dtype=torch.int32), torch.tensor])
+@pytest.mark.parametrize(
+    "make_idx", [list, lambda x: torch.tensor(x, dtype=torch.int32), torch.tensor]
+)
 def test_apply_indices(make_idx):
     logits, mask = random_case(6, 100, 4, torch.float32)
     idx = [4, 0, 2]
@@ -143,14 +147,34 @@ def test_apply_non_contiguous_bitmask_handled():
 @pytest.mark.parametrize(
     "logits,mask,kw,match",
     [
-        (torch.zeros(2, 64, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int32), {}, "dtype"),
+        (
+            torch.zeros(2, 64, dtype=torch.float64),
+            torch.zeros(2, 2, dtype=torch.int32),
+            {},
+            "dtype",
+        ),
         (torch.zeros(64), torch.zeros(1, 2, dtype=torch.int32), {}, "2-D"),
         (torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int64), {}, "int32"),
         (torch.zeros(2, 64), torch.zeros(3, 2, dtype=torch.int32), {}, "3 rows, expected 2"),
-        (torch.zeros(4, 64), torch.zeros(2, 2, dtype=torch.int32), {"indices": [0, 4]}, r"\[0, 4\)"),
+        (
+            torch.zeros(4, 64),
+            torch.zeros(2, 2, dtype=torch.int32),
+            {"indices": [0, 4]},
+            r"\[0, 4\)",
+        ),
         (torch.zeros(4, 64), torch.zeros(2, 2, dtype=torch.int32), {"indices": [1, 1]}, "distinct"),
-        (torch.zeros(4, 64), torch.zeros(1, 2, dtype=torch.int32), {"indices": torch.tensor([[1]])}, "1-D"),
-        (torch.zeros(4, 64), torch.zeros(1, 2, dtype=torch.int32), {"indices": torch.tensor([1.0])}, "int32"),
+        (
+            torch.zeros(4, 64),
+            torch.zeros(1, 2, dtype=torch.int32),
+            {"indices": torch.tensor([[1]])},
+            "1-D",
+        ),
+        (
+            torch.zeros(4, 64),
+            torch.zeros(1, 2, dtype=torch.int32),
+            {"indices": torch.tensor([1.0])},
+            "int32",
+        ),
     ],
 )
 def test_apply_rejects_bad_input(logits, mask, kw, match):
@@ -177,7 +201,9 @@ def test_masked_argmax_equals_apply_then_argmax(dtype, vocab, width):
     assert got.dtype == torch.int64 and got[0] == -1  # fully-masked row
     assert torch.equal(got, expected_argmax(logits, mask))
     idx = [3, 1]
-    assert torch.equal(masked_argmax(logits, mask[:2], indices=idx), expected_argmax(logits, mask[:2], idx))
+    assert torch.equal(
+        masked_argmax(logits, mask[:2], indices=idx), expected_argmax(logits, mask[:2], idx)
+    )
 
 
 def test_masked_argmax_ties_pick_first_and_ignores_disallowed_maximum():
@@ -211,7 +237,9 @@ def test_masked_argmax_when_the_plain_argmax_is_or_is_not_allowed():
 
 
 def test_row_argmax_first_maximum_and_minus_one_for_dead_rows():
-    logits = torch.tensor([[1.0, 3.0, 3.0], [NEG_INF, NEG_INF, NEG_INF], [NEG_INF, -5.0, NEG_INF], [2.0, 0.0, 2.0]])
+    logits = torch.tensor(
+        [[1.0, 3.0, 3.0], [NEG_INF, NEG_INF, NEG_INF], [NEG_INF, -5.0, NEG_INF], [2.0, 0.0, 2.0]]
+    )
     assert row_argmax(logits).tolist() == [1, -1, 1, 0]
     batched = logits.reshape(2, 2, 3)
     assert row_argmax(batched).tolist() == [[1, -1], [1, 0]]
@@ -249,7 +277,9 @@ def test_masked_softmax_per_row_temperature_and_indices():
     assert torch.allclose(got.sum(1), torch.ones(3))
 
 
-@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), torch.tensor([1.0, 0.0]), torch.ones(3)])
+@pytest.mark.parametrize(
+    "temperature", [0.0, -1.0, float("nan"), torch.tensor([1.0, 0.0]), torch.ones(3)]
+)
 def test_masked_softmax_rejects_bad_temperature(temperature):
     logits, mask = random_case(2, 64, 2, torch.float32)
     with pytest.raises(BitmaskError, match="temperature"):
@@ -291,7 +321,11 @@ def test_triton_kernels_logic_in_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRET_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _INTERPRET_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interpreted kernels ok" in proc.stdout

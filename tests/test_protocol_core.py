@@ -6,8 +6,6 @@ import threading
 import pytest
 from pydantic import BaseModel
 
-from spec_grammar.errors import GrammarSpecError
-
 from spec_grammar import (
     BackendNotFoundError,
     GrammarCompileError,
@@ -21,6 +19,7 @@ from spec_grammar import (
     get_backend,
     list_backends,
 )
+from spec_grammar.errors import GrammarSpecError
 from spec_grammar.models import load_tokenizer
 
 
@@ -70,7 +69,10 @@ def test_tool_calls_schema_validates_example():
 
 def test_concurrent_compiles_run_once(tokenizer):
     backend = get_backend("xgrammar", tokenizer)
-    specs = [JsonSchema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}}) for i in range(3)]
+    specs = [
+        JsonSchema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+        for i in range(3)
+    ]
     results = {}
     barrier = threading.Barrier(8)
 
@@ -150,8 +152,9 @@ def test_protocol_guards(xgr, tokenizer):
 
 
 def test_unsupported_kind_is_typed(tokenizer):
-    from spec_grammar.protocol import Capabilities
     from spec_grammar_xgrammar import XGrammarBackend
+
+    from spec_grammar.protocol import Capabilities
 
     class RegexOnly(XGrammarBackend):
         capabilities = Capabilities(json_schema=False, regex=True, tool_calls=False)
@@ -168,7 +171,7 @@ def test_padding_columns_never_allowed(tokenizer):
     m.fill_next_token_bitmask(bm, 0)
     from spec_grammar import unpack_bitmask
 
-    assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tokenizer):].any()
+    assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tokenizer) :].any()
     assert m.accept_token(len(tokenizer) + 5) is False
     # a run holding a padding id stops there: the adapter's hook never sees the id
     seen, hook = [], m._accept_tokens

@@ -6,7 +6,7 @@ Also: the compile cache is bounded (LRU eviction) on every backend."""
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ BACKENDS = ("xgrammar", "llguidance", "outlines")
 THREADS = 8
 
 
-@lru_cache(maxsize=None)
+@cache
 def smollm2():
     return _fixture_tokenizer("smollm2")
 
@@ -33,8 +33,14 @@ def fresh_backend(name: str, **options):
 
 def specs():
     schemas = [
-        JsonSchema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"],
-                    "additionalProperties": False})
+        JsonSchema(
+            {
+                "type": "object",
+                "properties": {f"k{i}": {"type": "integer"}},
+                "required": [f"k{i}"],
+                "additionalProperties": False,
+            }
+        )
         for i in range(3)
     ]
     return schemas + [Regex(r"[a-c]{2,4}"), Regex("(unclosed")]
@@ -50,7 +56,7 @@ def test_concurrent_compiles_run_once_per_spec(name):
     def work(i: int) -> None:
         barrier.wait()
         out = []
-        order = todo[i % len(todo):] + todo[: i % len(todo)]  # threads start on different specs
+        order = todo[i % len(todo) :] + todo[: i % len(todo)]  # threads start on different specs
         for s in order + order:  # each spec twice per thread: cache hits race with compiles
             try:
                 out.append((s, b.compile(s)))
@@ -71,7 +77,9 @@ def test_concurrent_compiles_run_once_per_spec(name):
             first.setdefault(s.cache_key(), r)
             assert r is first[s.cache_key()], f"{s}: threads got different results"
     err = first[Regex("(unclosed").cache_key()]
-    assert isinstance(err, GrammarCompileError) and str(err).startswith(f"[{name}] regex failed to compile")
+    assert isinstance(err, GrammarCompileError) and str(err).startswith(
+        f"[{name}] regex failed to compile"
+    )
 
     # matchers from the concurrently compiled grammars match a single-threaded compile's
     ref = fresh_backend(name)

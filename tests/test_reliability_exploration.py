@@ -49,6 +49,8 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
 HOSTILE = [0.0, 1e-300, 1.0, 1e300, INF, -1.0, -INF, NAN]
 
 
@@ -108,7 +110,11 @@ def test_exploration_with_regret_flipping_every_decision_keeps_its_average_cost(
 def test_exploration_refuses_bad_spacing(every):
     """``every`` must be an int >= 2: NaN and inf used to be accepted (``nan < 2`` is False) and
     then never explored (``n >= nan`` is never true); a str raised a bare TypeError."""
-    for make in (Exploration, lambda v: GrammarPlacement(explore_every=v), lambda v: LazyGrammar(explore_every=v)):
+    for make in (
+        Exploration,
+        lambda v: GrammarPlacement(explore_every=v),
+        lambda v: LazyGrammar(explore_every=v),
+    ):
         with pytest.raises(ValueError, match="explore_every"):
             make(every)
 
@@ -259,21 +265,46 @@ def requests(sampled: bool = True, extra: tuple = ()) -> list[Request]:
     """Greedy grammar requests (JSON, a short regex that ends soon, letters the random model
     mostly refuses), plain ones (one ignoring EOS), optionally sampled ones, different budgets
     so requests finish and drain at different steps."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["a"],
+    }
     reqs = [
         Request("JSON:", JsonSchema(schema), SamplingParams(max_new_tokens=MAX_NEW), rid="json"),
-        Request("Answer:", Regex(r"(yes|no|maybe)"), SamplingParams(max_new_tokens=MAX_NEW), rid="short"),
-        Request("Words:", Regex(r"[a-z]+( [a-z]+)*"), SamplingParams(max_new_tokens=MAX_NEW), rid="words"),
+        Request(
+            "Answer:", Regex(r"(yes|no|maybe)"), SamplingParams(max_new_tokens=MAX_NEW), rid="short"
+        ),
+        Request(
+            "Words:",
+            Regex(r"[a-z]+( [a-z]+)*"),
+            SamplingParams(max_new_tokens=MAX_NEW),
+            rid="words",
+        ),
         Request("Digits:", Regex(r"[0-9]{1,40}"), SamplingParams(max_new_tokens=5), rid="digits"),
-        Request("One:", Regex(r"[0-9]{1,40}"), SamplingParams(max_new_tokens=1), rid="one"),  # root-only trees
+        Request(
+            "One:", Regex(r"[0-9]{1,40}"), SamplingParams(max_new_tokens=1), rid="one"
+        ),  # root-only trees
         Request("Text:", None, SamplingParams(max_new_tokens=7, ignore_eos=True), rid="plain"),
     ]
     if sampled:
         reqs += [
-            Request("JSON too:", JsonSchema(schema), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3), rid="sampled"),
-            Request("More:", None, SamplingParams(max_new_tokens=6, temperature=1.0, seed=5), rid="sampled-plain"),
+            Request(
+                "JSON too:",
+                JsonSchema(schema),
+                SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3),
+                rid="sampled",
+            ),
+            Request(
+                "More:",
+                None,
+                SamplingParams(max_new_tokens=6, temperature=1.0, seed=5),
+                rid="sampled-plain",
+            ),
         ]
-    return reqs + [Request(p, g, SamplingParams(max_new_tokens=MAX_NEW), rid=r) for r, p, g in extra]
+    return reqs + [
+        Request(p, g, SamplingParams(max_new_tokens=MAX_NEW), rid=r) for r, p, g in extra
+    ]
 
 
 def outcome(results) -> dict[str, tuple[list[int], str]]:
@@ -308,8 +339,13 @@ def test_measured_policies_on_adversarial_forward_times_equal_plain_decoding(tim
     """``lazy_grammar=None`` (the measured choice) on emulated graphs whose forwards take zero,
     flipping (near zero / huge) or random GPU times, every policy exploring every 2nd decision: the run
     completes, both lazy and fill steps happen, outputs equal plain decoding."""
-    with SpecWorker(timed_runner(TIMES[times]()), tiny()[1], backend=xgr_backend(), draft="ngram",
-                    num_draft_tokens=6) as w:
+    with SpecWorker(
+        timed_runner(TIMES[times]()),
+        tiny()[1],
+        backend=xgr_backend(),
+        draft="ngram",
+        num_draft_tokens=6,
+    ) as w:
         w._lazy = LazyGrammar(explore_every=2)
         w._placement = GrammarPlacement(explore_every=2)
         w._early_mask = EarlyMask(min_share=0.0)
@@ -374,7 +410,9 @@ def coin_worker(seed, backend=None, drafter=None, **kw) -> SpecWorker:
     (None); ``lazy_grammar=None`` so the lazy policy is asked every step."""
     kw.setdefault("draft", drafter or "ngram")
     kw.setdefault("num_draft_tokens", 6)
-    w = SpecWorker(timed_runner(itertools.repeat(1.0)), tiny()[1], backend=backend or xgr_backend(), **kw)
+    w = SpecWorker(
+        timed_runner(itertools.repeat(1.0)), tiny()[1], backend=backend or xgr_backend(), **kw
+    )
     w._lazy, w._placement, w._early_mask = CoinLazy(seed), CoinPlacement(seed), CoinEarlyMask(seed)
     return w
 
@@ -396,7 +434,9 @@ class FaultTolerantHostileDrafter(HostileDrafter):
 def hostile_drafter(backend) -> HostileDrafter:
     ref = plain_reference()
     conts = {r.rid: ref.get(r.rid, ([], ""))[0] for r in requests(extra=FAULTY)}
-    return FaultTolerantHostileDrafter(conts, backend.vocab_size, backend.tokenizer_info.stop_token_ids[0])
+    return FaultTolerantHostileDrafter(
+        conts, backend.vocab_size, backend.tokenizer_info.stop_token_ids[0]
+    )
 
 
 OPTIONS = {
@@ -425,8 +465,15 @@ def sampled_reference(options: str) -> dict[str, tuple[list[int], str]]:
 def _sampled_reference(options: str) -> dict[str, tuple[list[int], str]]:
     kw = _options(options, xgr_backend())
     kw["draft"] = kw.pop("drafter", "ngram")
-    with SpecWorker(tiny()[0], tiny()[1], backend=xgr_backend(), num_draft_tokens=6, overlap=False,
-                    lazy_grammar=False, **kw) as w:
+    with SpecWorker(
+        tiny()[0],
+        tiny()[1],
+        backend=xgr_backend(),
+        num_draft_tokens=6,
+        overlap=False,
+        lazy_grammar=False,
+        **kw,
+    ) as w:
         got = outcome(w.run(requests()))
     return {rid: v for rid, v in got.items() if rid.startswith("sampled")}
 
@@ -457,8 +504,15 @@ def test_lazy_on_in_every_mode_gives_plain_decoding(options):
     lazy matchers advanced after the forward), with root-only trees, with several grammar
     threads: greedy outputs equal plain decoding, sampled grammar requests are filled."""
     model, tok = tiny()
-    with SpecWorker(model, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6, lazy_grammar=True,
-                    **options) as w:
+    with SpecWorker(
+        model,
+        tok,
+        backend=xgr_backend(),
+        draft="ngram",
+        num_draft_tokens=6,
+        lazy_grammar=True,
+        **options,
+    ) as w:
         got = outcome(w.run(requests()))
         stats = list(w.step_stats)
     assert_plain(got, str(options))
@@ -550,7 +604,12 @@ class FaultBackend(XGrammarBackend):
         m = super()._matcher(compiled)
         for hook, (spec, at) in FAULTS.items():
             if self.armed and compiled.spec == spec:
-                attrs = {"hook": hook, "at": at, "fired": self.fired, "faulty_forks": self.faulty_forks}
+                attrs = {
+                    "hook": hook,
+                    "at": at,
+                    "fired": self.fired,
+                    "faulty_forks": self.faulty_forks,
+                }
                 return type(f"Fault_{hook}", (FaultMatcher,), attrs)(self, m._m)
         return m
 
@@ -563,7 +622,9 @@ def fault_backend(*, faulty_forks: bool = False) -> FaultBackend:
     return backend
 
 
-@pytest.mark.parametrize("options, seed", [("ngram", None), ("hostile-drafts", 3), ("2-threads", None)])
+@pytest.mark.parametrize(
+    "options, seed", [("ngram", None), ("hostile-drafts", 3), ("2-threads", None)]
+)
 def test_grammar_faults_while_lazy_and_fill_alternate_end_only_their_request(options, seed):
     """Five requests whose matchers fail in one hook each (accept, rollback, row fill, tree fill,
     is_terminated) among sound greedy, sampled and plain requests, with lazy / fill,
@@ -587,7 +648,10 @@ def test_grammar_faults_while_lazy_and_fill_alternate_end_only_their_request(opt
     ref = plain_reference()
     for rid, _, _ in LAZY_FAULTY:
         r, hook = got[rid], rid.removeprefix("fault-")
-        assert r.token_ids[: len(committed.get(rid, []))] == committed.get(rid, []), (rid, "committed tokens lost")
+        assert r.token_ids[: len(committed.get(rid, []))] == committed.get(rid, []), (
+            rid,
+            "committed tokens lost",
+        )
         if r.finish_reason == "error" and f"injected {hook} fault" in (r.error or ""):
             assert r.token_ids == ref[rid][0][: r.num_tokens], (rid, r.token_ids, ref[rid])
         else:
@@ -595,7 +659,11 @@ def test_grammar_faults_while_lazy_and_fill_alternate_end_only_their_request(opt
     # the faults only a lazy step meets (a refused row's fill, the rollback of a pre-accepted
     # branch) and those only a fill step meets (tree fill) fired: the steps really alternated
     assert FIRED[options] <= backend.fired, backend.fired
-    healthy = {rid: (r.token_ids, r.finish_reason) for rid, r in got.items() if not rid.startswith("fault-")}
+    healthy = {
+        rid: (r.token_ids, r.finish_reason)
+        for rid, r in got.items()
+        if not rid.startswith("fault-")
+    }
     assert_plain(healthy, options)
     for rid, value in sampled_reference(options).items():
         assert healthy[rid] == value, rid
@@ -611,8 +679,13 @@ DRAFTING = {
 
 @pytest.mark.parametrize(
     "drafting, hook",
-    [("forced-tokens", "fork"), ("forced-tokens", "accept"), ("forced-tokens", "terminated"),
-     ("constrained-draft", "accept"), ("grammar-draft", "terminated")],
+    [
+        ("forced-tokens", "fork"),
+        ("forced-tokens", "accept"),
+        ("forced-tokens", "terminated"),
+        ("constrained-draft", "accept"),
+        ("grammar-draft", "terminated"),
+    ],
 )
 def test_a_grammar_failing_inside_grammar_aware_drafting_ends_only_its_request(drafting, hook):
     """Grammar-aware drafting (forced tokens: on by default in ``generate`` and the CLI) forks
@@ -656,15 +729,23 @@ def test_generate_and_build_worker_refuse_a_bad_lazy_grammar(value):
     with pytest.raises((TypeError, ValueError), match="lazy_grammar"):
         api.build_worker(lazy_grammar=value, device="cpu")
     with pytest.raises((TypeError, ValueError), match="lazy_grammar"):
-        api.generate("Say yes:", grammar=Regex("(yes|no)"), lazy_grammar=value, max_new_tokens=2, device="cpu",
-                     chat=False)
+        api.generate(
+            "Say yes:",
+            grammar=Regex("(yes|no)"),
+            lazy_grammar=value,
+            max_new_tokens=2,
+            device="cpu",
+            chat=False,
+        )
 
 
 @pytest.mark.parametrize("value", ["maybe", "ON", "true", "1", ""])
 def test_cli_refuses_a_bad_lazy_grammar_before_the_model_loads(capsys, monkeypatch, value):
     from spec_grammar.cli import main
 
-    monkeypatch.setattr(api, "_load", lambda *a, **k: pytest.fail("the model loaded before the argument error"))
+    monkeypatch.setattr(
+        api, "_load", lambda *a, **k: pytest.fail("the model loaded before the argument error")
+    )
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--lazy-grammar", value, "--regex", "a+", "hi"])
     assert exc.value.code == 2

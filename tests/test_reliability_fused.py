@@ -52,8 +52,14 @@ def test_triton_rope_kernel_handles_head_dims_whose_half_is_not_a_power_of_two()
     power of 2") instead of running (or the runner falling back to the HF forward)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _ROPE_HEAD_DIMS_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ROPE_HEAD_DIMS_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FAILURES: []" in proc.stdout, proc.stdout[-3000:]
 
@@ -90,8 +96,14 @@ class _LoraWrapped(torch.nn.Module):
 
 def _adapted_llama(kind: str):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config).to(torch.float64).eval()
     for layer in model.model.layers:
         old = layer.self_attn.v_proj
@@ -136,8 +148,16 @@ def test_fused_runner_keeps_the_models_parameters_and_their_requires_grad():
     the SpecWorker on CUDA, where the fused decoder is the default, then train) silently leaves
     those weights unchanged."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     before = {n: (p, p.requires_grad) for n, p in model.named_parameters()}
     ModelRunner(model, fused_forward=True)
     after = dict(model.named_parameters())
@@ -158,9 +178,19 @@ def test_self_draft_runner_follows_the_workers_fused_forward(fused):
     from spec_grammar.worker import SpecWorker
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
-    worker = SpecWorker(model, load_tokenizer("smollm2"), backend=None, draft="self:1", fused_forward=fused)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=49152,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).eval()
+    worker = SpecWorker(
+        model, load_tokenizer("smollm2"), backend=None, draft="self:1", fused_forward=fused
+    )
     drafter = getattr(worker.drafter, "inner", worker.drafter)
     assert worker.runner.uses_fused_forward == fused
     assert drafter.runner.uses_fused_forward == fused
@@ -177,8 +207,20 @@ def test_merged_weights_are_freed_once_the_runner_is_gone_and_the_model_moves():
     import weakref
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).to(torch.float64).eval()
+    model = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=300,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+        )
+        .to(torch.float64)
+        .eval()
+    )
     runner = ModelRunner(model, fused_forward=True)
     old = weakref.ref(runner._fused.layers[0].qkv_w)
     del runner

@@ -17,7 +17,7 @@ CI runs a few examples per backend (derandomized, < 60 s in all); ``SPEC_GRAMMAR
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -57,13 +57,13 @@ SCHEMA = {
 ARITH = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"\n'
 
 
-@lru_cache(maxsize=None)
+@cache
 def backend(name: str):
     tok, width = _fixture_tokenizer("smollm2")
     return get_backend(name, tok, vocab_size=width, max_rollback_tokens=16)
 
 
-@lru_cache(maxsize=None)
+@cache
 def grammars(name: str):
     b = backend(name)
     specs = [JsonSchema(SCHEMA, whitespace="compact"), Regex(r"[a-z]{1,5}( [0-9]{1,3})?")]
@@ -162,11 +162,15 @@ def check_tree(oracle: Oracle, m, seq, tree: DraftTree) -> None:
     for n in range(1, tree.num_nodes):
         p, t = parents[n], toks[n]
         path = [toks[i] for i in _path(parents, p)]
-        expect[n] = expect[p] and (p == 0 or toks[p] not in stops) and t in oracle.allowed(seq + path)
+        expect[n] = (
+            expect[p] and (p == 0 or toks[p] not in stops) and t in oracle.allowed(seq + path)
+        )
         path_n = path + [t]
         if expect[n] and t not in stops:
             row, term = oracle.state(seq + path_n)
-            assert not term and torch.equal(bm[1 + n], row), f"row of node {n} (path {path_n}) differs from replay"
+            assert not term and torch.equal(bm[1 + n], row), (
+                f"row of node {n} (path {path_n}) differs from replay"
+            )
         else:
             assert not bm[1 + n].any(), f"node {n} (invalid or stop) has a non-zero row"
     assert valid == expect
@@ -267,7 +271,9 @@ def test_random_trees_through_verify_commit_valid_sequences(name):
             bm = allocate_token_bitmask(tree.num_nodes, V)
             valid = m.fill_tree_bitmask(tree, bm)
             gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
-            logits = torch.randn(tree.num_nodes, V, generator=gen) * data.draw(st.sampled_from([0.5, 3.0]))
+            logits = torch.randn(tree.num_nodes, V, generator=gen) * data.draw(
+                st.sampled_from([0.5, 3.0])
+            )
             for n in range(1, tree.num_nodes):  # steer some parents towards their child's token
                 t = tree.token_list[n]
                 if 0 <= t < V and data.draw(st.booleans()):
@@ -279,7 +285,9 @@ def test_random_trees_through_verify_commit_valid_sequences(name):
                 top_p=data.draw(st.sampled_from([1.0, 0.9])),
                 repetition_penalty=data.draw(st.sampled_from([1.0, 1.3])),
             )
-            processed = process_tree_logits(logits, tree, prompt + committed, params, bitmask=bm, prompt_len=len(prompt))
+            processed = process_tree_logits(
+                logits, tree, prompt + committed, params, bitmask=bm, prompt_len=len(prompt)
+            )
             if temperature == 0:
                 nodes, bonus = verify_greedy(processed, tree, valid, stop_token_ids=stops)
             else:
@@ -291,7 +299,9 @@ def test_random_trees_through_verify_commit_valid_sequences(name):
                     run_tokens = run_tokens[: k + 1]
                     break
             n_ok = m.accept_tokens(run_tokens)
-            assert n_ok == len(run_tokens), f"committed {run_tokens} refused at {n_ok} after {committed}"
+            assert n_ok == len(run_tokens), (
+                f"committed {run_tokens} refused at {n_ok} after {committed}"
+            )
             committed += run_tokens
             fresh = oracle.fresh(committed)  # a fresh matcher accepts the whole committed sequence
             assert fresh.is_terminated() == m.is_terminated() == (committed[-1] in stops)

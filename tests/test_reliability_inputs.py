@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
-from spec_grammar.errors import GrammarSpecError
 
 from spec_grammar import get_backend
 from spec_grammar.bitmask import allocate_token_bitmask
@@ -22,6 +21,7 @@ from spec_grammar.errors import (
     BackendNotFoundError,
     BitmaskError,
     GrammarCompileError,
+    GrammarSpecError,
     GrammarStateError,
     InvalidTokenError,
     SpecGrammarError,
@@ -35,12 +35,12 @@ from spec_grammar.tree import DraftTree
 BACKENDS = ("xgrammar", "llguidance", "outlines")
 
 
-@lru_cache(maxsize=None)
+@cache
 def fixture_tokenizer(name: str):
     return _fixture_tokenizer(name)  # load_tokenizer re-reads the files on every call
 
 
-@lru_cache(maxsize=None)
+@cache
 def backend(name: str, **options):
     tok, width = fixture_tokenizer("smollm2")
     return get_backend(name, tok, vocab_size=width, **options)
@@ -66,11 +66,19 @@ def test_bad_spec_values_are_named():
 @pytest.mark.parametrize("name", BACKENDS)
 def test_invalid_schemas(name):
     b = backend(name)
-    with pytest.raises(GrammarCompileError, match=rf"^\[{name}\] invalid JSON Schema at properties/a/type: 'strnig' is not valid"):
+    with pytest.raises(
+        GrammarCompileError,
+        match=rf"^\[{name}\] invalid JSON Schema at properties/a/type: 'strnig' is not valid",
+    ):
         b.compile(JsonSchema({"type": "object", "properties": {"a": {"type": "strnig"}}}))
-    with pytest.raises(GrammarCompileError, match=rf"^\[{name}\] invalid JSON Schema at minItems: -1 is less than the minimum of 0"):
+    with pytest.raises(
+        GrammarCompileError,
+        match=rf"^\[{name}\] invalid JSON Schema at minItems: -1 is less than the minimum of 0",
+    ):
         b.compile(JsonSchema({"type": "array", "minItems": -1}))
-    with pytest.raises(GrammarCompileError, match=rf"^\[{name}\] the schema `false` accepts no document"):
+    with pytest.raises(
+        GrammarCompileError, match=rf"^\[{name}\] the schema `false` accepts no document"
+    ):
         b.compile(JsonSchema(False))
     # the empty schema is valid: any JSON document. outlines-core's regex for it (13.9 KB) does
     # not become an Index within a minute: there it ends with the compile-timeout error.
@@ -84,7 +92,9 @@ def test_invalid_schemas(name):
 def test_invalid_regex_is_named(name):
     b = backend(name)
     for pattern in ("(unclosed", "a{3,1}", "[z-a]"):
-        with pytest.raises(GrammarCompileError, match=rf"^\[{name}\] regex failed to compile: ") as err:
+        with pytest.raises(
+            GrammarCompileError, match=rf"^\[{name}\] regex failed to compile: "
+        ) as err:
             b.compile(Regex(pattern))
         assert not isinstance(err.value, UnsupportedGrammarError)
         assert err.value.reason
@@ -100,7 +110,10 @@ def test_invalid_cfg_is_named(name):
     ]
     for spec, named in bad:
         if not getattr(b.capabilities, spec.kind):
-            with pytest.raises(UnsupportedGrammarError, match=rf"^\[{name}\] {spec.kind} grammars are not supported$"):
+            with pytest.raises(
+                UnsupportedGrammarError,
+                match=rf"^\[{name}\] {spec.kind} grammars are not supported$",
+            ):
                 b.compile(spec)
             continue
         with pytest.raises(GrammarCompileError) as err:
@@ -113,10 +126,15 @@ def test_size_limit_and_unknown_backend(name):
     tok, width = fixture_tokenizer("smollm2")
     small = get_backend(name, tok, vocab_size=width, max_grammar_bytes=10_000)
     huge = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(1000)}}
-    with pytest.raises(GrammarCompileError, match=rf"^\[{name}\] the json_schema spec is \d+ bytes, over max_grammar_bytes=10000$"):
+    with pytest.raises(
+        GrammarCompileError,
+        match=rf"^\[{name}\] the json_schema spec is \d+ bytes, over max_grammar_bytes=10000$",
+    ):
         small.compile(JsonSchema(huge))
     assert small.num_compiles == 0
-    with pytest.raises(BackendNotFoundError, match=r"unknown grammar backend 'xgramar'; registered: .*xgrammar"):
+    with pytest.raises(
+        BackendNotFoundError, match=r"unknown grammar backend 'xgramar'; registered: .*xgrammar"
+    ):
         get_backend("xgramar", tok)
     with pytest.raises(BackendNotFoundError, match=r"cannot load backend class 'nosuch\.module:X'"):
         load_backend_class("nosuch.module:X")
@@ -145,7 +163,10 @@ def test_compile_timeout_is_per_spec(name):
     blocked = _Blocked(name)
     try:
         t0 = time.perf_counter()
-        with pytest.raises(GrammarCompileError, match=rf"^\[{name}\] regex compile did not finish within compile_timeout_s=0.3$"):
+        with pytest.raises(
+            GrammarCompileError,
+            match=rf"^\[{name}\] regex compile did not finish within compile_timeout_s=0.3$",
+        ):
             blocked.backend.compile(Regex("ab+"))
         assert time.perf_counter() - t0 < 3.0
         # cached as failed: a retry does not start a second stuck compile
@@ -167,13 +188,17 @@ def test_out_of_range_tokens(name):
     a = ids("a")
     assert m.accept_tokens(a) == 1
     for bad in (-1, V, V + 1000, -(2**40)):
-        with pytest.raises(InvalidTokenError, match=rf"^token id {bad} is outside the logits width \[0, {V}\)$"):
+        with pytest.raises(
+            InvalidTokenError, match=rf"^token id {bad} is outside the logits width \[0, {V}\)$"
+        ):
             m.accept_token(bad)
         with pytest.raises(InvalidTokenError, match="outside the logits width"):
             m.accept_tokens(ids("b") + [bad])
         assert m.validate_tokens(ids("b") + [bad]) == 1
         assert not m.is_stop_token(bad)
-    assert m.accept_token(n_tok) is False and m.accept_token(V - 1) is False  # padding: refused, no error
+    assert (
+        m.accept_token(n_tok) is False and m.accept_token(V - 1) is False
+    )  # padding: refused, no error
     assert m.num_accepted == 1  # nothing of the failed calls was consumed
     bm = allocate_token_bitmask(5, V)
     b_tok = ids("b")[0]
@@ -197,7 +222,9 @@ def test_rollback_bounds(name):
     m.rollback(3)
     assert m.num_accepted == 2
     fresh = b.matcher(b.compile(Regex("a+")))
-    with pytest.raises(GrammarStateError, match=r"^rollback\(1\) exceeds the 0 tokens accepted so far$"):
+    with pytest.raises(
+        GrammarStateError, match=r"^rollback\(1\) exceeds the 0 tokens accepted so far$"
+    ):
         fresh.rollback(1)
     assert fresh.accept_token(a)
 
@@ -209,7 +236,9 @@ def test_terminated_matcher(name):
     doc = ids("ab") + [EOS]
     assert m.accept_tokens(doc) == len(doc) and m.is_terminated()
     bm = allocate_token_bitmask(2, b.vocab_size)
-    with pytest.raises(GrammarStateError, match="^fill_next_token_bitmask on a terminated matcher$"):
+    with pytest.raises(
+        GrammarStateError, match="^fill_next_token_bitmask on a terminated matcher$"
+    ):
         m.fill_next_token_bitmask(bm, 0)
     with pytest.raises(GrammarStateError, match="^fill_tree_bitmask on a terminated matcher$"):
         m.fill_tree_bitmask(DraftTree([EOS, 5], [-1, 0]), bm)
@@ -239,8 +268,14 @@ def test_bad_bitmasks(name):
     good = allocate_token_bitmask(4, V)
     before = good.clone()
     bad = [
-        (torch.zeros(2, W, dtype=torch.int64), "bitmask dtype must be torch.int32, got torch.int64"),
-        (torch.zeros(2, W, dtype=torch.uint8), "bitmask dtype must be torch.int32, got torch.uint8"),
+        (
+            torch.zeros(2, W, dtype=torch.int64),
+            "bitmask dtype must be torch.int32, got torch.int64",
+        ),
+        (
+            torch.zeros(2, W, dtype=torch.uint8),
+            "bitmask dtype must be torch.int32, got torch.uint8",
+        ),
         (torch.zeros(W, dtype=torch.int32), r"bitmask must be 2-D \(rows, words\), got shape"),
         (torch.zeros(2, W + 1, dtype=torch.int32), "words"),
         (torch.zeros(2, W - 1, dtype=torch.int32), "words"),
@@ -256,10 +291,14 @@ def test_bad_bitmasks(name):
         with pytest.raises(BitmaskError, match=msg):
             b.fill_tree_bitmasks([(m, tree, 0)], bm)
     for row in (4, -5):
-        with pytest.raises(BitmaskError, match=f"row {row} is out of range for a bitmask with 4 rows"):
+        with pytest.raises(
+            BitmaskError, match=f"row {row} is out of range for a bitmask with 4 rows"
+        ):
             m.fill_next_token_bitmask(good, row)
     for off in (3, -1):
-        with pytest.raises(BitmaskError, match=rf"rows \[{off}, {off + 2}\) do not fit a bitmask with 4 rows"):
+        with pytest.raises(
+            BitmaskError, match=rf"rows \[{off}, {off + 2}\) do not fit a bitmask with 4 rows"
+        ):
             m.fill_tree_bitmask(tree, good, off)
     assert torch.equal(good, before)  # nothing written by the refused calls
     assert m.num_accepted == 0 and m.fill_tree_bitmask(tree, good, 2).tolist() == [True, True]

@@ -17,6 +17,9 @@ import random
 
 import pytest
 import torch
+from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
+from test_reliability_worker import FaultyMatcher
+from test_worker_lazy_verify import oracle_verify, state_error
 
 from spec_grammar import JsonSchema, Regex, get_backend
 from spec_grammar.bitmask import allocate_token_bitmask, allowed_token_ids
@@ -24,26 +27,28 @@ from spec_grammar.errors import GrammarStateError
 from spec_grammar.models import load_tokenizer
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker
-from spec_grammar.worker.batch_verify import launch_masked_rows, pre_accept_first_branch, verify_greedy_batch
+from spec_grammar.worker.batch_verify import (
+    launch_masked_rows,
+    pre_accept_first_branch,
+    verify_greedy_batch,
+)
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
-from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
-
-from test_reliability_worker import FaultyMatcher
-from test_worker_lazy_verify import oracle_verify, state_error
 
 EXTRA = 100  # padding ids of a model head wider than the tokenizer
 SPECS = [
     (Regex(r"(yes|no)"), "yes"),  # ends after one or two tokens
     (Regex(r"[a-z]+( [a-z]+)*"), "hello big world and the sea is blue today"),
     (
-        JsonSchema({
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
-            "required": ["a", "b"],
-            "additionalProperties": False,
-        }),
+        JsonSchema(
+            {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            }
+        ),
         '{"a": 12, "b": true}',
     ),
 ]
@@ -61,7 +66,10 @@ def _setup(name: str, extra: int = EXTRA, max_rollback: int = 256):
     tok = _tok()
     backend = get_backend(name, tok, vocab_size=len(tok) + extra, max_rollback_tokens=max_rollback)
     stop = backend.tokenizer_info.stop_token_ids[0]
-    docs = [(backend.compile(s), list(tok.encode(d, add_special_tokens=False)) + [stop]) for s, d in SPECS]
+    docs = [
+        (backend.compile(s), list(tok.encode(d, add_special_tokens=False)) + [stop])
+        for s, d in SPECS
+    ]
     return backend, docs, stop
 
 
@@ -107,13 +115,17 @@ def _hostile_tree(rng: random.Random, setup, doc: list[int], pos: int, n: int) -
     return DraftTree(tokens, parents)
 
 
-def _hostile_logits(rng: random.Random, setup, tree: DraftTree, doc: list[int], pos: int, n_max: int):
+def _hostile_logits(
+    rng: random.Random, setup, tree: DraftTree, doc: list[int], pos: int, n_max: int
+):
     """Low-resolution noise (ties) with, per row, the document's token on top (in half or 90% of
     the rows), else a padding id, the stop token, any id, a NaN / +inf maximum, all ``-inf``, or
     one finite logit only."""
     backend, _, stop = setup
     v, n_tok = backend.vocab_size, backend.tokenizer_info.tokenizer_vocab_size
-    x = torch.randint(-3, 4, (n_max, v), generator=torch.Generator().manual_seed(rng.randrange(2**31))).float()
+    x = torch.randint(
+        -3, 4, (n_max, v), generator=torch.Generator().manual_seed(rng.randrange(2**31))
+    ).float()
     agree = rng.choice([0.5, 0.9])
     for k in range(tree.num_nodes):
         p = pos + tree.depth_list[k]
@@ -155,7 +167,8 @@ def _plain(result):
 @pytest.mark.parametrize("name", ["xgrammar", "llguidance", "outlines"])
 def test_lazy_walks_on_hostile_trees_equal_the_oracle(name, block):
     """Batches of lazy (with or without the first branch pre-accepted), filled (with or
-    without early masked rows) and plain requests of different tree sizes; stop sets with the grammar's stop token, without it
+    without early masked rows) and plain requests of different tree sizes; stop sets with the grammar's
+    stop token, without it
     (the grammar terminates inside a walk) or with an extra one."""
     setup = _setup(name)
     backend, docs, stop = setup
@@ -165,11 +178,17 @@ def test_lazy_walks_on_hostile_trees_equal_the_oracle(name, block):
         b = rng.randint(1, 4)
         specs = [rng.randrange(len(docs)) for _ in range(b)]
         positions = [rng.randrange(len(docs[s][1]) + 1) for s in specs]
-        trees = [_hostile_tree(rng, setup, docs[s][1], p, rng.randint(1, 9)) for s, p in zip(specs, positions)]
+        trees = [
+            _hostile_tree(rng, setup, docs[s][1], p, rng.randint(1, 9))
+            for s, p in zip(specs, positions)
+        ]
         n_max = max(t.num_nodes for t in trees) + rng.randint(0, 2)
-        logits = torch.stack([
-            _hostile_logits(rng, setup, t, docs[s][1], p, n_max) for t, s, p in zip(trees, specs, positions)
-        ])
+        logits = torch.stack(
+            [
+                _hostile_logits(rng, setup, t, docs[s][1], p, n_max)
+                for t, s, p in zip(trees, specs, positions)
+            ]
+        )
         stopsets = [rng.choice([{stop}, set(), {stop, 0}]) for _ in range(b)]
         kinds = [rng.choice(["lazy", "lazy", "lazy", "filled", "plain"]) for _ in range(b)]
         matchers, pre, offsets, valids, parts, rows = [], [], [], [], [], 0
@@ -191,21 +210,37 @@ def test_lazy_walks_on_hostile_trees_equal_the_oracle(name, block):
                 offsets.append(None)
         bitmask = torch.cat(parts) if parts else None
         # the filled rows masked while the forward ran (EarlyMask), for some batches
-        early = launch_masked_rows(logits, bitmask, trees, offsets) if parts and rng.random() < 0.5 else None
+        early = (
+            launch_masked_rows(logits, bitmask, trees, offsets)
+            if parts and rng.random() < 0.5
+            else None
+        )
         got = verify_greedy_batch(
-            logits, trees, list(range(b)), bitmask=bitmask, offsets=offsets, valids=valids,
-            stop_token_ids=stopsets, matchers=matchers, pre_accepted=pre, masked_rows=early,
+            logits,
+            trees,
+            list(range(b)),
+            bitmask=bitmask,
+            offsets=offsets,
+            valids=valids,
+            stop_token_ids=stopsets,
+            matchers=matchers,
+            pre_accepted=pre,
+            masked_rows=early,
         )
         for k in range(b):
             tree = trees[k]
             if kinds[k] == "plain":
-                processed = process_tree_logits(logits[k, : tree.num_nodes], tree, [0], SamplingParams())
+                processed = process_tree_logits(
+                    logits[k, : tree.num_nodes], tree, [0], SamplingParams()
+                )
                 try:
                     want = verify_greedy(processed, tree, stop_token_ids=stopsets[k])
                 except GrammarStateError:
                     want = GrammarStateError
             else:
-                want = _oracle(setup, logits[k, : tree.num_nodes], tree, specs[k], positions[k], stopsets[k])
+                want = _oracle(
+                    setup, logits[k, : tree.num_nodes], tree, specs[k], positions[k], stopsets[k]
+                )
             if _plain(got[k]) != want:
                 failures.append((seed, k, kinds[k], got[k], want))
             elif kinds[k] == "lazy" and isinstance(got[k], tuple):
@@ -258,7 +293,11 @@ def test_a_failing_row_fill_ends_the_lazy_walk_with_its_error(row):
     good_setup = _setup("xgrammar", 0)
     good = _matcher_at(good_setup, 1, 0)
     got = verify_greedy_batch(
-        logits, [tree, tree], [0, 1], stop_token_ids=[{stop}] * 2, matchers=[bad, good],
+        logits,
+        [tree, tree],
+        [0, 1],
+        stop_token_ids=[{stop}] * 2,
+        matchers=[bad, good],
         pre_accepted=[pre_accept_first_branch(bad, tree), pre_accept_first_branch(good, tree)],
     )
     assert isinstance(got[0], GrammarStateError) and "injected fault" in str(got[0]), got[0]
@@ -304,7 +343,9 @@ def test_the_pre_accepted_branch_stays_within_the_rollback_depth(name, max_rollb
     m = _matcher_at(setup, 1, 0)
     pre = pre_accept_first_branch(m, tree)
     assert len(pre) <= max_rollback
-    got = verify_greedy_batch(logits, [tree], [0], stop_token_ids=[{stop}], matchers=[m], pre_accepted=[pre])
+    got = verify_greedy_batch(
+        logits, [tree], [0], stop_token_ids=[{stop}], matchers=[m], pre_accepted=[pre]
+    )
     assert got[0] == _oracle(setup, logits[0], tree, 1, 0, {stop}) == ([0], other)
     assert _state_error(setup, m, 1, 0, [other]) is None
 
@@ -313,7 +354,11 @@ def test_the_pre_accepted_branch_stays_within_the_rollback_depth(name, max_rollb
 MAX_NEW = 16
 PROMPTS = [
     ("Question: is the sky blue? Answer (yes or no):", Regex(r"(yes|no)"), {}),
-    ("A JSON object with an integer a:", JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}), {}),
+    (
+        "A JSON object with an integer a:",
+        JsonSchema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+        {},
+    ),
     ("the sea is", WORDS, {}),
     ("the sea is", WORDS, {"max_new_tokens": 5}),  # the budget cuts a run
     ("Once upon a time", None, {}),
@@ -374,7 +419,11 @@ class HostileDrafter(Drafter):
             if m.is_terminated():
                 break
             m.fill_next_token_bitmask(row)
-            ids = [t for t in allowed_token_ids(row[0], self.vocab) if t != self.stop and not (t == avoid and not out)]
+            ids = [
+                t
+                for t in allowed_token_ids(row[0], self.vocab)
+                if t != self.stop and not (t == avoid and not out)
+            ]
             if not ids:
                 break
             out.append(ids[len(ids) // 2])
@@ -417,7 +466,9 @@ def test_lazy_worker_equals_plain_decoding_under_hostile_drafts(max_rollback):
     cancelled = reqs[-1].rid
 
     def on_step(stats, states):
-        if drafter.steps.get(cancelled) == 2 and any(s.rid == cancelled and not s.finished for s in states):
+        if drafter.steps.get(cancelled) == 2 and any(
+            s.rid == cancelled and not s.finished for s in states
+        ):
             worker.cancel(cancelled)
 
     with SpecWorker(_model(), tok, backend=backend, draft=drafter, lazy_grammar=True) as worker:
@@ -427,7 +478,11 @@ def test_lazy_worker_equals_plain_decoding_under_hostile_drafts(max_rollback):
     for rid, (ids, reason) in ref.items():
         assert (got[rid].token_ids, got[rid].finish_reason) == (ids, reason), (rid, got[rid])
     c = got[cancelled]
-    assert c.finish_reason == "cancelled" and c.token_ids == ref["r2"][0][: c.num_tokens] and c.num_tokens > 0
+    assert (
+        c.finish_reason == "cancelled"
+        and c.token_ids == ref["r2"][0][: c.num_tokens]
+        and c.num_tokens > 0
+    )
 
 
 @pytest.mark.model
@@ -439,15 +494,28 @@ def test_a_lazy_row_fill_fault_ends_only_its_request():
     ref = _reference()
     backend = _FillFaultBackend(tok)
     reqs = _requests()[:5]
-    reqs.append(Request(tok.encode("the sea is"), ACCEPT_FAULT, SamplingParams(max_new_tokens=MAX_NEW), rid="accept"))
+    reqs.append(
+        Request(
+            tok.encode("the sea is"),
+            ACCEPT_FAULT,
+            SamplingParams(max_new_tokens=MAX_NEW),
+            rid="accept",
+        )
+    )
     results, stats = _run(reqs, backend, draft="ngram", num_draft_tokens=6, lazy_grammar=True)
     got = {r.rid: r for r in results}
     assert any(s.lazy_requests for s in stats)
     for rid in ("r2", "r3"):  # the WORDS requests: the model soon wants a token [a-z ] forbids
         r = got[rid]
-        assert r.finish_reason == "error" and "injected fault in fill_next_token_bitmask" in r.error, r
+        assert (
+            r.finish_reason == "error" and "injected fault in fill_next_token_bitmask" in r.error
+        ), r
         assert r.token_ids == ref[rid][0][: r.num_tokens]
     r = got["accept"]
-    assert r.finish_reason == "error" and "injected fault in accept_token" in r.error and r.num_tokens < 4, r
+    assert (
+        r.finish_reason == "error"
+        and "injected fault in accept_token" in r.error
+        and r.num_tokens < 4
+    ), r
     for rid in ("r0", "r1", "r4"):
         assert (got[rid].token_ids, got[rid].finish_reason) == ref[rid], rid

@@ -17,6 +17,8 @@ import time
 
 import pytest
 import torch
+from emulated_graphs import ReplayEagerly, make_runner
+from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
 from spec_grammar import JsonSchema, Regex
 from spec_grammar.bitmask import allocate_token_bitmask
@@ -29,9 +31,6 @@ from spec_grammar.worker.placement import GrammarPlacement
 from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
-from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
-
-from emulated_graphs import ReplayEagerly, make_runner
 
 MAX_NEW = 14
 
@@ -54,7 +53,11 @@ def xgr_backend():
     return XGrammarBackend(tok, vocab_size=model.config.vocab_size)
 
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a"],
+}
 
 
 def mixed_requests(sampled: bool = True) -> list[Request]:
@@ -62,16 +65,30 @@ def mixed_requests(sampled: bool = True) -> list[Request]:
     requests finish, and drain, at different steps), a stop string."""
     reqs = [
         Request("JSON:", JsonSchema(SCHEMA), SamplingParams(max_new_tokens=MAX_NEW), rid="json"),
-        Request("Answer:", Regex(r"(yes|no|maybe)"), SamplingParams(max_new_tokens=MAX_NEW), rid="short"),
+        Request(
+            "Answer:", Regex(r"(yes|no|maybe)"), SamplingParams(max_new_tokens=MAX_NEW), rid="short"
+        ),
         Request("Digits:", Regex(r"[0-9]{1,40}"), SamplingParams(max_new_tokens=5), rid="digits"),
         Request("Text:", None, SamplingParams(max_new_tokens=9, ignore_eos=True), rid="plain"),
         Request("More text:", None, SamplingParams(max_new_tokens=MAX_NEW), rid="plain2"),
     ]
     if sampled:
         reqs.append(
-            Request("JSON too:", JsonSchema(SCHEMA), SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3), rid="sampled")
+            Request(
+                "JSON too:",
+                JsonSchema(SCHEMA),
+                SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3),
+                rid="sampled",
+            )
         )
-        reqs.append(Request("Words:", None, SamplingParams(max_new_tokens=7, temperature=1.0, seed=5), rid="sampled-plain"))
+        reqs.append(
+            Request(
+                "Words:",
+                None,
+                SamplingParams(max_new_tokens=7, temperature=1.0, seed=5),
+                rid="sampled-plain",
+            )
+        )
     return reqs
 
 
@@ -99,7 +116,7 @@ class ChainDrafter(Drafter):
     def propose(self, batch):
         out = []
         for s in batch:
-            rest = self.continuations.get(s.rid, [])[len(s.output_ids):]
+            rest = self.continuations.get(s.rid, [])[len(s.output_ids) :]
             chain = rest[: (self.num_draft_tokens - 1) // 2]
             tokens = [s.root_token] + chain
             parents = [-1] + list(range(len(chain)))
@@ -150,7 +167,11 @@ def test_placement_survives_a_nonfinite_or_negative_measurement(bad):
     p.record(True, 10, grammar_ms=0.1, launch_ms=0.5)
     p.record(False, 10, grammar_ms=10.0, launch_ms=0.5)
     for thread in (True, False):
-        assert p.unit_ms[thread] is not None and math.isfinite(p.unit_ms[thread]) and p.unit_ms[thread] >= 0
+        assert (
+            p.unit_ms[thread] is not None
+            and math.isfinite(p.unit_ms[thread])
+            and p.unit_ms[thread] >= 0
+        )
     assert p.launch_ms is not None and math.isfinite(p.launch_ms) and p.launch_ms >= 0
     assert p.use_thread(10) is True  # max(0.5, 0.1) < 0.5 + 10
 
@@ -174,7 +195,9 @@ VOCAB = 70
 def _rows(rng: random.Random, n: int) -> torch.Tensor:
     mask = allocate_token_bitmask(n, VOCAB)
     for r in range(n):
-        allowed = [] if rng.random() < 0.15 else [t for t in range(VOCAB) if rng.random() < 0.5 or t < 4]
+        allowed = (
+            [] if rng.random() < 0.15 else [t for t in range(VOCAB) if rng.random() < 0.5 or t < 4]
+        )
         mask[r] = 0
         for t in allowed:
             mask[r, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -(1 << 31)
@@ -202,11 +225,19 @@ def test_fast_path_with_offsets_not_in_batch_order(seed):
     valids = [torch.tensor([rng.random() < 0.8 for _ in range(n)]) for _ in range(b)]
     stops = [frozenset({rng.randrange(8)}) for _ in range(b)]
     got = verify_greedy_batch(
-        logits, trees, list(range(b)), bitmask=bitmask, offsets=offsets, valids=valids, stop_token_ids=stops
+        logits,
+        trees,
+        list(range(b)),
+        bitmask=bitmask,
+        offsets=offsets,
+        valids=valids,
+        stop_token_ids=stops,
     )
     for i in range(b):
         rows = bitmask[offsets[i] : offsets[i] + n]
-        processed = process_tree_logits(logits[i], trees[i], [trees[i].token_list[0]], SamplingParams(), bitmask=rows)
+        processed = process_tree_logits(
+            logits[i], trees[i], [trees[i].token_list[0]], SamplingParams(), bitmask=rows
+        )
         try:
             want = verify_greedy(processed, trees[i], valids[i], stop_token_ids=stops[i])
         except GrammarStateError as e:
@@ -256,7 +287,12 @@ def test_all_plain_batch_with_graphs_has_no_grammar_units():
     reqs = [r for r in mixed_requests() if r.grammar is None]
     got, flags = run_worker(reqs, graphs=True, placement=FixedPlacement(True))
     assert not any(flags)
-    assert got == run_worker([r for r in mixed_requests() if r.grammar is None], graphs=False, overlap=False)[0]
+    assert (
+        got
+        == run_worker(
+            [r for r in mixed_requests() if r.grammar is None], graphs=False, overlap=False
+        )[0]
+    )
 
 
 @pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
@@ -266,7 +302,9 @@ def test_full_trees_fast_path_in_the_worker(thread):
     reqs = [r for r in mixed_requests(sampled=False) if r.grammar is not None]
     ref = reference_greedy()
     conts = {r.rid: ref[r.rid][0] for r in reqs}
-    got, _ = run_worker(reqs, graphs=True, placement=FixedPlacement(thread), draft=ChainDrafter(conts, 7))
+    got, _ = run_worker(
+        reqs, graphs=True, placement=FixedPlacement(thread), draft=ChainDrafter(conts, 7)
+    )
     for r in reqs:
         assert got[r.rid] == ref[r.rid], r.rid
 
@@ -323,7 +361,11 @@ class FlakyBackend(XGrammarBackend):
     def _matcher(self, compiled):
         import xgrammar as xgr
 
-        cls = self.flaky if getattr(compiled.spec, "pattern", None) == r"[0-9]{1,40}" else XGrammarMatcher
+        cls = (
+            self.flaky
+            if getattr(compiled.spec, "pattern", None) == r"[0-9]{1,40}"
+            else XGrammarMatcher
+        )
         return cls(self, xgr.GrammarMatcher(compiled.native))
 
 
@@ -334,11 +376,15 @@ def test_grammar_fault_ends_only_its_request_in_any_placement(mode, where):
     backend = FlakyBackend(tok, vocab_size=model.config.vocab_size)
     backend.flaky = FlakyMatcher if where == "fill" else FlakyAcceptMatcher
     reqs = mixed_requests(sampled=False)
-    reqs[2] = Request("Digits:", Regex(r"[0-9]{1,40}"), SamplingParams(max_new_tokens=MAX_NEW), rid="digits")
+    reqs[2] = Request(
+        "Digits:", Regex(r"[0-9]{1,40}"), SamplingParams(max_new_tokens=MAX_NEW), rid="digits"
+    )
     if mode == "sync":
         got, _ = run_worker(reqs, graphs=False, overlap=False, backend=backend)
     else:
-        got, _ = run_worker(reqs, graphs=True, placement=FixedPlacement(mode == "thread"), backend=backend)
+        got, _ = run_worker(
+            reqs, graphs=True, placement=FixedPlacement(mode == "thread"), backend=backend
+        )
     want, _ = run_worker(
         [r for r in mixed_requests(sampled=False) if r.rid != "digits"], graphs=False, overlap=False
     )
@@ -371,7 +417,9 @@ def test_forward_fault_after_launch_waits_for_the_thread_and_the_worker_recovers
     runner._graphs = RaiseAfterLaunch(fail_on=3)
     reqs = mixed_requests()
     state = {"running": 0, "running_at_raise": None}
-    with SpecWorker(runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6) as worker:
+    with SpecWorker(
+        runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6
+    ) as worker:
         worker._placement = FixedPlacement(True)
         work = worker._grammar_work
 
@@ -407,7 +455,9 @@ def test_cancel_mid_run_with_graphs(thread):
     want, _ = run_worker(mixed_requests(), graphs=False, overlap=False)
     runner = make_runner(model, "emulated")
     cancelled_from_thread = threading.Event()
-    with SpecWorker(runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6) as worker:
+    with SpecWorker(
+        runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6
+    ) as worker:
         worker._placement = FixedPlacement(thread)
         work = worker._grammar_work
 
@@ -437,7 +487,9 @@ def test_close_inside_on_step_with_graphs():
     reqs = mixed_requests(sampled=False)
     model, tok = tiny()
     runner = make_runner(model, "emulated")
-    with SpecWorker(runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6) as worker:
+    with SpecWorker(
+        runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6
+    ) as worker:
         worker._placement = FixedPlacement(True)
         got = outcome(worker.run(reqs, on_step=lambda stats, states: worker.close()))
     assert got == run_worker(mixed_requests(sampled=False), graphs=False, overlap=False)[0]
@@ -484,7 +536,13 @@ def test_agree_with_edits_only_document_rows(graphs):
 @pytest.mark.parametrize(
     "prompt_len, document",
     [(0, [1, 2]), (-3, [1, 2]), (4, [49152]), (1 << 15, [1]), (1, [1] * (1 << 15))],
-    ids=["zero-prompt", "negative-prompt", "token-past-vocab", "prompt-past-table", "doc-past-table"],
+    ids=[
+        "zero-prompt",
+        "negative-prompt",
+        "token-past-vocab",
+        "prompt-past-table",
+        "doc-past-table",
+    ],
 )
 def test_agree_with_rejects_what_it_cannot_edit(prompt_len, document):
     """Bad inputs get a ValueError at ``agree_with`` (never an index error inside a forward, a

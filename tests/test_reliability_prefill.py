@@ -19,6 +19,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from real_model import backend, model_and_tokenizer, replays
 
 from spec_grammar import Regex
 from spec_grammar.tree import DraftTree
@@ -28,11 +29,11 @@ from spec_grammar.worker.drafters.model import truncated_model
 from spec_grammar.worker.request import RequestState
 from spec_grammar.worker.runner import ModelRunner, RunnerError
 
-from real_model import backend, model_and_tokenizer, replays
-
 pytestmark = pytest.mark.model
 
-ATOL = 5e-4  # float32 (test_worker_runner's); a wrong mask, position or KV row shifts logits by O(1)
+ATOL = (
+    5e-4  # float32 (test_worker_runner's); a wrong mask, position or KV row shifts logits by O(1)
+)
 MAX_NEW = 8
 
 
@@ -56,7 +57,9 @@ def model():
 
 def prompts_of(lengths: list[int], seed: int = 0, prefix: str = "r") -> dict[str, list[int]]:
     rng = random.Random(seed)
-    return {f"{prefix}{i}": [rng.randrange(100, 20000) for _ in range(n)] for i, n in enumerate(lengths)}
+    return {
+        f"{prefix}{i}": [rng.randrange(100, 20000) for _ in range(n)] for i, n in enumerate(lengths)
+    }
 
 
 def probe_trees(prompts: dict[str, list[int]]) -> list[DraftTree]:
@@ -92,8 +95,10 @@ def test_batched_prefill_equals_one_by_one(model, chunk, tokens):
     prompts = prompts_of(LENGTHS)
     runner = ModelRunner(model, prefill_chunk=chunk, prefill_tokens=tokens)
     # ids as the callers may hand them: a list, a tuple, a numpy array, numpy ints
-    entries = [(rid, [p, tuple(p), np.array(p), [np.int64(t) for t in p]][i % 4]) for i, (rid, p) in
-               enumerate(prompts.items())]
+    entries = [
+        (rid, [p, tuple(p), np.array(p), [np.int64(t) for t in p]][i % 4])
+        for i, (rid, p) in enumerate(prompts.items())
+    ]
     assert runner.add_batch(entries) == {}
     assert runner.request_ids == list(prompts)
     assert [runner.cache_len(r) for r in prompts] == [n - 1 for n in LENGTHS]
@@ -110,7 +115,10 @@ def test_add_batch_after_removes_with_pending_commits_and_buffer_growth(model):
     ctx = {r: list(p) for r, p in old.items()}
     assert runner.add_batch(list(old.items())) == {}
     branchy = DraftTree.from_parents([0, 2365, 28, 253, 314], [-1, 0, 0, 2, 3])
-    trees = [DraftTree.from_parents([p[-1], *branchy.token_list[1:]], branchy.parent_list) for p in old.values()]
+    trees = [
+        DraftTree.from_parents([p[-1], *branchy.token_list[1:]], branchy.parent_list)
+        for p in old.values()
+    ]
     runner.forward_trees(list(old), trees)
     runner.commit("r0", [0, 2, 3])  # not the first nodes: its KV moves at the next forward
     ctx["r0"] += [28, 253, 9]  # the accepted path, then a bonus token (the next root)
@@ -136,11 +144,20 @@ def tiny_window_model(arch: str):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, sliding_window=3)
+    shape = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=3,
+    )
     if arch == "gemma3":
         types = ["sliding_attention", "full_attention", "sliding_attention"]
-        return Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=3, layer_types=types, **shape)).eval()
+        return Gemma3ForCausalLM(
+            Gemma3TextConfig(num_hidden_layers=3, layer_types=types, **shape)
+        ).eval()
     return MistralForCausalLM(MistralConfig(num_hidden_layers=2, **shape)).eval()
 
 
@@ -273,9 +290,18 @@ def test_a_forward_failing_mid_prefill_leaves_none_of_the_call(model, fail_at):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(prefill_chunk=0), dict(prefill_chunk=-4), dict(prefill_tokens=0), dict(prefill_tokens=-1),
-     dict(prefill_chunk=8, prefill_tokens=7), dict(prefill_chunk=1.5), dict(prefill_chunk="8"),
-     dict(prefill_tokens=None), dict(prefill_chunk=True), dict(prefill_tokens=float("inf"))],
+    [
+        dict(prefill_chunk=0),
+        dict(prefill_chunk=-4),
+        dict(prefill_tokens=0),
+        dict(prefill_tokens=-1),
+        dict(prefill_chunk=8, prefill_tokens=7),
+        dict(prefill_chunk=1.5),
+        dict(prefill_chunk="8"),
+        dict(prefill_tokens=None),
+        dict(prefill_chunk=True),
+        dict(prefill_tokens=float("inf")),
+    ],
     ids=repr,
 )
 def test_bad_prefill_settings_are_a_runner_error_naming_them(model, kw):
@@ -300,7 +326,9 @@ def test_model_drafter_batched_prefill_drafts_the_trees_of_one_by_one():
     prompts were prefilled together equal those of one whose prompts went in one by one; a
     refused request is returned by id and its removal is a no-op."""
     prompts = prompts_of([1, 3, 4, 5, 9, 2], seed=6)
-    batched = ModelDrafter(ModelRunner(draft_model(), prefill_chunk=3, prefill_tokens=7), topk=2, num_steps=3)
+    batched = ModelDrafter(
+        ModelRunner(draft_model(), prefill_chunk=3, prefill_tokens=7), topk=2, num_steps=3
+    )
     single = ModelDrafter(ModelRunner(draft_model()), topk=2, num_steps=3)
     sb, ss = states_of(prompts), states_of(prompts)
     bad = RequestState(Request([504, -3], rid="bad"), [504, -3], None)
@@ -312,7 +340,9 @@ def test_model_drafter_batched_prefill_drafts_the_trees_of_one_by_one():
         single.add(s)
     for _ in range(3):
         tb, ts = batched.propose(sb), single.propose(ss)
-        assert [(t.token_list, t.parent_list) for t in tb] == [(t.token_list, t.parent_list) for t in ts]
+        assert [(t.token_list, t.parent_list) for t in tb] == [
+            (t.token_list, t.parent_list) for t in ts
+        ]
         for b, s, t in zip(sb, ss, tb):
             node = t.parent_list.index(0, 1) if t.num_nodes > 1 else None
             nxt = t.token_list[node] if node is not None else 28
@@ -334,7 +364,14 @@ def good_requests():
     ids = prompts_of([1, 4, 5, 13], seed=7)
     reqs = [Request(p, sampling=sampling(), rid=r) for r, p in ids.items()]
     reqs.append(Request("The capital of France is", sampling=sampling(), rid="text"))
-    reqs.append(Request("Answer with a number: 17 + 25 =", grammar=Regex(r" ?[0-9]+"), sampling=sampling(), rid="rx"))
+    reqs.append(
+        Request(
+            "Answer with a number: 17 + 25 =",
+            grammar=Regex(r" ?[0-9]+"),
+            sampling=sampling(),
+            rid="rx",
+        )
+    )
     assert len(tok.encode("The capital of France is")) > 1
     return reqs
 
@@ -353,13 +390,23 @@ def spec_worker(drafter="self") -> SpecWorker:
     :class:`FailingRunner` (no fault unless armed)."""
     model, tok = model_and_tokenizer()
     if drafter == "self":
-        drafter = ModelDrafter(FailingRunner(draft_model(), prefill_chunk=3, prefill_tokens=7),
-                               topk=2, num_steps=3, num_draft_tokens=6)
-    return SpecWorker(FailingRunner(model, prefill_chunk=4, prefill_tokens=9), tok, backend=backend("xgrammar"),
-                      draft=drafter)
+        drafter = ModelDrafter(
+            FailingRunner(draft_model(), prefill_chunk=3, prefill_tokens=7),
+            topk=2,
+            num_steps=3,
+            num_draft_tokens=6,
+        )
+    return SpecWorker(
+        FailingRunner(model, prefill_chunk=4, prefill_tokens=9),
+        tok,
+        backend=backend("xgrammar"),
+        draft=drafter,
+    )
 
 
-def test_worker_batched_prefill_refused_and_duplicate_ids_end_only_their_request(good_requests, plain_outputs):
+def test_worker_batched_prefill_refused_and_duplicate_ids_end_only_their_request(
+    good_requests, plain_outputs
+):
     """Hostile requests among good ones end with their reason; the good ones equal plain
     decoding; nothing stays in the runners and the same ids run again, also after a run whose
     prefill raised in the target's or the drafter's batched prefill. (When written, a
@@ -375,8 +422,17 @@ def test_worker_batched_prefill_refused_and_duplicate_ids_end_only_their_request
         Request([True, 504], sampling=sampling(), rid="bool"),
     ]
     # numpy ids are ids: the same output as the list prompt (when written: refused, "got list")
-    as_numpy = Request([np.int64(t) for t in good_requests[0].prompt], sampling=sampling(), rid="numpy")
-    reqs = [*good_requests[:2], hostile[0], *good_requests[2:4], *hostile[1:], as_numpy, *good_requests[4:]]
+    as_numpy = Request(
+        [np.int64(t) for t in good_requests[0].prompt], sampling=sampling(), rid="numpy"
+    )
+    reqs = [
+        *good_requests[:2],
+        hostile[0],
+        *good_requests[2:4],
+        *hostile[1:],
+        as_numpy,
+        *good_requests[4:],
+    ]
     runners = (worker.runner, worker.drafter.runner)
     with worker:
         results = worker.run(reqs)
@@ -416,14 +472,23 @@ def test_a_request_id_that_is_not_a_string_ends_only_that_request(rid):
     building the int / tuple id's result, losing every request's output; a list id raised
     TypeError from the prefill.)"""
     model, tok = model_and_tokenizer()
-    reqs = [Request([504, 3575, 282], sampling=sampling(2), rid=rid), Request([2705, 827], sampling=sampling(2), rid="ok")]
+    reqs = [
+        Request([504, 3575, 282], sampling=sampling(2), rid=rid),
+        Request([2705, 827], sampling=sampling(2), rid="ok"),
+    ]
     with SpecWorker(model, tok, backend=None, draft="ngram") as worker:
         bad, ok = worker.run(reqs)
         assert worker.runner.request_ids == []
-    assert bad.finish_reason == "error" and "request id must be a string" in bad.error and bad.rid == repr(rid)
+    assert (
+        bad.finish_reason == "error"
+        and "request id must be a string" in bad.error
+        and bad.rid == repr(rid)
+    )
     with SpecWorker(model, tok, backend=None, no_spec=True) as worker:
         (want,) = worker.run(reqs[1:])
-    assert ok.finish_reason == "length" and ok.token_ids == want.token_ids and len(ok.token_ids) == 2
+    assert (
+        ok.finish_reason == "length" and ok.token_ids == want.token_ids and len(ok.token_ids) == 2
+    )
 
 
 class NgramFailingFor(NgramDrafter):
@@ -457,7 +522,9 @@ class ModelDrafterFailingFor(ModelDrafter):
     "kind, victim",  # r2: no grammar; rx: a grammar request with tokens still to feed its matcher
     [("ngram", "r2"), ("ngram", "rx"), ("ngram", "batch"), ("model", "rx"), ("model", "batch")],
 )
-def test_a_drafter_raising_for_one_request_ends_only_that_request(good_requests, plain_outputs, kind, victim):
+def test_a_drafter_raising_for_one_request_ends_only_that_request(
+    good_requests, plain_outputs, kind, victim
+):
     """The victim ends with "drafting failed: ..." keeping its committed tokens (a prefix of its
     plain output, accepted by a fresh matcher for the grammar request); the others equal plain
     decoding; no request stays in either runner. A fault of every batched call (each request
@@ -466,8 +533,13 @@ def test_a_drafter_raising_for_one_request_ends_only_that_request(good_requests,
     if kind == "ngram":
         drafter = NgramFailingFor(victim, num_draft_tokens=6)
     else:
-        drafter = ModelDrafterFailingFor(ModelRunner(draft_model(), prefill_chunk=3, prefill_tokens=7),
-                                         victim, topk=2, num_steps=3, num_draft_tokens=6)
+        drafter = ModelDrafterFailingFor(
+            ModelRunner(draft_model(), prefill_chunk=3, prefill_tokens=7),
+            victim,
+            topk=2,
+            num_steps=3,
+            num_draft_tokens=6,
+        )
     with spec_worker(drafter) as worker:
         results = {r.rid: r for r in worker.run(good_requests)}
         assert worker.runner.request_ids == []
@@ -477,7 +549,9 @@ def test_a_drafter_raising_for_one_request_ends_only_that_request(good_requests,
         assert {rid: (r.token_ids, r.finish_reason) for rid, r in results.items()} == plain_outputs
         return
     bad = results.pop(victim)
-    assert bad.finish_reason == "error" and bad.error.startswith("drafting failed: RuntimeError: injected"), bad
+    assert bad.finish_reason == "error" and bad.error.startswith(
+        "drafting failed: RuntimeError: injected"
+    ), bad
     want = plain_outputs[victim][0]
     assert 2 <= len(bad.token_ids) < len(want) and bad.token_ids == want[: len(bad.token_ids)]
     spec = next(r.grammar for r in good_requests if r.rid == victim)

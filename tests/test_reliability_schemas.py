@@ -28,14 +28,13 @@ import re
 
 import jsonschema
 import pytest
+from real_model import JSON_BACKENDS, backend, model_and_tokenizer, replays
 
 from spec_grammar import JsonSchema, ToolCalls
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.worker import Request, SpecWorker, build_prompt
 from spec_grammar.worker.api import schema_prompt
 from spec_grammar.worker.sampling import SamplingParams
-
-from real_model import JSON_BACKENDS, backend, model_and_tokenizer, replays
 
 MAX_NEW = 32
 
@@ -49,8 +48,12 @@ PYDANTIC_PARAMS = {
     "required": ["city", "unit"],
     "additionalProperties": False,
     "$defs": {
-        "City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
-                 "required": ["name"], "additionalProperties": False},
+        "City": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}},
+            "required": ["name"],
+            "additionalProperties": False,
+        },
         "Unit": {"enum": ["C", "F"]},
     },
 }
@@ -65,7 +68,10 @@ OTHER_PARAMS = {
 
 
 def tool(name: str, params: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": params}}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": f"{name} tool", "parameters": params},
+    }
 
 
 WEATHER_TOOLS = [tool("get_weather", PYDANTIC_PARAMS)]
@@ -73,20 +79,48 @@ TWO_TOOLS = [tool("get_weather", PYDANTIC_PARAMS), tool("count", OTHER_PARAMS)]
 
 # completes within MAX_NEW tokens on SmolLM2 greedy with every backend
 GOOD = {
-    "escaped-names": JsonSchema({
-        "type": "object",
-        "properties": {"a\"b": {"type": "integer"}, "c\\d": {"type": "string", "maxLength": 3},
-                       "new\nline": {"type": "boolean"}},
-        "required": ["a\"b", "c\\d", "new\nline"], "additionalProperties": False}),
-    "openapi-refs": JsonSchema({
-        "$defs": {"Pet": {"type": "object", "properties": {
-            "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 8},
-            "tag": {"type": ["string", "null"]}}, "required": ["id", "name"], "additionalProperties": False}},
-        "type": "object", "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}, "maxItems": 1}},
-        "required": ["pets"], "additionalProperties": False}),
-    "unicode-enum": JsonSchema({
-        "type": "object", "properties": {"ключ": {"enum": ["значение", "😀", "a\"b", "\\n", 1, None]}},
-        "required": ["ключ"], "additionalProperties": False}),
+    "escaped-names": JsonSchema(
+        {
+            "type": "object",
+            "properties": {
+                'a"b': {"type": "integer"},
+                "c\\d": {"type": "string", "maxLength": 3},
+                "new\nline": {"type": "boolean"},
+            },
+            "required": ['a"b', "c\\d", "new\nline"],
+            "additionalProperties": False,
+        }
+    ),
+    "openapi-refs": JsonSchema(
+        {
+            "$defs": {
+                "Pet": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "name": {"type": "string", "maxLength": 8},
+                        "tag": {"type": ["string", "null"]},
+                    },
+                    "required": ["id", "name"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {
+                "pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}, "maxItems": 1}
+            },
+            "required": ["pets"],
+            "additionalProperties": False,
+        }
+    ),
+    "unicode-enum": JsonSchema(
+        {
+            "type": "object",
+            "properties": {"ключ": {"enum": ["значение", "😀", 'a"b', "\\n", 1, None]}},
+            "required": ["ключ"],
+            "additionalProperties": False,
+        }
+    ),
     "tools-defs": ToolCalls(WEATHER_TOOLS, parallel_tool_calls=False),
 }
 # fail to compile on every backend: a typed error that names the problem, for that request only
@@ -102,8 +136,14 @@ def requests() -> tuple[Request, ...]:
     _, tok = model_and_tokenizer()
     params = SamplingParams(max_new_tokens=MAX_NEW)
     return tuple(
-        Request(prompt=build_prompt(tok, schema_prompt(spec, "Keep it minimal: short strings, small numbers.")),
-                grammar=spec, sampling=params, rid=rid)
+        Request(
+            prompt=build_prompt(
+                tok, schema_prompt(spec, "Keep it minimal: short strings, small numbers.")
+            ),
+            grammar=spec,
+            sampling=params,
+            rid=rid,
+        )
         for rid, spec in {**GOOD, **BAD}.items()
     )
 
@@ -111,7 +151,9 @@ def requests() -> tuple[Request, ...]:
 @functools.cache
 def results(name: str, no_spec: bool) -> dict:
     model, tok = model_and_tokenizer()
-    with SpecWorker(model, tok, backend=backend(name), draft="ngram", num_draft_tokens=6, no_spec=no_spec) as w:
+    with SpecWorker(
+        model, tok, backend=backend(name), draft="ngram", num_draft_tokens=6, no_spec=no_spec
+    ) as w:
         return {r.rid: r for r in w.run(list(requests()))}
 
 
@@ -167,8 +209,10 @@ def test_tool_parameters_with_local_refs_compile_and_enforce_each_tools_defs(nam
     cases = [
         [{"name": "get_weather", "arguments": {"city": {"name": "Oslo"}, "unit": "C"}}],
         [{"name": "count", "arguments": {"n": 3, "next": {"n": 4}}}],
-        [{"name": "get_weather", "arguments": {"city": {"name": "Oslo"}, "unit": "C"}},
-         {"name": "count", "arguments": {"n": 1}}],
+        [
+            {"name": "get_weather", "arguments": {"city": {"name": "Oslo"}, "unit": "C"}},
+            {"name": "count", "arguments": {"n": 1}},
+        ],
         [{"name": "get_weather", "arguments": {"city": 3, "unit": "C"}}],  # City of the other tool
         [{"name": "count", "arguments": {"n": {"name": "Oslo"}}}],
         [{"name": "count", "arguments": {"n": 3, "next": {"city": {"name": "x"}, "unit": "C"}}}],
@@ -182,9 +226,11 @@ def test_tool_parameters_with_local_refs_compile_and_enforce_each_tools_defs(nam
 
 def test_tool_refs_are_rebased_only_where_they_are_schema_refs():
     """Literal values that look like refs, and tools with their own $id, stay as written."""
-    params = {"type": "object", "properties": {"default": {"$ref": "#/$defs/X"},
-                                               "c": {"const": {"$ref": "#/x"}}},
-              "$defs": {"X": {"type": "integer"}}}
+    params = {
+        "type": "object",
+        "properties": {"default": {"$ref": "#/$defs/X"}, "c": {"const": {"$ref": "#/x"}}},
+        "$defs": {"X": {"type": "integer"}},
+    }
     schema = ToolCalls([tool("f", params)]).to_json_schema().json_schema
     assert schema["items"]["properties"]["arguments"] == {"$ref": "#/$defs/tool0"}
     args = schema["$defs"]["tool0"]
@@ -201,17 +247,34 @@ def test_tool_refs_are_rebased_only_where_they_are_schema_refs():
 @pytest.mark.parametrize(
     "schema, where",
     [
-        ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                    {"properties": {"b": {"type": "string"}}, "required": ["b"]}]}, "allOf with 2 branches at /"),
-        ({"type": "object", "properties": {"x": {"allOf": [{"type": "integer"}, {"type": "integer"}]}}},
-         "allOf with 2 branches at /properties/x"),
-        ({"type": "object", "properties": {"e": {"enum": []}}, "required": ["e"]}, "enum: [] at /properties/e"),
+        (
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"properties": {"b": {"type": "string"}}, "required": ["b"]},
+                ]
+            },
+            "allOf with 2 branches at /",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"allOf": [{"type": "integer"}, {"type": "integer"}]}},
+            },
+            "allOf with 2 branches at /properties/x",
+        ),
+        (
+            {"type": "object", "properties": {"e": {"enum": []}}, "required": ["e"]},
+            "enum: [] at /properties/e",
+        ),
     ],
 )
 def test_outlines_refuses_schemas_it_would_turn_into_non_json(schema, where):
     if "outlines" not in JSON_BACKENDS:
         pytest.skip("outlines-core not installed")
-    with pytest.raises(UnsupportedGrammarError, match=f"^{re.escape(f'[outlines] {where}: outlines-core')}"):
+    with pytest.raises(
+        UnsupportedGrammarError, match=f"^{re.escape(f'[outlines] {where}: outlines-core')}"
+    ):
         backend("outlines").compile(JsonSchema(schema))
 
 
@@ -219,20 +282,30 @@ def test_outlines_single_allof_branch_and_optional_names_still_compile():
     """The refusals above are narrow: one allOf branch and ordinary names compile and enforce."""
     if "outlines" not in JSON_BACKENDS:
         pytest.skip("outlines-core not installed")
-    one = JsonSchema({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                                 "additionalProperties": False}]})
+    one = JsonSchema(
+        {
+            "allOf": [
+                {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            ]
+        }
+    )
     assert _accepts("outlines", one, '{"a": 1}') and not _accepts("outlines", one, '{"a": "x"}')
 
 
 @pytest.mark.parametrize("name", JSON_BACKENDS)
 def test_property_names_needing_escapes_are_matched_to_their_schema(name):
     spec = GOOD["escaped-names"]
-    good = {"a\"b": 1, "c\\d": "x", "new\nline": True}
+    good = {'a"b': 1, "c\\d": "x", "new\nline": True}
     assert _accepts(name, spec, json.dumps(good))
     # the names as outlines used to write them (not JSON), and a value of the wrong type
     assert not _accepts(name, spec, '{"a"b": 1, "c\\d": "x", "new\nline": true}')
     if name != "xgrammar":  # xgrammar: escaped names are additional properties (known_differences)
-        assert not _accepts(name, spec, json.dumps({**good, "a\"b": "one"}))
+        assert not _accepts(name, spec, json.dumps({**good, 'a"b': "one"}))
 
 
 @pytest.mark.model
@@ -248,20 +321,53 @@ def test_cli_batch_lines_with_odd_grammar_values_fail_alone(capsys, tmp_path):
     ]
     batch = tmp_path / "batch.jsonl"
     batch.write_text("\n".join(json.dumps(x) for x in lines))
-    code = cli_main(["generate", "--max-new-tokens", "4", "--draft", "none", "--batch-file", str(batch), "--json"])
+    code = cli_main(
+        [
+            "generate",
+            "--max-new-tokens",
+            "4",
+            "--draft",
+            "none",
+            "--batch-file",
+            str(batch),
+            "--json",
+        ]
+    )
     results = json.loads(capsys.readouterr().out)["results"]
-    assert code == 1 and [r["finish_reason"] == "error" for r in results] == [False, True, True, True, True]
-    assert all(r["error"].startswith(f"{batch}:{i + 2}: ") for i, r in enumerate(results[1:])), results
+    assert code == 1 and [r["finish_reason"] == "error" for r in results] == [
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+    assert all(r["error"].startswith(f"{batch}:{i + 2}: ") for i, r in enumerate(results[1:])), (
+        results
+    )
 
 
 @pytest.mark.parametrize(
     "schema, error, says",
     [
-        ({"type": "object", "patternProperties": {"^x-": {"type": "string"}}, "additionalProperties": False},
-         UnsupportedGrammarError, "json_schema: Unsupported JSON Schema structure false"),
-        ({"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2},
-         GrammarCompileError, "or a bound {m,n} with m > n (such as minItems > maxItems)"),
-        ({"type": "string", "pattern": "(?<=a)b"}, GrammarCompileError, "lacks (look-around, backreference)"),
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^x-": {"type": "string"}},
+                "additionalProperties": False,
+            },
+            UnsupportedGrammarError,
+            "json_schema: Unsupported JSON Schema structure false",
+        ),
+        (
+            {"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2},
+            GrammarCompileError,
+            "or a bound {m,n} with m > n (such as minItems > maxItems)",
+        ),
+        (
+            {"type": "string", "pattern": "(?<=a)b"},
+            GrammarCompileError,
+            "lacks (look-around, backreference)",
+        ),
     ],
 )
 def test_outlines_compile_errors_are_one_line_and_name_the_cause(schema, error, says):
@@ -271,19 +377,40 @@ def test_outlines_compile_errors_are_one_line_and_name_the_cause(schema, error, 
         pytest.skip("outlines-core not installed")
     with pytest.raises(error) as err:
         backend("outlines").compile(JsonSchema(schema))
-    assert type(err.value) is error and says in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert type(err.value) is error and says in str(err.value) and "\n" not in str(err.value), str(
+        err.value
+    )
     assert str(err.value).startswith("[outlines] json_schema")
 
 
 DRAFT07_TUPLE = {
-    "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
-    "properties": {"a": {"type": "array", "items": [{"type": "string"}, {"type": "boolean"}], "additionalItems": False}},
-    "required": ["a"], "additionalProperties": False}
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "type": "object",
+    "properties": {
+        "a": {
+            "type": "array",
+            "items": [{"type": "string"}, {"type": "boolean"}],
+            "additionalItems": False,
+        }
+    },
+    "required": ["a"],
+    "additionalProperties": False,
+}
 DRAFT04_EXCLUSIVE = {
-    "$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
-    "properties": {"n": {"type": "integer", "minimum": 0, "exclusiveMinimum": True, "maximum": 3,
-                         "exclusiveMaximum": False}},
-    "required": ["n"], "additionalProperties": False}
+    "$schema": "http://json-schema.org/draft-04/schema#",
+    "type": "object",
+    "properties": {
+        "n": {
+            "type": "integer",
+            "minimum": 0,
+            "exclusiveMinimum": True,
+            "maximum": 3,
+            "exclusiveMaximum": False,
+        }
+    },
+    "required": ["n"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("name", JSON_BACKENDS)
@@ -303,10 +430,16 @@ def test_older_draft_forms_compile_and_agree_with_jsonschema(name, schema, docs)
     try:
         compiled = backend(name).compile(spec)
     except UnsupportedGrammarError:
-        assert name == "outlines" and schema is DRAFT07_TUPLE  # outlines-core: "Unsupported ... structure"
+        assert (
+            name == "outlines" and schema is DRAFT07_TUPLE
+        )  # outlines-core: "Unsupported ... structure"
         return
-    if name == "outlines" and schema is DRAFT04_EXCLUSIVE:  # outlines ignores numeric bounds: it says so
-        assert any(w.startswith("exclusiveMinimum at /properties/n") for w in compiled.warnings), compiled.warnings
+    if (
+        name == "outlines" and schema is DRAFT04_EXCLUSIVE
+    ):  # outlines ignores numeric bounds: it says so
+        assert any(w.startswith("exclusiveMinimum at /properties/n") for w in compiled.warnings), (
+            compiled.warnings
+        )
         return
     check = jsonschema.validators.validator_for(schema)(schema)
     for doc in docs:
@@ -317,8 +450,12 @@ def test_older_draft_forms_compile_and_agree_with_jsonschema(name, schema, docs)
 @pytest.mark.parametrize(
     "schema",
     [
-        {"type": "object", "properties": {"a": {"type": "string", "enum": ["x", None, 3]}}, "required": ["a"],
-         "additionalProperties": False},
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string", "enum": ["x", None, 3]}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
         {"type": "integer", "enum": [1.5, 2, "3"]},
         {"type": ["string", "null"], "enum": ["x", None, 3]},
     ],

@@ -14,16 +14,22 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from functools import lru_cache
+from functools import cache
 
 import jsonschema
 import pytest
 
 from spec_grammar import get_backend
-from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.datasets import json_schema_test_suite
+from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.specs import JsonSchema
-from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, TYPE_KEYWORDS, KeywordSupport, unenforced_keywords
+from spec_grammar.strict import (
+    REMOTE_REF,
+    REQUIRED_UNDECLARED,
+    TYPE_KEYWORDS,
+    KeywordSupport,
+    unenforced_keywords,
+)
 from spec_grammar.testing.fixtures import fixture_tokenizer as _fixture_tokenizer
 
 BACKENDS = ("xgrammar", "llguidance", "outlines")
@@ -33,18 +39,48 @@ LONG = bool(os.environ.get("SPEC_GRAMMAR_LONG"))
 # slow test) takes the whole suite. outlines-core builds an index over the vocabulary per schema
 # (0.3-1 s each), so its quick run is shorter still.
 QUICK_FILES = frozenset(
-    {"type.json", "enum.json", "const.json", "required.json", "properties.json", "minLength.json",
-     "maxLength.json", "minimum.json", "maximum.json", "minItems.json", "maxItems.json", "pattern.json",
-     "anyOf.json", "prefixItems.json", "exclusiveMinimum.json", "uniqueItems.json", "multipleOf.json",
-     "additionalProperties.json", "patternProperties.json", "oneOf.json", "allOf.json", "items.json"}
+    {
+        "type.json",
+        "enum.json",
+        "const.json",
+        "required.json",
+        "properties.json",
+        "minLength.json",
+        "maxLength.json",
+        "minimum.json",
+        "maximum.json",
+        "minItems.json",
+        "maxItems.json",
+        "pattern.json",
+        "anyOf.json",
+        "prefixItems.json",
+        "exclusiveMinimum.json",
+        "uniqueItems.json",
+        "multipleOf.json",
+        "additionalProperties.json",
+        "patternProperties.json",
+        "oneOf.json",
+        "allOf.json",
+        "items.json",
+    }
 )
 OUTLINES_QUICK_FILES = frozenset(
-    {"type.json", "enum.json", "required.json", "minLength.json", "maxItems.json", "minimum.json", "pattern.json"}
+    {
+        "type.json",
+        "enum.json",
+        "required.json",
+        "minLength.json",
+        "maxItems.json",
+        "minimum.json",
+        "pattern.json",
+    }
 )
 
-_FLOAT_COUNT = "outlines-core 0.2.14 ignores a length/count bound written as a float (2.0; valid JSON Schema)"
+_FLOAT_COUNT = (
+    "outlines-core 0.2.14 ignores a length/count bound written as a float (2.0; valid JSON Schema)"
+)
 _ESCAPED_KEY = (
-    "xgrammar 0.2.9 does not match a property whose name needs a JSON escape (\\n, \\\", \\\\): the key "
+    'xgrammar 0.2.9 does not match a property whose name needs a JSON escape (\\n, \\", \\\\): the key '
     "is taken as an additional property and its value is not checked"
 )
 KNOWN_UNSOUND: dict[str, dict[str, str]] = {
@@ -68,7 +104,8 @@ _CONSTRAINING = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf")
 
 def has_unconstrained(schema: object, root: bool = True) -> bool:
     """True when ``schema`` or a subschema accepts any JSON value (``{}``, ``true``, no
-    type-fixing keyword, an array without ``items``, an open object): outlines-core's regex for "any JSON" (13.9 KB) makes an Index that
+    type-fixing keyword, an array without ``items``, an open object): outlines-core's regex for "any JSON" (13.9 KB)
+    makes an Index that
     does not finish within a minute, so those groups are left out for outlines."""
     if schema is True:
         return True
@@ -88,12 +125,12 @@ def has_unconstrained(schema: object, root: bool = True) -> bool:
     return any(has_unconstrained(x, False) for x in subs if x is not None and x is not False)
 
 
-@lru_cache(maxsize=None)
+@cache
 def fixture_tokenizer(name: str):
     return _fixture_tokenizer(name)  # load_tokenizer re-reads the files on every call
 
 
-@lru_cache(maxsize=None)
+@cache
 def backend(name: str):
     tok, width = fixture_tokenizer("smollm2")
     return get_backend(name, tok, vocab_size=width)
@@ -104,7 +141,9 @@ def _single_type(schema: dict) -> str | None:
     return types.pop() if len(types) == 1 and "type" not in schema else None
 
 
-def suite_groups(files: frozenset[str] | None = None) -> list[tuple[str, object, list[tuple[object, bool]]]]:
+def suite_groups(
+    files: frozenset[str] | None = None,
+) -> list[tuple[str, object, list[tuple[object, bool]]]]:
     """``(key, schema, [(instance, jsonschema_valid)])`` per suite group and typed variant."""
     out = []
     for g in json_schema_test_suite():
@@ -129,7 +168,9 @@ def suite_groups(files: frozenset[str] | None = None) -> list[tuple[str, object,
 
 def accepts(b, compiled, instance) -> bool:
     tok = b.tokenizer_info.hf_tokenizer
-    ids = tok.encode(json.dumps(instance), add_special_tokens=False) + [b.tokenizer_info.stop_token_ids[0]]
+    ids = tok.encode(json.dumps(instance), add_special_tokens=False) + [
+        b.tokenizer_info.stop_token_ids[0]
+    ]
     m = b.matcher(compiled)
     return m.accept_tokens(ids) == len(ids) and m.is_terminated()
 
@@ -137,7 +178,9 @@ def accepts(b, compiled, instance) -> bool:
 @pytest.mark.parametrize("name", BACKENDS)
 def test_strict_compiles_are_sound(name):
     """Strict compile passed => no instance jsonschema rejects is accepted (quick file set)."""
-    check_strict_sound(name, None if LONG else OUTLINES_QUICK_FILES if name == "outlines" else QUICK_FILES)
+    check_strict_sound(
+        name, None if LONG else OUTLINES_QUICK_FILES if name == "outlines" else QUICK_FILES
+    )
 
 
 @pytest.mark.slow
@@ -162,9 +205,17 @@ def check_strict_sound(name: str, files: frozenset[str] | None) -> None:
         passed[key.split("#")[0]] += 1
         for i, (instance, valid) in enumerate(cases):
             k = f"{key}/{i}"
-            if not valid and accepts(b, compiled, instance) and k not in KNOWN_UNSOUND.get(name, {}):
-                unsound.append(f"{k}: schema {json.dumps(schema)[:160]} accepted {json.dumps(instance)[:80]}")
-    assert not unsound, f"{name}: strict mode passed schemas it does not enforce:\n" + "\n".join(unsound)
+            if (
+                not valid
+                and accepts(b, compiled, instance)
+                and k not in KNOWN_UNSOUND.get(name, {})
+            ):
+                unsound.append(
+                    f"{k}: schema {json.dumps(schema)[:160]} accepted {json.dumps(instance)[:80]}"
+                )
+    assert not unsound, f"{name}: strict mode passed schemas it does not enforce:\n" + "\n".join(
+        unsound
+    )
     # strict mode must stay usable: typed, core-keyword schemas compile
     for f in ("type.json", "minLength.json"):
         assert passed[f] > 0, f"{name}: strict mode refused every group of {f}"
@@ -173,30 +224,61 @@ def check_strict_sound(name: str, files: frozenset[str] | None) -> None:
 @pytest.mark.parametrize("name", BACKENDS)
 def test_strict_refuses_and_lenient_warns(name):
     b = backend(name)
-    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
-                                                         "uniqueItems": True}}, "required": ["tags"]}
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "required": ["tags"],
+    }
     with pytest.raises(UnsupportedGrammarError) as err:
         b.compile(JsonSchema(schema, strict=True))
     msg = str(err.value)
-    assert msg.startswith(f"[{name}] strict mode: 1 keyword use(s) would not be enforced: uniqueItems at /properties/tags")
+    assert msg.startswith(
+        f"[{name}] strict mode: 1 keyword use(s) would not be enforced: uniqueItems at /properties/tags"
+    )
     compiled = b.compile(JsonSchema(schema))
-    assert len(compiled.warnings) == 1 and compiled.warnings[0].startswith("uniqueItems at /properties/tags: ")
+    assert len(compiled.warnings) == 1 and compiled.warnings[0].startswith(
+        "uniqueItems at /properties/tags: "
+    )
     # a schema every backend enforces in full compiles in strict mode with no warning
-    clean = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                              "role": {"enum": ["admin", "user"]}},
-             "required": ["name", "role"], "additionalProperties": False}
+    clean = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "role": {"enum": ["admin", "user"]},
+        },
+        "required": ["name", "role"],
+        "additionalProperties": False,
+    }
     strict = b.compile(JsonSchema(clean, strict=True))
     assert strict.warnings == () and b.compile(JsonSchema(clean)).warnings == ()
-    assert accepts(b, strict, {"name": "Ann", "role": "user"}) and not accepts(b, strict, {"name": "Ann", "role": "x"})
+    assert accepts(b, strict, {"name": "Ann", "role": "user"}) and not accepts(
+        b, strict, {"name": "Ann", "role": "x"}
+    )
 
 
 def test_declarations_name_known_keywords():
-    known = set(TYPE_KEYWORDS) | {"type", "enum", "const", "allOf", "anyOf", "oneOf", "not", "if", "then",
-                                  "else", "$ref", "$dynamicRef", REMOTE_REF, REQUIRED_UNDECLARED}
+    known = set(TYPE_KEYWORDS) | {
+        "type",
+        "enum",
+        "const",
+        "allOf",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "$ref",
+        "$dynamicRef",
+        REMOTE_REF,
+        REQUIRED_UNDECLARED,
+    }
     for name in BACKENDS:
         support = type(backend(name)).json_schema_support
         assert isinstance(support, KeywordSupport)
-        assert set(support.unenforced) <= known, f"{name}: unknown keywords {set(support.unenforced) - known}"
+        assert set(support.unenforced) <= known, (
+            f"{name}: unknown keywords {set(support.unenforced) - known}"
+        )
         assert all(reason.strip() for reason in support.unenforced.values())
 
 
@@ -206,7 +288,10 @@ def test_walker_paths_and_pseudo_keywords():
     )
     schema = {
         "type": "object",
-        "properties": {"a/b": {"type": "array", "uniqueItems": True}, "uniqueItems": {"minLength": 2}},
+        "properties": {
+            "a/b": {"type": "array", "uniqueItems": True},
+            "uniqueItems": {"minLength": 2},
+        },
         "required": ["a/b", "zz"],
         "$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "other.json"}},
         "anyOf": [{"maxItems": 3, "type": "array"}, True],

@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
-
 from emulated_graphs import make_runner
+
 from spec_grammar import kernels
 from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import BitmaskError, GrammarStateError, SpecGrammarError
@@ -31,7 +31,9 @@ CHAIN = DraftTree([1, 2, 3], [-1, 0, 1])
 
 
 def oracle(logits, tree, bitmask, valid, stops=()):
-    processed = process_tree_logits(logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=bitmask)
+    processed = process_tree_logits(
+        logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=bitmask
+    )
     try:
         return verify_greedy(processed, tree, valid, stop_token_ids=stops)
     except GrammarStateError as e:
@@ -77,15 +79,24 @@ def test_nonfinite_logits_decide_as_the_oracle(value, row, grammar):
 
 
 # -- bugs: unchecked arguments (silent wrong verdicts or untyped errors) ---------------------
-@pytest.mark.parametrize("valid", [torch.zeros(3, 1, dtype=torch.bool), torch.ones(2, dtype=torch.bool),
-                                   torch.tensor([True, False, True, True])], ids=["2d-false", "short", "long"])
+@pytest.mark.parametrize(
+    "valid",
+    [
+        torch.zeros(3, 1, dtype=torch.bool),
+        torch.ones(2, dtype=torch.bool),
+        torch.tensor([True, False, True, True]),
+    ],
+    ids=["2d-false", "short", "long"],
+)
 def test_node_validity_of_the_wrong_shape_is_refused(valid):
     """The oracle raises ``BitmaskError``; the batch path reads ``[[False]]`` as true (accepts
     invalid nodes), indexes past a short one (``IndexError``) or shifts a long one."""
     with pytest.raises(BitmaskError):
         oracle(chain_logits()[0], CHAIN, all_allowed(3), valid)
     with pytest.raises(BitmaskError):
-        verify_greedy_batch(chain_logits(), [CHAIN], [0], bitmask=all_allowed(3), offsets=[0], valids=[valid])
+        verify_greedy_batch(
+            chain_logits(), [CHAIN], [0], bitmask=all_allowed(3), offsets=[0], valids=[valid]
+        )
 
 
 def test_a_tree_larger_than_the_logits_rows_is_refused():
@@ -103,8 +114,14 @@ def test_masked_rows_of_the_wrong_length_are_refused(length):
     ``IndexError`` in the verify, a long one is used as if it fit."""
     mask = forbid(all_allowed(3), 0, 2)  # the root's greedy token is forbidden
     with pytest.raises(BitmaskError):
-        verify_greedy_batch(chain_logits(), [CHAIN], [0], bitmask=mask, offsets=[0],
-                            masked_rows=torch.zeros(length, dtype=torch.long))
+        verify_greedy_batch(
+            chain_logits(),
+            [CHAIN],
+            [0],
+            bitmask=mask,
+            offsets=[0],
+            masked_rows=torch.zeros(length, dtype=torch.long),
+        )
 
 
 def test_masked_rows_of_another_bitmask_never_commit_a_forbidden_token():
@@ -115,7 +132,9 @@ def test_masked_rows_of_another_bitmask_never_commit_a_forbidden_token():
     mask = forbid(all_allowed(3), 0, 2)
     stale = launch_masked_rows(logits, all_allowed(3), [CHAIN], [0])
     try:
-        got = verify_greedy_batch(logits, [CHAIN], [0], bitmask=mask, offsets=[0], masked_rows=stale)
+        got = verify_greedy_batch(
+            logits, [CHAIN], [0], bitmask=mask, offsets=[0], masked_rows=stale
+        )
     except BitmaskError:
         return
     assert got[0] == oracle(logits[0], CHAIN, mask, None)
@@ -163,7 +182,9 @@ def test_bad_arguments_raise_typed_errors(case):
 def test_launch_masked_rows_without_grammar_rows():
     """No grammar request: the index tensor of an empty row list is float32 and
     ``masked_argmax`` refuses it ("indices must be a 1-D int32/int64 tensor")."""
-    out = launch_masked_rows(torch.randn(2, 3, V), torch.zeros(0, 3, dtype=torch.int32), [CHAIN, CHAIN], [None, None])
+    out = launch_masked_rows(
+        torch.randn(2, 3, V), torch.zeros(0, 3, dtype=torch.int32), [CHAIN, CHAIN], [None, None]
+    )
     assert out is None or (out.dtype == torch.int64 and out.shape == (0,))
 
 
@@ -224,7 +245,9 @@ def _adversarial_case(seed: int):
                 bitmask[r] = 0
             elif p < 0.3:
                 bitmask[r] = -1
-    valids = [None if offsets[i] is None else torch.rand(t.num_nodes) < 0.85 for i, t in enumerate(trees)]
+    valids = [
+        None if offsets[i] is None else torch.rand(t.num_nodes) < 0.85 for i, t in enumerate(trees)
+    ]
     stops = [frozenset(rng.sample(range(vocab), min(vocab, rng.randint(0, 2)))) for _ in range(b)]
     selected = sorted(rng.sample(range(b), rng.randint(1, b)), reverse=rng.random() < 0.3)
     return logits, trees, bitmask, offsets, valids, stops, selected
@@ -236,12 +259,22 @@ def test_adversarial_valid_inputs_equal_the_oracle(block):
         logits, trees, bitmask, offsets, valids, stops, selected = _adversarial_case(seed)
         early = launch_masked_rows(logits, bitmask, trees, offsets) if bitmask is not None else None
         for kw in ({}, {"row_argmax": kernels.row_argmax(logits)}, {"masked_rows": early}):
-            got = verify_greedy_batch(logits, trees, selected, bitmask=bitmask, offsets=offsets, valids=valids,
-                                      stop_token_ids=stops, **kw)
+            got = verify_greedy_batch(
+                logits,
+                trees,
+                selected,
+                bitmask=bitmask,
+                offsets=offsets,
+                valids=valids,
+                stop_token_ids=stops,
+                **kw,
+            )
             for i in selected:
                 n = trees[i].num_nodes
                 rows = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + n]
-                assert plain(got[i]) == oracle(logits[i, :n], trees[i], rows, valids[i], stops[i]), (seed, i, kw)
+                assert plain(got[i]) == oracle(
+                    logits[i, :n], trees[i], rows, valids[i], stops[i]
+                ), (seed, i, kw)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -285,7 +318,11 @@ def test_forward_argmax_in_request_order(graphs):
     runner = make_runner(setup()[0], graphs)
     for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5]), ("c", [6, 7, 8, 9])):
         runner.add(rid, prompt)
-    trees = [DraftTree([3, 5, 6], [-1, 0, 0]), DraftTree([5, 2, 2, 2, 2], [-1, 0, 1, 2, 3]), DraftTree([9, 1], [-1, 0])]
+    trees = [
+        DraftTree([3, 5, 6], [-1, 0, 0]),
+        DraftTree([5, 2, 2, 2, 2], [-1, 0, 1, 2, 3]),
+        DraftTree([9, 1], [-1, 0]),
+    ]
     logits, top = runner.forward_trees(["a", "c", "b"], trees, with_argmax=True)
     assert top.shape == (3, 5) and top.dtype == torch.int64
     assert torch.equal(top, kernels.row_argmax(logits))
@@ -301,8 +338,18 @@ def _requests(schemas):
         Request('JSON: {"a": [1, 1, 1', JsonSchema(schemas[0]), p(max_new_tokens=30), rid="g0"),
         Request("JSON: [[[[", JsonSchema(schemas[5]), p(max_new_tokens=1), rid="len1"),
         Request("JSON: {{{{", JsonSchema(schemas[7]), p(max_new_tokens=2), rid="len2"),
-        Request("sampled", JsonSchema(schemas[1]), p(max_new_tokens=20, temperature=0.8, seed=3), rid="sampled"),
-        Request("rep", JsonSchema(schemas[2]), p(max_new_tokens=20, repetition_penalty=1.3), rid="penalty"),
+        Request(
+            "sampled",
+            JsonSchema(schemas[1]),
+            p(max_new_tokens=20, temperature=0.8, seed=3),
+            rid="sampled",
+        ),
+        Request(
+            "rep",
+            JsonSchema(schemas[2]),
+            p(max_new_tokens=20, repetition_penalty=1.3),
+            rid="penalty",
+        ),
         Request("plain plain plain", None, p(max_new_tokens=15, ignore_eos=True), rid="plain"),
         Request("stop", None, p(max_new_tokens=30, stop=["a"], ignore_eos=True), rid="stop"),
         Request("lp", Regex(r"[a-c]{1,6}"), p(max_new_tokens=10, logprobs=True), rid="logprobs"),
@@ -314,7 +361,10 @@ def _run(graphs=False, be=None, requests=None, **kw):
 
     model, tok, schemas = setup()
     with SpecWorker(make_runner(model, graphs), tok, backend=be or backend(), **kw) as w:
-        return {r.rid: (r.token_ids, r.finish_reason, r.error) for r in w.run(requests or _requests(schemas))}
+        return {
+            r.rid: (r.token_ids, r.finish_reason, r.error)
+            for r in w.run(requests or _requests(schemas))
+        }
 
 
 @functools.cache
@@ -338,7 +388,9 @@ def test_worker_greedy_outputs_equal_non_speculative(kw):
     ending after 1-2 tokens: every greedy request writes the tokens of ``draft="none"``."""
     got = _run(draft="ngram", num_draft_tokens=8, **kw)
     ref = reference()
-    assert {k: v for k, v in got.items() if k != "sampled"} == {k: v for k, v in ref.items() if k != "sampled"}
+    assert {k: v for k, v in got.items() if k != "sampled"} == {
+        k: v for k, v in ref.items() if k != "sampled"
+    }
     assert got["sampled"][1:] == ("length", None)
 
 
@@ -360,8 +412,15 @@ def test_worker_nan_logits_batched_path_equals_per_request_path():
         from spec_grammar.worker.engine import SpecWorker
 
         reqs = [
-            Request("x", Regex(r"[0-9]{3}"), SamplingParams(max_new_tokens=5, logit_bias=bias), rid="re"),
-            Request("y", None, SamplingParams(max_new_tokens=4, ignore_eos=True, logit_bias=bias), rid="plain"),
+            Request(
+                "x", Regex(r"[0-9]{3}"), SamplingParams(max_new_tokens=5, logit_bias=bias), rid="re"
+            ),
+            Request(
+                "y",
+                None,
+                SamplingParams(max_new_tokens=4, ignore_eos=True, logit_bias=bias),
+                rid="plain",
+            ),
         ]
         with SpecWorker(model, tok, backend=backend(), draft="ngram") as w:
             return {r.rid: (r.token_ids, r.finish_reason, r.error) for r in w.run(reqs)}
@@ -374,9 +433,10 @@ def test_worker_fill_fault_that_scribbles_its_rows_ends_only_its_request(positio
     """A matcher that allows everything in its rows, then raises from its 3rd tree fill; first
     or last in the batch, two grammar threads, emulated graphs. It ends with the error and keeps
     the tokens it committed before; every other request writes the reference tokens."""
+    from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
+
     from spec_grammar.specs import Regex
     from spec_grammar.worker.request import Request
-    from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
     fault = Regex(r"[a-z]+( [a-z]+)*")
 
@@ -401,9 +461,18 @@ def test_worker_fill_fault_that_scribbles_its_rows_ends_only_its_request(positio
         return reqs[:position] + [bad] + reqs[position:] if with_fault else reqs + [bad]
 
     clean = _run(draft="ngram", requests=requests(False), graphs="emulated", grammar_threads=2)
-    got = _run(be=backend(Faulty), draft="ngram", requests=requests(True), graphs="emulated", grammar_threads=2)
+    got = _run(
+        be=backend(Faulty),
+        draft="ngram",
+        requests=requests(True),
+        graphs="emulated",
+        grammar_threads=2,
+    )
     bad = got.pop("bad")
-    assert bad[1:] == ("error", "the grammar failed while filling the tree bitmask: RuntimeError: injected")
+    assert bad[1:] == (
+        "error",
+        "the grammar failed while filling the tree bitmask: RuntimeError: injected",
+    )
     assert 0 < len(bad[0]) and clean["bad"][0][: len(bad[0])] == bad[0]
     clean.pop("bad")
     assert got == clean

@@ -16,6 +16,7 @@ import threading
 
 import pytest
 import torch
+from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
 from spec_grammar import JsonSchema, Regex
 from spec_grammar.cli import main as cli_main
@@ -23,7 +24,6 @@ from spec_grammar.worker import Request, SpecWorker
 from spec_grammar.worker.drafters import NgramDrafter
 from spec_grammar.worker.runner import RunnerError
 from spec_grammar.worker.sampling import SamplingParams
-from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +34,10 @@ BLOCKED = Regex(r"(north|south|east|west)")  # its compile never finishes
 STATE_FAULT = Regex(r"[0-9]+( [0-9]+)*")  # its matchers raise when asked whether they terminated
 # short raw prompts (no chat template): the CI budget is model time
 GOOD = [
-    ("Three colours as a JSON list:", JsonSchema({"type": "array", "items": {"type": "string"}, "maxItems": 3})),
+    (
+        "Three colours as a JSON list:",
+        JsonSchema({"type": "array", "items": {"type": "string"}, "maxItems": 3}),
+    ),
     ("Question: 2+2=? Answer:", Regex(r"[0-9]+")),
     ("Once upon a time", None),
 ]
@@ -43,10 +46,16 @@ GOOD = [
 class FaultyMatcher(XGrammarMatcher):
     """A real xgrammar matcher that raises from its n-th fill on / on its n-th accepted token."""
 
-    def __init__(self, backend, matcher, *, fail_fill_at=None, fail_accept_at=None, fail_state=False):
+    def __init__(
+        self, backend, matcher, *, fail_fill_at=None, fail_accept_at=None, fail_state=False
+    ):
         super().__init__(backend, matcher)
         self.fills = 0
-        self.fail_fill_at, self.fail_accept_at, self.fail_state = fail_fill_at, fail_accept_at, fail_state
+        self.fail_fill_at, self.fail_accept_at, self.fail_state = (
+            fail_fill_at,
+            fail_accept_at,
+            fail_state,
+        )
 
     def _is_terminated(self):
         if self.fail_state:
@@ -105,7 +114,9 @@ def model_and_tokenizer():
 def make_worker(overlap: bool = True) -> SpecWorker:
     model, tok = model_and_tokenizer()
     backend = FaultyBackend(tok, vocab_size=model.config.vocab_size, compile_timeout_s=0.5)
-    return SpecWorker(model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap)
+    return SpecWorker(
+        model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap
+    )
 
 
 def request(text: str, grammar, rid: str, **sampling) -> Request:
@@ -135,11 +146,17 @@ def test_faults_end_only_their_request(overlap):
     reqs.insert(2, request("the sea is", FILL_FAULT, "fill-fault", max_new_tokens=64))
     reqs.insert(3, request("A cat", ACCEPT_FAULT, "accept-fault", max_new_tokens=64))
     reqs.insert(4, request("Count:", STATE_FAULT, "state-fault", max_new_tokens=64))
-    reqs.append(request("Once there was a dragon who", None, "cancelled", max_new_tokens=64, ignore_eos=True))
+    reqs.append(
+        request(
+            "Once there was a dragon who", None, "cancelled", max_new_tokens=64, ignore_eos=True
+        )
+    )
     w = make_worker(overlap)
     fills = []
 
-    def cancel_in_third_fill() -> None:  # runs inside the step (under the verify forward with overlap)
+    def cancel_in_third_fill() -> (
+        None
+    ):  # runs inside the step (under the verify forward with overlap)
         fills.append(1)
         if len(fills) == 3:
             w.cancel("cancelled")
@@ -159,13 +176,22 @@ def test_faults_end_only_their_request(overlap):
     assert r.error == "[xgrammar] regex compile did not finish within compile_timeout_s=0.5"
     r = by["fill-fault"]
     assert r.finish_reason == "error" and r.steps == 2
-    assert r.error == "the grammar failed while filling the tree bitmask: RuntimeError: injected fault in fill_tree_bitmask"
+    assert (
+        r.error
+        == "the grammar failed while filling the tree bitmask: RuntimeError: injected fault in fill_tree_bitmask"
+    )
     r = by["accept-fault"]
     assert r.finish_reason == "error"
-    assert r.error == "the grammar failed while accepting committed tokens: RuntimeError: injected fault in accept_token"
+    assert (
+        r.error
+        == "the grammar failed while accepting committed tokens: RuntimeError: injected fault in accept_token"
+    )
     r = by["state-fault"]
     assert (r.finish_reason, r.token_ids) == ("error", [])
-    assert r.error == "the grammar failed while checking its state: RuntimeError: injected fault in is_terminated"
+    assert (
+        r.error
+        == "the grammar failed while checking its state: RuntimeError: injected fault in is_terminated"
+    )
     r = by["cancelled"]
     assert (r.finish_reason, r.error, r.steps) == ("cancelled", "cancelled by the caller", 3)
     assert 0 < r.num_tokens < 64
@@ -196,7 +222,15 @@ def test_prompts_refused_at_prefill_end_only_their_request():
     model, tok = model_and_tokenizer()
     backend = FaultyBackend(tok, vocab_size=model.config.vocab_size)
     reqs = good_requests()
-    reqs.insert(1, Request([504, model.config.vocab_size + 7, 282], GOOD[0][1], SamplingParams(max_new_tokens=MAX_NEW), rid="oov"))
+    reqs.insert(
+        1,
+        Request(
+            [504, model.config.vocab_size + 7, 282],
+            GOOD[0][1],
+            SamplingParams(max_new_tokens=MAX_NEW),
+            rid="oov",
+        ),
+    )
     reqs.insert(3, request("Say hi:", None, "drafter-refused"))
     with SpecWorker(model, tok, backend=backend, draft=RefusingDrafter("drafter-refused")) as w:
         results = w.run(reqs)
@@ -221,12 +255,32 @@ def test_cli_bad_input_is_one_line(capsys, tmp_path):
     bad_schema = tmp_path / "schema.json"
     bad_schema.write_text('{"type": "strnig"}')
     cases = [
-        (["--grammar-backend", "nope", "hi"], 2, "spec-grammar generate: error: unknown grammar backend 'nope'; registered: "),
-        (["--json-schema", str(tmp_path / "missing.json"), "hi"], 2, "spec-grammar generate: error: JSON schema file not found: "),
-        (["--json-schema", str(bad_json), "hi"], 2, f"spec-grammar generate: error: JSON schema file {bad_json} is not valid JSON: "),
+        (
+            ["--grammar-backend", "nope", "hi"],
+            2,
+            "spec-grammar generate: error: unknown grammar backend 'nope'; registered: ",
+        ),
+        (
+            ["--json-schema", str(tmp_path / "missing.json"), "hi"],
+            2,
+            "spec-grammar generate: error: JSON schema file not found: ",
+        ),
+        (
+            ["--json-schema", str(bad_json), "hi"],
+            2,
+            f"spec-grammar generate: error: JSON schema file {bad_json} is not valid JSON: ",
+        ),
         # the CLI grammar compiles before the model loads: a bad one is a bad argument
-        (["--json-schema", str(bad_schema), "hi"], 2, "spec-grammar generate: error: [xgrammar] invalid JSON Schema at type: 'strnig' is not valid"),
-        (["--regex", "(unclosed", "hi"], 2, "spec-grammar generate: error: [xgrammar] regex failed to compile: "),
+        (
+            ["--json-schema", str(bad_schema), "hi"],
+            2,
+            "spec-grammar generate: error: [xgrammar] invalid JSON Schema at type: 'strnig' is not valid",
+        ),
+        (
+            ["--regex", "(unclosed", "hi"],
+            2,
+            "spec-grammar generate: error: [xgrammar] regex failed to compile: ",
+        ),
     ]
     for argv, code, line in cases:
         got, out, err = run_cli(capsys, *argv)
@@ -238,7 +292,10 @@ def test_cli_batch_file_marks_failed_lines(capsys, tmp_path):
     lines = [
         {"prompt": "Say yes or no.", "regex": "(yes|no)"},
         "this line is not JSON",
-        {"prompt": "An object.", "json_schema": {"type": "object", "properties": {"a": {"type": "nope"}}}},
+        {
+            "prompt": "An object.",
+            "json_schema": {"type": "object", "properties": {"a": {"type": "nope"}}},
+        },
         {"prompt": "Count to three.", "regex": "(one|two|three)( (one|two|three))*"},
         {"prompt": "Bad regex.", "regex": "[z-a]"},
         {"no_prompt": True},

@@ -63,8 +63,13 @@ def test_bad_parents(tokens, parents, match):
 
 @pytest.mark.parametrize(
     "parents",
-    [[-1, 0.0], torch.tensor([-1, 0.0]), torch.tensor([-1, 0.7]), torch.tensor([-1, 0], dtype=torch.float16),
-     torch.tensor([True, False])],
+    [
+        [-1, 0.0],
+        torch.tensor([-1, 0.0]),
+        torch.tensor([-1, 0.7]),
+        torch.tensor([-1, 0], dtype=torch.float16),
+        torch.tensor([True, False]),
+    ],
 )
 def test_non_integer_parents_are_rejected(parents):
     """A float or bool tensor is refused like a float list (``int()`` would truncate 0.7 to 0)."""

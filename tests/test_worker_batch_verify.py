@@ -8,11 +8,15 @@ import random
 import pytest
 import torch
 
-from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar import kernels
+from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import BitmaskError, GrammarStateError
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.batch_verify import batch_greedy_eligible, launch_masked_rows, verify_greedy_batch
+from spec_grammar.worker.batch_verify import (
+    batch_greedy_eligible,
+    launch_masked_rows,
+    verify_greedy_batch,
+)
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
 
@@ -39,7 +43,9 @@ def _random_rows(rng: random.Random, n: int, dead_root: bool) -> torch.Tensor:
 
 
 def _oracle(logits, tree, bitmask, valid, stops):
-    processed = process_tree_logits(logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=bitmask)
+    processed = process_tree_logits(
+        logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=bitmask
+    )
     try:
         return verify_greedy(processed, tree, valid, stop_token_ids=stops)
     except GrammarStateError as e:
@@ -79,13 +85,21 @@ def test_batch_equals_per_request_oracle(seed, full):
     assert early is not None or not parts
     for masked_rows in (None, early):
         got = verify_greedy_batch(
-            logits, trees, selected, bitmask=bitmask, offsets=offsets, valids=valids, stop_token_ids=stops,
+            logits,
+            trees,
+            selected,
+            bitmask=bitmask,
+            offsets=offsets,
+            valids=valids,
+            stop_token_ids=stops,
             masked_rows=masked_rows,
         )
         assert sorted(got) == selected
         for i in selected:
             tree = trees[i]
-            rows_i = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + tree.num_nodes]
+            rows_i = (
+                None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + tree.num_nodes]
+            )
             want = _oracle(logits[i, : tree.num_nodes], tree, rows_i, valids[i], stops[i])
             have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
             assert have == want, (i, tree, have, want)
@@ -121,8 +135,16 @@ def test_rows_past_the_mask_dead_rows_and_the_forwards_argmax():
     valids = [torch.ones(n, dtype=torch.bool) for _ in range(b)]
     stops = [frozenset()] * b
     for top in (None, kernels.row_argmax(logits)):
-        got = verify_greedy_batch(logits, trees, list(range(b)), bitmask=bitmask, offsets=offsets, valids=valids,
-                                  stop_token_ids=stops, row_argmax=top)
+        got = verify_greedy_batch(
+            logits,
+            trees,
+            list(range(b)),
+            bitmask=bitmask,
+            offsets=offsets,
+            valids=valids,
+            stop_token_ids=stops,
+            row_argmax=top,
+        )
         for i in range(b):
             want = _oracle(logits[i], trees[i], bitmask[i * n : (i + 1) * n], valids[i], stops[i])
             have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
@@ -133,7 +155,9 @@ def test_grammar_rows_outside_the_bitmask_are_refused():
     trees = [DraftTree([1, 2], [-1, 0])]
     logits = torch.zeros(1, 2, VOCAB)
     with pytest.raises(BitmaskError, match="bitmask rows 1..2"):
-        verify_greedy_batch(logits, trees, [0], bitmask=allocate_token_bitmask(2, VOCAB), offsets=[1])
+        verify_greedy_batch(
+            logits, trees, [0], bitmask=allocate_token_bitmask(2, VOCAB), offsets=[1]
+        )
     with pytest.raises(BitmaskError, match="need the step's bitmask"):
         verify_greedy_batch(logits, trees, [0], offsets=[0])
 
@@ -172,9 +196,20 @@ def _generate(setup, overlap: bool, bias: dict):
 
     model, tok, backend, schemas = setup
     params = SamplingParams(max_new_tokens=24, logit_bias=bias)
-    reqs = [Request(f"JSON {i}:", JsonSchema(s), params, rid=f"r{i}") for i, s in enumerate(schemas)]
-    reqs.append(Request("Text:", None, SamplingParams(max_new_tokens=12, ignore_eos=True, logit_bias=bias), rid="p"))
-    with SpecWorker(model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap) as w:
+    reqs = [
+        Request(f"JSON {i}:", JsonSchema(s), params, rid=f"r{i}") for i, s in enumerate(schemas)
+    ]
+    reqs.append(
+        Request(
+            "Text:",
+            None,
+            SamplingParams(max_new_tokens=12, ignore_eos=True, logit_bias=bias),
+            rid="p",
+        )
+    )
+    with SpecWorker(
+        model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap
+    ) as w:
         return [(r.token_ids, r.finish_reason) for r in w.run(reqs)]
 
 

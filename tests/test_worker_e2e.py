@@ -17,6 +17,8 @@ import sys
 
 import jsonschema
 import pytest
+from emulated_graphs import make_runner
+from real_model import JSON_BACKENDS, backend, model_and_tokenizer, replays
 
 from spec_grammar import Ebnf, JsonSchema, Regex
 from spec_grammar.datasets import jsonschemabench_sample
@@ -25,18 +27,31 @@ from spec_grammar.worker import Request, SpecWorker, build_prompt
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
 
-from emulated_graphs import make_runner
-from real_model import JSON_BACKENDS, backend, model_and_tokenizer, replays
-
 pytestmark = pytest.mark.model
 
 MAX_NEW = 20
 BACKENDS = JSON_BACKENDS
 # 20 of the smallest sample schemas (o6167 left out: an 11 s outlines-core index build).
 SCHEMA_IDS = [
-    "o27841", "o27834", "o89088", "o79447", "o12240", "wp_69_Normalized", "wp_36_Normalized",
-    "o56137", "o25983", "o17626", "wp_88_Normalized", "o13683", "wp_52_Normalized", "o17637",
-    "o12214", "o31092", "o83692", "o60145", "o68625",
+    "o27841",
+    "o27834",
+    "o89088",
+    "o79447",
+    "o12240",
+    "wp_69_Normalized",
+    "wp_36_Normalized",
+    "o56137",
+    "o25983",
+    "o17626",
+    "wp_88_Normalized",
+    "o13683",
+    "wp_52_Normalized",
+    "o17637",
+    "o12214",
+    "o31092",
+    "o83692",
+    "o60145",
+    "o68625",
 ]
 REGEXES = [
     r"(yes|no|maybe)",
@@ -48,7 +63,9 @@ EBNF = [
     'root ::= item (", " item)*\nitem ::= "red" | "green" | "blue"',
 ]
 # short outputs make grammar completions (the validated ones) frequent inside MAX_NEW tokens
-JSON_PROMPT = "Reply with a minimal JSON document: use empty strings, 0 and empty lists where you can."
+JSON_PROMPT = (
+    "Reply with a minimal JSON document: use empty strings, 0 and empty lists where you can."
+)
 BAD = [JsonSchema({"type": "object", "properties": {"a": {"type": "strin"}}}), Regex("([a-z]")]
 
 # config name -> (SpecWorker options, run on the small sub-batch); chain and tree drafts, topk 1
@@ -57,8 +74,14 @@ BAD = [JsonSchema({"type": "object", "properties": {"a": {"type": "strin"}}}), R
 CONFIGS = {
     "ngram-tree-overlap": (dict(draft="ngram", num_draft_tokens=6, overlap=True), False),
     "ngram-tree-sync": (dict(draft="ngram", num_draft_tokens=6, overlap=False), False),
-    "self-chain-overlap": (dict(draft="self:2", topk=1, num_steps=4, num_draft_tokens=5, overlap=True), True),
-    "self-tree-sync": (dict(draft="self:2", topk=3, num_steps=3, num_draft_tokens=6, overlap=False), True),
+    "self-chain-overlap": (
+        dict(draft="self:2", topk=1, num_steps=4, num_draft_tokens=5, overlap=True),
+        True,
+    ),
+    "self-tree-sync": (
+        dict(draft="self:2", topk=3, num_steps=3, num_draft_tokens=6, overlap=False),
+        True,
+    ),
     # no tree fills: the greedy walks ask the matchers token by token
     "ngram-tree-lazy": (dict(draft="ngram", num_draft_tokens=6, lazy_grammar=True), True),
 }
@@ -89,7 +112,14 @@ def batch(name: str) -> tuple[list[tuple[str, object]], list[Request]]:
 
     def add(kind, oracle, text, spec):
         kinds.append((kind, oracle))
-        reqs.append(Request(prompt=build_prompt(tok, text), grammar=spec, sampling=params, rid=f"{kind}-{len(reqs)}"))
+        reqs.append(
+            Request(
+                prompt=build_prompt(tok, text),
+                grammar=spec,
+                sampling=params,
+                rid=f"{kind}-{len(reqs)}",
+            )
+        )
 
     for r in _schemas():
         add("json", r["schema"], JSON_PROMPT, JsonSchema(r["schema"]))
@@ -145,7 +175,9 @@ def test_no_spec_outputs_are_valid(name):
             jsonschema.Draft202012Validator(oracle).validate(json.loads(res.text))
         elif kind == "regex":
             assert re.fullmatch(oracle, res.text), res.text
-    assert finished["json"] >= 3 and finished["regex"] >= 2, f"too few completed outputs to check: {finished}"
+    assert finished["json"] >= 3 and finished["regex"] >= 2, (
+        f"too few completed outputs to check: {finished}"
+    )
 
 
 @pytest.mark.parametrize("name,config", CASES)
@@ -158,7 +190,12 @@ def test_speculative_output_equals_no_spec(name, config):
     assert len(got) == len(indices)
     for i, r, g in zip(indices, ref, got):
         kind = kinds[i][0]
-        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (kind, r.rid, r.text, g.text)
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (
+            kind,
+            r.rid,
+            r.text,
+            g.text,
+        )
         if kind == "bad":
             assert g.error == r.error
     spec_steps = sum(g.steps for g in got)
@@ -178,7 +215,9 @@ def test_graph_steps_place_grammar_work_inline_or_in_thread():
     indices = small(name)
     runner = make_runner(model, "emulated")
     threads: list[str] = []
-    with SpecWorker(runner, tok, backend=backend(name), draft="ngram", num_draft_tokens=6) as worker:
+    with SpecWorker(
+        runner, tok, backend=backend(name), draft="ngram", num_draft_tokens=6
+    ) as worker:
         grammar_work = worker._grammar_work
 
         def observed(*args):
@@ -194,7 +233,11 @@ def test_graph_steps_place_grammar_work_inline_or_in_thread():
         assert thread.startswith("spec-grammar") if flag else thread == threading.main_thread().name
     for i, g in zip(indices, got):
         r = reference(name)[i]
-        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (
+            r.rid,
+            r.text,
+            g.text,
+        )
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["on-demand", "early"])
@@ -214,8 +257,13 @@ def test_graph_steps_mask_forbidden_greedy_tokens_on_demand_or_early(monkeypatch
     real = engine.launch_masked_rows
     monkeypatch.setattr(engine, "launch_masked_rows", lambda *a: launches.append(1) or real(*a))
     monkeypatch.setattr(EarlyMask, "worth_it", lambda self, since_ms: early)
-    with SpecWorker(make_runner(model, "emulated"), tok, backend=backend(name), draft="ngram",
-                    num_draft_tokens=6) as worker:
+    with SpecWorker(
+        make_runner(model, "emulated"),
+        tok,
+        backend=backend(name),
+        draft="ngram",
+        num_draft_tokens=6,
+    ) as worker:
         got = worker.run([reqs[i] for i in indices])
         share = worker._early_mask.forbidden_share
         stats = list(worker.step_stats)
@@ -225,7 +273,11 @@ def test_graph_steps_mask_forbidden_greedy_tokens_on_demand_or_early(monkeypatch
     assert any(s.early_mask for s in stats) == early
     for i, g in zip(indices, got):
         r = reference(name)[i]
-        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (
+            r.rid,
+            r.text,
+            g.text,
+        )
 
 
 def test_graph_steps_switch_between_tree_fills_and_lazy_walks(monkeypatch):
@@ -241,18 +293,31 @@ def test_graph_steps_switch_between_tree_fills_and_lazy_walks(monkeypatch):
     indices = small(name)
     turn = iter(range(10**6))
     monkeypatch.setattr(
-        LazyGrammar, "use_lazy", lambda self, rows, requests, launch_ms, forward_ms: next(turn) % 3 != 0
+        LazyGrammar,
+        "use_lazy",
+        lambda self, rows, requests, launch_ms, forward_ms: next(turn) % 3 != 0,
     )
-    with SpecWorker(make_runner(model, "emulated"), tok, backend=backend(name), draft="ngram",
-                    num_draft_tokens=6) as worker:
+    with SpecWorker(
+        make_runner(model, "emulated"),
+        tok,
+        backend=backend(name),
+        draft="ngram",
+        num_draft_tokens=6,
+    ) as worker:
         got = worker.run([reqs[i] for i in indices])
         stats = list(worker.step_stats)
     lazy = [s.lazy_requests > 0 for s in stats]
     assert True in lazy and False in lazy
-    assert any(s.forbidden_rows for s, z in zip(stats, lazy) if z)  # lazy walks masked refused tokens too
+    assert any(
+        s.forbidden_rows for s, z in zip(stats, lazy) if z
+    )  # lazy walks masked refused tokens too
     for i, g in zip(indices, got):
         r = reference(name)[i]
-        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (r.rid, r.text, g.text)
+        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (
+            r.rid,
+            r.text,
+            g.text,
+        )
 
 
 class OracleDrafter(Drafter):
@@ -291,7 +356,9 @@ def test_truncation_inside_accepted_run():
     # a stop string that first appears inside the first length-cut output
     plain_ids = ref[length_cut[0]].token_ids
     stop_at = max(2, len(plain_ids) // 2)
-    stop_str = tok.decode(plain_ids[stop_at - 1 : stop_at]).strip() or tok.decode(plain_ids[:stop_at])
+    stop_str = tok.decode(plain_ids[stop_at - 1 : stop_at]).strip() or tok.decode(
+        plain_ids[:stop_at]
+    )
     text_so_far = tok.decode(plain_ids)
     first = min(k for k in range(1, len(plain_ids) + 1) if stop_str in tok.decode(plain_ids[:k]))
     stop_req = Request(
@@ -321,10 +388,16 @@ def test_mixed_batch_sampling_and_failures():
     schema = _schemas()[12]["schema"]
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_new_tokens=12)
     reqs = [
-        Request(build_prompt(tok, "A JSON record."), JsonSchema(schema), sampled, rid="json-sampled"),
+        Request(
+            build_prompt(tok, "A JSON record."), JsonSchema(schema), sampled, rid="json-sampled"
+        ),
         Request(build_prompt(tok, "Pick one."), Regex(REGEXES[0]), sampled, rid="regex-sampled"),
-        Request(build_prompt(tok, "Say hi."), None, SamplingParams(max_new_tokens=8), rid="plain-short"),
-        Request(build_prompt(tok, "Answer."), BAD[0], SamplingParams(max_new_tokens=8), rid="bad-schema"),
+        Request(
+            build_prompt(tok, "Say hi."), None, SamplingParams(max_new_tokens=8), rid="plain-short"
+        ),
+        Request(
+            build_prompt(tok, "Answer."), BAD[0], SamplingParams(max_new_tokens=8), rid="bad-schema"
+        ),
         Request([], None, SamplingParams(max_new_tokens=8), rid="empty-prompt"),
     ]
     outs = []
@@ -332,7 +405,9 @@ def test_mixed_batch_sampling_and_failures():
         with SpecWorker(model, tok, backend=backend(name), draft="ngram") as worker:
             outs.append(worker.run(reqs))
     a, b = outs
-    assert [r.token_ids for r in a] == [r.token_ids for r in b], "a fixed seed must reproduce the run"
+    assert [r.token_ids for r in a] == [r.token_ids for r in b], (
+        "a fixed seed must reproduce the run"
+    )
     assert a[3].finish_reason == "error" and "strin" in a[3].error
     assert a[4].finish_reason == "error" and "empty" in a[4].error
     assert a[2].finish_reason in ("stop", "length") and a[2].num_tokens > 0
@@ -344,11 +419,27 @@ def test_mixed_batch_sampling_and_failures():
 
 
 def test_cli_generate_json(tmp_path):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
     f = tmp_path / "f.json"
     f.write_text(json.dumps(schema))
-    cmd = [sys.executable, "-m", "spec_grammar", "generate", "--json-schema", str(f), "Invent a person.",
-           "--max-new-tokens", "16", "--json", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spec_grammar",
+        "generate",
+        "--json-schema",
+        str(f),
+        "Invent a person.",
+        "--max-new-tokens",
+        "16",
+        "--json",
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
@@ -365,7 +456,10 @@ def test_cli_generate_json(tmp_path):
     "argv,needle",
     [
         (["generate", "--json-schema", "/nonexistent/s.json", "hi"], "not found"),
-        (["generate", "--grammar-backend", "no-such-backend", "--regex", "a", "hi"], "unknown grammar backend"),
+        (
+            ["generate", "--grammar-backend", "no-such-backend", "--regex", "a", "hi"],
+            "unknown grammar backend",
+        ),
         (["generate", "--json-schema", "{bad}", "hi"], "not found"),
         (["generate", "--ebnf", "/nonexistent/g.ebnf", "hi"], "not found"),
     ],

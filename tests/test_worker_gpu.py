@@ -14,7 +14,6 @@ import random
 import jsonschema
 import pytest
 import torch
-
 from real_model import draft_steps
 
 from spec_grammar.bench.gpu import build_model
@@ -47,12 +46,26 @@ def setup():
 def _run(setup, overlap: bool, draft: str):
     model, tok, backend, schemas = setup
     reqs = [
-        Request(f"Write JSON number {i}:", JsonSchema(s), SamplingParams(max_new_tokens=40), rid=f"r{i}")
+        Request(
+            f"Write JSON number {i}:", JsonSchema(s), SamplingParams(max_new_tokens=40), rid=f"r{i}"
+        )
         for i, s in enumerate(schemas)
     ]
-    reqs.append(Request("Plain text:", None, SamplingParams(max_new_tokens=24, ignore_eos=True), rid="plain"))
-    with SpecWorker(model, tok, backend=backend, draft=draft, num_draft_tokens=8, topk=2, num_steps=3,
-                    overlap=overlap) as w:
+    reqs.append(
+        Request(
+            "Plain text:", None, SamplingParams(max_new_tokens=24, ignore_eos=True), rid="plain"
+        )
+    )
+    with SpecWorker(
+        model,
+        tok,
+        backend=backend,
+        draft=draft,
+        num_draft_tokens=8,
+        topk=2,
+        num_steps=3,
+        overlap=overlap,
+    ) as w:
         return w.run(reqs)
 
 
@@ -61,7 +74,9 @@ def test_overlap_equals_sync_on_cuda(setup, draft):
     _, _, backend, schemas = setup
     on = _run(setup, True, draft)
     off = _run(setup, False, draft)
-    assert [(r.token_ids, r.finish_reason) for r in on] == [(r.token_ids, r.finish_reason) for r in off]
+    assert [(r.token_ids, r.finish_reason) for r in on] == [
+        (r.token_ids, r.finish_reason) for r in off
+    ]
     for r, schema in zip(on, schemas):
         assert r.finish_reason in ("grammar", "length"), r.error
         m = backend.matcher(backend.compile(JsonSchema(schema)))
@@ -78,7 +93,11 @@ def test_batched_greedy_verify_on_cuda_equals_per_request(seed):
     trees = []
     for _ in range(b):
         n = rng.randint(1, 12)
-        trees.append(DraftTree([rng.randrange(4) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)]))
+        trees.append(
+            DraftTree(
+                [rng.randrange(4) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)]
+            )
+        )
     n_max = max(t.num_nodes for t in trees)
     g = torch.Generator(device="cuda").manual_seed(seed)
     logits = torch.randint(-2, 3, (b, n_max, vocab), generator=g, device="cuda").float()
@@ -87,7 +106,7 @@ def test_batched_greedy_verify_on_cuda_equals_per_request(seed):
     bits = torch.rand(rows, vocab, generator=g, device="cuda") < 0.01
     bits[:, :4] |= torch.rand(rows, 4, generator=g, device="cuda") < 0.5
     bits[rng.randrange(rows)] = False
-    weights = (1 << torch.arange(32, device="cuda", dtype=torch.int64))
+    weights = 1 << torch.arange(32, device="cuda", dtype=torch.int64)
     packed = (bits.view(rows, -1, 32).long() * weights).sum(-1)
     bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).int().cpu().pin_memory()
     offsets, off = [], 0
@@ -95,13 +114,26 @@ def test_batched_greedy_verify_on_cuda_equals_per_request(seed):
         offsets.append(off)
         off += t.num_nodes
     offsets.append(None)
-    valids = [torch.tensor([rng.random() < 0.9 for _ in range(t.num_nodes)]) for t in trees[:3]] + [None]
+    valids = [torch.tensor([rng.random() < 0.9 for _ in range(t.num_nodes)]) for t in trees[:3]] + [
+        None
+    ]
     stops = [frozenset({3})] * b
-    got = verify_greedy_batch(logits, trees, list(range(b)), bitmask=bitmask, offsets=offsets, valids=valids,
-                              stop_token_ids=stops)
+    got = verify_greedy_batch(
+        logits,
+        trees,
+        list(range(b)),
+        bitmask=bitmask,
+        offsets=offsets,
+        valids=valids,
+        stop_token_ids=stops,
+    )
     for i, t in enumerate(trees):
-        rows_i = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + t.num_nodes].cuda()
-        processed = process_tree_logits(logits[i, : t.num_nodes], t, [t.token_list[0]], SamplingParams(), bitmask=rows_i)
+        rows_i = (
+            None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + t.num_nodes].cuda()
+        )
+        processed = process_tree_logits(
+            logits[i, : t.num_nodes], t, [t.token_list[0]], SamplingParams(), bitmask=rows_i
+        )
         try:
             want = verify_greedy(processed, t, valids[i], stop_token_ids=stops[i])
         except GrammarStateError:
@@ -148,16 +180,25 @@ def test_model_drafter_trees_on_cuda_equal_cpu(constrained):
             m = None
             if backend is not None and i < 2:  # request 2 has no grammar: a mixed batch
                 m = backend.matcher(backend.compile(JsonSchema(schemas[i])))
-            out.append(RequestState(Request(ids, rid=f"r{i}"), list(ids), SamplingParams(), matcher=m))
+            out.append(
+                RequestState(Request(ids, rid=f"r{i}"), list(ids), SamplingParams(), matcher=m)
+            )
         return out
 
     trees = {}
     for device in ("cpu", "cuda"):
         model = truncated_model(copy.deepcopy(target), 2)
-        drafter = ModelDrafter(ModelRunner(model, device=device), topk=3, num_steps=4, num_draft_tokens=10,
-                               vocab_limit=vocab)
+        drafter = ModelDrafter(
+            ModelRunner(model, device=device),
+            topk=3,
+            num_steps=4,
+            num_draft_tokens=10,
+            vocab_limit=vocab,
+        )
         if constrained:
-            drafter = GrammarAwareDrafter(drafter, num_draft_tokens=10, constrain=True, forced=False)
+            drafter = GrammarAwareDrafter(
+                drafter, num_draft_tokens=10, constrain=True, forced=False
+            )
         trees[device] = draft_steps(drafter, states(), steps=4)
     assert trees["cuda"] == trees["cpu"]
     assert sum(len(tokens) for step in trees["cpu"] for tokens, _ in step) > 4 * 3 * 3, trees["cpu"]

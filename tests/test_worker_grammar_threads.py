@@ -24,7 +24,9 @@ from spec_grammar.worker.sampling import SamplingParams
 
 MAX_NEW = 12
 SCHEMA_IDS = ["o27841", "o89088", "o12240"]
-JSON_PROMPT = "Reply with a minimal JSON document: use empty strings, 0 and empty lists where you can."
+JSON_PROMPT = (
+    "Reply with a minimal JSON document: use empty strings, 0 and empty lists where you can."
+)
 
 
 @given(hs.lists(hs.integers(1, 40), max_size=40), hs.integers(1, 9))
@@ -45,7 +47,9 @@ def test_default_grammar_threads():
     """One grammar thread unless asked for more; bad values are refused."""
     model, tok = model_and_tokenizer()
     assert SpecWorker(model, tok, backend=backend("xgrammar")).grammar_threads == 1
-    assert SpecWorker(model, tok, backend=backend("xgrammar"), grammar_threads=3).grammar_threads == 3
+    assert (
+        SpecWorker(model, tok, backend=backend("xgrammar"), grammar_threads=3).grammar_threads == 3
+    )
     with pytest.raises(ValueError, match="grammar_threads must be None or an int >= 1, got 0"):
         SpecWorker(model, tok, backend=backend("xgrammar"), grammar_threads=0)
 
@@ -59,10 +63,17 @@ def requests() -> list[Request]:
     greedy = SamplingParams(max_new_tokens=MAX_NEW)
     sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=3)
     reqs = [
-        Request(build_prompt(tok, JSON_PROMPT), JsonSchema(by_id[i]["schema"]), sampled if n == 1 else greedy, rid=i)
+        Request(
+            build_prompt(tok, JSON_PROMPT),
+            JsonSchema(by_id[i]["schema"]),
+            sampled if n == 1 else greedy,
+            rid=i,
+        )
         for n, i in enumerate(SCHEMA_IDS)
     ]
-    reqs.insert(1, Request(build_prompt(tok, "Yes or no?"), Regex(r"(yes|no|maybe)"), greedy, rid="regex"))
+    reqs.insert(
+        1, Request(build_prompt(tok, "Yes or no?"), Regex(r"(yes|no|maybe)"), greedy, rid="regex")
+    )
     reqs.append(Request(build_prompt(tok, "Name three colors."), None, greedy, rid="plain"))
     return reqs
 
@@ -70,7 +81,13 @@ def requests() -> list[Request]:
 def run(name: str, threads: int, overlap: bool = True) -> list:
     model, tok = model_and_tokenizer()
     with SpecWorker(
-        model, tok, backend=backend(name), draft="ngram", num_draft_tokens=6, overlap=overlap, grammar_threads=threads
+        model,
+        tok,
+        backend=backend(name),
+        draft="ngram",
+        num_draft_tokens=6,
+        overlap=overlap,
+        grammar_threads=threads,
     ) as w:
         assert w.grammar_threads == threads
         results = w.run(requests())
@@ -90,25 +107,41 @@ def test_run_after_close_starts_the_threads_again():
     """``close()`` stops the grammar threads; a later ``run`` starts them again (it used to hit
     a closed pool) and gives the same output."""
     model, tok = model_and_tokenizer()
-    w = SpecWorker(model, tok, backend=backend("xgrammar"), draft="ngram", num_draft_tokens=6, grammar_threads=3)
+    w = SpecWorker(
+        model,
+        tok,
+        backend=backend("xgrammar"),
+        draft="ngram",
+        num_draft_tokens=6,
+        grammar_threads=3,
+    )
     w.close()
     try:
         got = w.run(requests())
     finally:
         w.close()
     ref = reference("xgrammar")
-    assert [(g.token_ids, g.finish_reason) for g in got] == [(r.token_ids, r.finish_reason) for r in ref]
+    assert [(g.token_ids, g.finish_reason) for g in got] == [
+        (r.token_ids, r.finish_reason) for r in ref
+    ]
 
 
 @pytest.mark.model
 @pytest.mark.parametrize(
     "name,threads,overlap",
-    [("xgrammar", 2, True), ("xgrammar", 3, False), ("llguidance", 2, True), ("llguidance", 3, True)],
+    [
+        ("xgrammar", 2, True),
+        ("xgrammar", 3, False),
+        ("llguidance", 2, True),
+        ("llguidance", 3, True),
+    ],
 )
 def test_threads_give_the_one_thread_output(name, threads, overlap):
     ref = reference(name)
     got = run(name, threads, overlap)
-    assert [(g.rid, g.token_ids, g.finish_reason) for g in got] == [(r.rid, r.token_ids, r.finish_reason) for r in ref]
+    assert [(g.rid, g.token_ids, g.finish_reason) for g in got] == [
+        (r.rid, r.token_ids, r.finish_reason) for r in ref
+    ]
     assert all(g.error is None for g in got)
     assert ref[1].finish_reason == "grammar" and ref[1].num_tokens < MAX_NEW  # the early finisher
     # per-request grammar time is still measured for every grammar request
@@ -136,15 +169,23 @@ def test_fault_ends_only_its_request_with_threads(threads):
     reqs.insert(1, request("the sea is", FILL_FAULT, "fill-fault", max_new_tokens=64))
     reqs.append(request("A cat", ACCEPT_FAULT, "accept-fault", max_new_tokens=64))
     b = FaultyBackend(tok, vocab_size=model.config.vocab_size)
-    with SpecWorker(model, tok, backend=b, draft="ngram", num_draft_tokens=6, grammar_threads=threads) as w:
+    with SpecWorker(
+        model, tok, backend=b, draft="ngram", num_draft_tokens=6, grammar_threads=threads
+    ) as w:
         by = {r.rid: r for r in w.run(reqs)}
         assert not w.runner.request_ids  # every KV slot was freed
     r = by["fill-fault"]
     assert (r.finish_reason, r.steps) == ("error", 2)
-    assert r.error == "the grammar failed while filling the tree bitmask: RuntimeError: injected fault in fill_tree_bitmask"
+    assert (
+        r.error
+        == "the grammar failed while filling the tree bitmask: RuntimeError: injected fault in fill_tree_bitmask"
+    )
     r = by["accept-fault"]
     assert r.finish_reason == "error"
-    assert r.error == "the grammar failed while accepting committed tokens: RuntimeError: injected fault in accept_token"
+    assert (
+        r.error
+        == "the grammar failed while accepting committed tokens: RuntimeError: injected fault in accept_token"
+    )
     ref = clean()
     assert {rid: (by[rid].token_ids, by[rid].finish_reason, by[rid].error) for rid in ref} == {
         rid: (toks, reason, None) for rid, (toks, reason) in ref.items()

@@ -13,8 +13,8 @@ import random
 
 import pytest
 import torch
-
 from runner_churn import random_tree
+
 from spec_grammar.bench.gpu import build_model
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.specs import JsonSchema
@@ -23,7 +23,10 @@ from spec_grammar.worker.request import Request
 from spec_grammar.worker.runner import ModelRunner
 from spec_grammar.worker.sampling import SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 @pytest.mark.parametrize("arch,evict", [("llama", False), ("gemma3", False), ("llama", True)])
@@ -36,9 +39,17 @@ def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch, evict):
     else:  # per-layer-type masks with a sliding window inside the graph
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        config = Gemma3TextConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, sliding_window=5, num_hidden_layers=2,
-                                  layer_types=["sliding_attention", "full_attention"])
+        config = Gemma3TextConfig(
+            vocab_size=4096,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            num_hidden_layers=2,
+            layer_types=["sliding_attention", "full_attention"],
+        )
         model = Gemma3ForCausalLM(config).to("cuda", torch.float64).eval()
     graph, eager = ModelRunner(model, cuda_graphs=True), ModelRunner(model, cuda_graphs=False)
     if evict:
@@ -46,7 +57,9 @@ def test_graph_logits_equal_eager_while_batch_and_buffers_change(arch, evict):
     rng = random.Random(0)
     roots: dict[str, int] = {}
     for step in range(40):
-        if step % 7 == 0 or not roots:  # a new request, sometimes with a prompt that grows the buffers
+        if (
+            step % 7 == 0 or not roots
+        ):  # a new request, sometimes with a prompt that grows the buffers
             rid = f"r{step}"
             prompt = [rng.randrange(1000) for _ in range(rng.choice([3, 20, 300]))]
             for r in (graph, eager):
@@ -89,19 +102,32 @@ def test_worker_outputs_identical_with_and_without_graphs():
     schemas = [r["schema"] for r in jsonschemabench_sample()[:5]]
 
     def run(graphs: bool, overlap: bool, lazy: bool | None = None):
-        reqs = [Request(f"JSON {i}:", JsonSchema(s), SamplingParams(max_new_tokens=32), rid=f"r{i}")
-                for i, s in enumerate(schemas)]
-        reqs.append(Request("Text:", None, SamplingParams(max_new_tokens=20, ignore_eos=True), rid="plain"))
+        reqs = [
+            Request(f"JSON {i}:", JsonSchema(s), SamplingParams(max_new_tokens=32), rid=f"r{i}")
+            for i, s in enumerate(schemas)
+        ]
+        reqs.append(
+            Request("Text:", None, SamplingParams(max_new_tokens=20, ignore_eos=True), rid="plain")
+        )
         runner = ModelRunner(model, cuda_graphs=graphs)
-        with SpecWorker(runner, tok, backend=backend, draft="ngram", num_draft_tokens=8, overlap=overlap,
-                        lazy_grammar=lazy) as w:
+        with SpecWorker(
+            runner,
+            tok,
+            backend=backend,
+            draft="ngram",
+            num_draft_tokens=8,
+            overlap=overlap,
+            lazy_grammar=lazy,
+        ) as w:
             out = w.run(reqs)
             assert any(s.lazy_requests for s in w.step_stats) == bool(lazy)
         return [(r.token_ids, r.finish_reason) for r in out], runner.graph_captures
 
     want, _ = run(False, False, lazy=False)
     for overlap, lazy in ((True, False), (False, False), (True, True)):
-        got, captures = run(True, overlap, lazy)  # lazy: no tree fills, matchers asked token by token
+        got, captures = run(
+            True, overlap, lazy
+        )  # lazy: no tree fills, matchers asked token by token
         assert got == want
         assert captures > 0
     assert all(reason in ("grammar", "length") for _, reason in want)

@@ -24,7 +24,11 @@ from spec_grammar.worker.verify import verify_greedy
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "ok": {"type": "boolean"},
+    },
     "required": ["name", "age", "ok"],
     "additionalProperties": False,
 }
@@ -56,17 +60,27 @@ def _tree(rng: random.Random, doc: list[int], pos: int, n: int) -> DraftTree:
         p = rng.randrange(len(tokens))
         d = depth[p] + 1
         r = rng.random()
-        t = doc[pos + d - 1] if r < 0.6 and pos + d - 1 < len(doc) else rng.choice(doc) if r < 0.85 else rng.randrange(49152)
+        t = (
+            doc[pos + d - 1]
+            if r < 0.6 and pos + d - 1 < len(doc)
+            else rng.choice(doc)
+            if r < 0.85
+            else rng.randrange(49152)
+        )
         tokens.append(t)
         parents.append(p)
         depth.append(d)
     return DraftTree(tokens, parents)
 
 
-def _logits(rng: random.Random, tree: DraftTree, doc: list[int], pos: int, n_max: int, vocab: int) -> torch.Tensor:
+def _logits(
+    rng: random.Random, tree: DraftTree, doc: list[int], pos: int, n_max: int, vocab: int
+) -> torch.Tensor:
     """Low-resolution noise (ties) with the document's token on top in most rows; some rows
     want a random token, have a NaN / +inf maximum or are all -inf."""
-    x = torch.randint(-3, 4, (n_max, vocab), generator=torch.Generator().manual_seed(rng.randrange(2**31))).float()
+    x = torch.randint(
+        -3, 4, (n_max, vocab), generator=torch.Generator().manual_seed(rng.randrange(2**31))
+    ).float()
     for k in range(tree.num_nodes):
         p = pos + tree.depth_list[k]
         r = rng.random()
@@ -92,7 +106,9 @@ def oracle_verify(m, logits, tree, stops):
         return GrammarStateError
     rows = allocate_token_bitmask(tree.num_nodes, logits.shape[-1])
     valid = m.fill_tree_bitmask(tree, rows)
-    processed = process_tree_logits(logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=rows)
+    processed = process_tree_logits(
+        logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=rows
+    )
     try:
         return verify_greedy(processed, tree, valid, stop_token_ids=stops)
     except GrammarStateError:
@@ -113,7 +129,10 @@ def state_error(m, ref, run: list[int]) -> str | None:
         return f"num_accepted {m.num_accepted} != {ref.num_accepted}"
     if ref.is_terminated() or m.is_terminated():
         return None if ref.is_terminated() == m.is_terminated() else "termination differs"
-    a, b = allocate_token_bitmask(1, m.info.vocab_size), allocate_token_bitmask(1, m.info.vocab_size)
+    a, b = (
+        allocate_token_bitmask(1, m.info.vocab_size),
+        allocate_token_bitmask(1, m.info.vocab_size),
+    )
     m.fill_next_token_bitmask(a)
     ref.fill_next_token_bitmask(b)
     return None if torch.equal(a, b) else "next-token masks differ"
@@ -128,7 +147,9 @@ def test_lazy_walks_equal_the_per_request_oracle(seed):
     positions = [rng.randrange(len(doc) + 1) for _ in range(b)]
     trees = [_tree(rng, doc, pos, rng.randint(1, 8)) for pos in positions]
     n_max = max(t.num_nodes for t in trees)
-    logits = torch.stack([_logits(rng, t, doc, pos, n_max, vocab) for t, pos in zip(trees, positions)])
+    logits = torch.stack(
+        [_logits(rng, t, doc, pos, n_max, vocab) for t, pos in zip(trees, positions)]
+    )
     # per request: lazy (its matcher), filled (bitmask rows) or no grammar
     kinds = [rng.choice(["lazy", "lazy", "filled", "plain"]) for _ in range(b)]
     matchers, pre, offsets, valids, parts, rows = [], [], [], [], [], 0
@@ -150,14 +171,24 @@ def test_lazy_walks_equal_the_per_request_oracle(seed):
             offsets.append(None)
     stats: dict = {}
     got = verify_greedy_batch(
-        logits, trees, list(range(b)), bitmask=torch.cat(parts) if parts else None, offsets=offsets,
-        valids=valids, stop_token_ids=[{stop}] * b, matchers=matchers, pre_accepted=pre, stats=stats,
+        logits,
+        trees,
+        list(range(b)),
+        bitmask=torch.cat(parts) if parts else None,
+        offsets=offsets,
+        valids=valids,
+        stop_token_ids=[{stop}] * b,
+        matchers=matchers,
+        pre_accepted=pre,
+        stats=stats,
     )
     assert sorted(stats["lazy_ms"]) == [i for i in range(b) if kinds[i] == "lazy"]
     for i in range(b):
         tree, pos = trees[i], positions[i]
         if kinds[i] == "plain":
-            processed = process_tree_logits(logits[i, : tree.num_nodes], tree, [0], SamplingParams())
+            processed = process_tree_logits(
+                logits[i, : tree.num_nodes], tree, [0], SamplingParams()
+            )
             try:
                 want = verify_greedy(processed, tree, stop_token_ids={stop})
             except GrammarStateError:
@@ -185,7 +216,9 @@ def test_a_lazy_walk_meets_forbidden_tokens_and_masks_them_on_demand():
     logits[0, 2, doc[3]] = 5.0
     m = _matcher_at(1)
     stats: dict = {}
-    got = verify_greedy_batch(logits, [tree], [0], stop_token_ids=[{stop}], matchers=[m], stats=stats)
+    got = verify_greedy_batch(
+        logits, [tree], [0], stop_token_ids=[{stop}], matchers=[m], stats=stats
+    )
     assert got[0] == _oracle(logits[0], tree, 1, {stop}) == ([0, 1, 2], doc[3])
     assert stats["forbidden_rows"] == 1
     assert _same_state(m, 1, doc[1:4])
@@ -208,7 +241,9 @@ def test_a_terminated_or_failing_matcher_ends_only_its_request():
 
     for bad in (done, Broken()):
         m = _matcher_at(1)
-        got = verify_greedy_batch(logits, trees, [0, 1], stop_token_ids=[{stop}] * 2, matchers=[bad, m])
+        got = verify_greedy_batch(
+            logits, trees, [0, 1], stop_token_ids=[{stop}] * 2, matchers=[bad, m]
+        )
         assert isinstance(got[0], GrammarStateError)
         assert got[1] == ([0, 1], doc[2])
 
@@ -219,7 +254,9 @@ def test_lazy_matchers_must_fit_the_batch():
     logits = torch.zeros(1, 1, backend.vocab_size)
     rows = allocate_token_bitmask(1, backend.vocab_size)
     with pytest.raises(BitmaskError, match="both bitmask rows and a lazy matcher"):
-        verify_greedy_batch(logits, [tree], [0], bitmask=rows, offsets=[0], matchers=[_matcher_at(1)])
+        verify_greedy_batch(
+            logits, [tree], [0], bitmask=rows, offsets=[0], matchers=[_matcher_at(1)]
+        )
     with pytest.raises(BitmaskError, match="masks"):
         verify_greedy_batch(logits[..., :100], [tree], [0], matchers=[_matcher_at(1)])
     chain = DraftTree([doc[0], doc[1], doc[2]], [-1, 0, 0])

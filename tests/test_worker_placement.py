@@ -20,11 +20,23 @@ def test_measures_both_then_picks_the_faster():
 
 def test_exploration_is_spaced_by_its_predicted_regret():
     e = Exploration(every=4)
-    assert [e.due(0.0, 0.0) for _ in range(8)] == [False, False, False, True] * 2  # no regret: every 4th
-    assert [e.due(0.1, 0.1) for _ in range(4)] == [False, False, False, True]  # regret <= budget: the same
+    assert [e.due(0.0, 0.0) for _ in range(8)] == [
+        False,
+        False,
+        False,
+        True,
+    ] * 2  # no regret: every 4th
+    assert [e.due(0.1, 0.1) for _ in range(4)] == [
+        False,
+        False,
+        False,
+        True,
+    ]  # regret <= budget: the same
     # regret 3 budgets: every 12th decision, so tries cost at most budget / every per decision
     assert [i for i in range(1, 37) if e.due(0.3, 0.1)] == [12, 24, 36]
-    assert not any(e.due(0.3, 0.0) for _ in range(1000))  # no budget: a slower option is never tried
+    assert not any(
+        e.due(0.3, 0.0) for _ in range(1000)
+    )  # no budget: a slower option is never tried
     with pytest.raises(ValueError):
         Exploration(every=1)
 
@@ -34,10 +46,14 @@ def test_explores_the_other_placement_and_follows_the_load():
     p.record(True, 10, grammar_ms=1.5, launch_ms=0.5)  # thread max(0.5, 1.5) = 1.5 ms
     p.record(False, 10, grammar_ms=0.9, launch_ms=0.5)  # inline 0.5 + 0.9 = 1.4 ms
     choices = [p.use_thread(10) for _ in range(10)]
-    assert choices == [False, False, False, False, True] * 2  # regret 0.1 <= 0.14 of budget: every 5th
+    assert (
+        choices == [False, False, False, False, True] * 2
+    )  # regret 0.1 <= 0.14 of budget: every 5th
     p.record(True, 10, grammar_ms=0.2, launch_ms=0.5)  # the thread got fast (alpha 1: replaced)
     assert p.use_thread(10) is True
-    p.record(True, 10, grammar_ms=10.0, launch_ms=0.5)  # the thread got 10 ms slower: tried 20x less often
+    p.record(
+        True, 10, grammar_ms=10.0, launch_ms=0.5
+    )  # the thread got 10 ms slower: tried 20x less often
     assert sum(p.use_thread(10) for _ in range(1000)) == 1000 // (5 * round(8.6 / 0.14 + 0.5))
 
 
@@ -103,7 +119,9 @@ def test_lazy_when_fills_stop_hiding_or_lazy_walks_are_cheap():
     fwd = 10.0
     assert lazy.use_lazy(64, 8, 0.5, fwd)  # the lazy walk is measured once
     lazy.record_lazy(8, 0.8)  # 0.1 ms a request
-    assert not lazy.use_lazy(64, 8, 0.5, fwd)  # 0.5 + 3.2 <= 7.5: the fill hides; 0.8 > 0.2 of slack
+    assert not lazy.use_lazy(
+        64, 8, 0.5, fwd
+    )  # 0.5 + 3.2 <= 7.5: the fill hides; 0.8 > 0.2 of slack
     assert lazy.use_lazy(256, 32, 0.5, fwd)  # 0.5 + 12.8 - 7.5 = 5.8 exposed > 3.2
     assert not lazy.use_lazy(160, 32, 0.5, fwd)  # 1.0 exposed < 3.2
     assert lazy.use_lazy(16, 1, 0.5, fwd)  # 0.1 < 0.2 = 2% of the forward
@@ -122,7 +140,15 @@ def test_lazy_explores_the_other_mode_as_its_regret_allows():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(hide=0.0), dict(hide=1.5), dict(slack=-0.1), dict(slack=1.0), dict(explore_every=1), dict(alpha=0.0)]
+    "kw",
+    [
+        dict(hide=0.0),
+        dict(hide=1.5),
+        dict(slack=-0.1),
+        dict(slack=1.0),
+        dict(explore_every=1),
+        dict(alpha=0.0),
+    ],
 )
 def test_lazy_bad_arguments(kw):
     with pytest.raises(ValueError):

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from emulated_graphs import make_runner
 
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.runner import ModelRunner, RunnerError
-
-from emulated_graphs import make_runner
 
 pytestmark = pytest.mark.model
 
@@ -41,7 +40,9 @@ def reference(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     return [logits[i, : len(s)] for i, s in enumerate(seqs)]
 
 
-def assert_tree_logits(model, cases: list[tuple[torch.Tensor, list[int], DraftTree]], atol=ATOL) -> None:
+def assert_tree_logits(
+    model, cases: list[tuple[torch.Tensor, list[int], DraftTree]], atol=ATOL
+) -> None:
     """For each ``(logits (N, V), context, tree)``: row n == the plain forward of
     ``context + path(n)`` at its last position. A reference sequence per leaf covers the whole
     root..leaf path. Nodes with invalid tokens (and their subtrees) are skipped: their rows are
@@ -80,7 +81,9 @@ def check_tree_logits_and_commit(m, atol=ATOL, graphs=None, fused=None):
     assert [runner.cache_len(r) for r in "abc"] == [4, 0, 3]
     trees = {
         # branching tree with a duplicate-token sibling and an invalid (-1) leaf
-        "a": DraftTree.from_parents([314, 253, 260, 1345, 2365, 28, 253, -1], [-1, 0, 0, 1, 1, 3, 2, 0]),
+        "a": DraftTree.from_parents(
+            [314, 253, 260, 1345, 2365, 28, 253, -1], [-1, 0, 0, 1, 1, 3, 2, 0]
+        ),
         "b": DraftTree.chain(26843, []),  # root only: padded to N_max = 8
         "c": DraftTree.chain(1876, [2353, 3098, 2064]),
     }
@@ -88,7 +91,9 @@ def check_tree_logits_and_commit(m, atol=ATOL, graphs=None, fused=None):
     logits = runner.forward_trees(order, [trees[r] for r in order])
     assert logits.shape == (3, 8, runner.vocab_size) and logits.dtype == torch.float32
     assert_tree_logits(
-        m, [(logits[i, : trees[r].num_nodes], prompts[r], trees[r]) for i, r in enumerate(order)], atol
+        m,
+        [(logits[i, : trees[r].num_nodes], prompts[r], trees[r]) for i, r in enumerate(order)],
+        atol,
     )
     assert [runner.cache_len(r) for r in "abc"] == [4, 0, 3]  # forward does not commit
 
@@ -106,7 +111,9 @@ def check_tree_logits_and_commit(m, atol=ATOL, graphs=None, fused=None):
     }
     logits = runner.forward_trees(list("abc"), [nxt[r] for r in "abc"])
     assert_tree_logits(
-        m, [(logits[i, : nxt[r].num_nodes], committed[r], nxt[r]) for i, r in enumerate("abc")], atol
+        m,
+        [(logits[i, : nxt[r].num_nodes], committed[r], nxt[r]) for i, r in enumerate("abc")],
+        atol,
     )
 
 
@@ -121,7 +128,11 @@ def check_remove_add_mid_batch_and_subsets(model, atol=ATOL, graphs=None, fused=
     runner.commit("a", [0, 1])
     runner.commit("b", [0])
     runner.commit("c", [0, 1, 2, 3])
-    ctx = {"a": PROMPT_A + [253, 1345], "b": PROMPT_B + [29], "c": PROMPT_C + [2353, 3098, 2064, 2353]}
+    ctx = {
+        "a": PROMPT_A + [253, 1345],
+        "b": PROMPT_B + [29],
+        "c": PROMPT_C + [2353, 3098, 2064, 2353],
+    }
 
     runner.remove("a")  # the last row (c) moves into a's row
     runner.add("d", [1604, 803, 24, 81])
@@ -131,7 +142,9 @@ def check_remove_add_mid_batch_and_subsets(model, atol=ATOL, graphs=None, fused=
     t_d = DraftTree.from_parents([81, 28, 278, 727], [-1, 0, 1, 0])
     t_c = DraftTree.chain(2353, [3098])
     logits = runner.forward_trees(["d", "c"], [t_d, t_c])
-    assert_tree_logits(model, [(logits[0, :4], ctx["d"], t_d), (logits[1, :2], ctx["c"], t_c)], atol)
+    assert_tree_logits(
+        model, [(logits[0, :4], ctx["d"], t_d), (logits[1, :2], ctx["c"], t_c)], atol
+    )
     runner.commit("d", [0, 1, 2])
     ctx["d"] += [28, 278, 727]
     logits = runner.forward_trees(["b", "d"], [DraftTree.chain(29, []), DraftTree.chain(727, [])])
@@ -154,15 +167,28 @@ def check_batched_prefill(model, atol=ATOL, fused=None):
     shorter chunks padded) give each request the logits of its own plain forward; refused
     requests leave the others started."""
     runner = ModelRunner(model, prefill_chunk=3, prefill_tokens=6, fused_forward=fused)
-    prompts = {"a": PROMPT_A + PROMPT_C, "b": PROMPT_B, "c": [PROMPT_C[0]], "d": PROMPT_C + PROMPT_B}
+    prompts = {
+        "a": PROMPT_A + PROMPT_C,
+        "b": PROMPT_B,
+        "c": [PROMPT_C[0]],
+        "d": PROMPT_C + PROMPT_B,
+    }
     bad = {"dup": ("a", [504]), "empty": ("e", []), "oov": ("o", [504, runner.vocab_size])}
     refused = runner.add_batch([*prompts.items(), *bad.values()])
-    assert sorted(refused) == ["a", "e", "o"] and all(isinstance(e, RunnerError) for e in refused.values())
-    assert "already" in str(refused["a"]) and "empty" in str(refused["e"]) and "outside" in str(refused["o"])
+    assert sorted(refused) == ["a", "e", "o"] and all(
+        isinstance(e, RunnerError) for e in refused.values()
+    )
+    assert (
+        "already" in str(refused["a"])
+        and "empty" in str(refused["e"])
+        and "outside" in str(refused["o"])
+    )
     assert runner.request_ids == list(prompts) and [runner.cache_len(r) for r in prompts] == [
         len(p) - 1 for p in prompts.values()
     ]
-    logits = runner.forward_trees(list(prompts), [DraftTree.chain(p[-1], [2365]) for p in prompts.values()])
+    logits = runner.forward_trees(
+        list(prompts), [DraftTree.chain(p[-1], [2365]) for p in prompts.values()]
+    )
     refs = reference(model, [p + [2365] for p in prompts.values()])
     for i, ref in enumerate(refs):
         torch.testing.assert_close(logits[i, :2], ref[-2:], atol=atol, rtol=0)
@@ -191,7 +217,9 @@ def test_graph_padded_path_on_cpu(model):
     runner = make_runner(model, "emulated")
     for rid, p in {"a": PROMPT_A, "b": PROMPT_B, "c": PROMPT_C}.items():
         runner.add(rid, p)
-    runner.forward_trees(list("abc"), [DraftTree.chain(p[-1], [28] * 4) for p in (PROMPT_A, PROMPT_B, PROMPT_C)])
+    runner.forward_trees(
+        list("abc"), [DraftTree.chain(p[-1], [28] * 4) for p in (PROMPT_A, PROMPT_B, PROMPT_C)]
+    )
     assert runner._graphs.keys == {(4, 8, 64)}  # 3 requests -> 4 rows, 5 nodes -> 8
 
 
@@ -230,8 +258,13 @@ def test_fused_decoder_same_checks(model):
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize(
     "attn,dtype,fused",
-    [("sdpa", torch.float32, True), ("sdpa", torch.float32, False), ("eager", torch.float32, False),
-     ("sdpa", torch.bfloat16, False), ("eager", torch.bfloat16, False)],
+    [
+        ("sdpa", torch.float32, True),
+        ("sdpa", torch.float32, False),
+        ("eager", torch.float32, False),
+        ("sdpa", torch.bfloat16, False),
+        ("eager", torch.bfloat16, False),
+    ],
 )
 def test_cuda_same_code(attn, dtype, fused, graphs):
     """The same checks on CUDA, on a 2-layer Llama with SmolLM2's shapes and random weights (the
@@ -247,9 +280,16 @@ def test_cuda_same_code(attn, dtype, fused, graphs):
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        rope_theta=100000.0, tie_word_embeddings=True, initializer_range=0.2,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
     )
     model = LlamaForCausalLM(config).to("cuda", dtype).eval()
     model.set_attn_implementation(attn)
@@ -269,8 +309,15 @@ def test_sliding_window_models(arch):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, sliding_window=3)
+    shape = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=3,
+    )
     if arch == "gemma3":
         types = ["sliding_attention", "full_attention", "sliding_attention"]
         config = Gemma3TextConfig(num_hidden_layers=3, layer_types=types, **shape)
@@ -310,11 +357,16 @@ def test_kv_store_stacks_layers_and_keeps_odd_ones_apart():
     from spec_grammar.worker.runner import _KVStore
 
     store = _KVStore(torch.device("cpu"), num_layers=2)
-    shapes = {0: (3, 4), 1: (3, 4), 2: (3, 4), 3: (2, 8)}  # layer -> (heads, dim); 2 and 3 stand apart
+    shapes = {
+        0: (3, 4),
+        1: (3, 4),
+        2: (3, 4),
+        3: (2, 8),
+    }  # layer -> (heads, dim); 2 and 3 stand apart
     bufs = {i: store.layer(i, torch.empty(1, h, 1, d)) for i, (h, d) in shapes.items()}
     assert store.stack is not None and sorted(store.extra) == [2, 3]
     with torch.inference_mode():
-        for i, (k, v) in bufs.items():
+        for k, v in bufs.values():
             k.copy_(torch.randn(k.shape))
             v.copy_(torch.randn(v.shape))
     before = {i: (k.clone(), v.clone()) for i, (k, v) in bufs.items()}
@@ -342,8 +394,10 @@ def test_device_ancestors_equal_the_trees_own():
 
     rng = random.Random(0)
     for n_max in (1, 2, 5, 8, 33, 70):
-        trees = [DraftTree([0] * n, [-1] + [rng.randrange(i) for i in range(1, n)])
-                 for n in (rng.randint(1, n_max) for _ in range(6))]
+        trees = [
+            DraftTree([0] * n, [-1] + [rng.randrange(i) for i in range(1, n)])
+            for n in (rng.randint(1, n_max) for _ in range(6))
+        ]
         parents = torch.full((len(trees), n_max), -1, dtype=torch.long)
         for k, t in enumerate(trees):
             parents[k, : t.num_nodes] = torch.tensor(t.parent_list)
@@ -352,7 +406,10 @@ def test_device_ancestors_equal_the_trees_own():
             n = t.num_nodes
             assert torch.equal(anc[k, :n, :n], t.ancestor_mask)
             assert depth[k, :n].tolist() == t.depth_list
-            assert torch.equal(anc[k, n:], torch.eye(n_max, dtype=torch.bool)[n:]) and not depth[k, n:].any()
+            assert (
+                torch.equal(anc[k, n:], torch.eye(n_max, dtype=torch.bool)[n:])
+                and not depth[k, n:].any()
+            )
 
 
 def test_models_not_on_one_device_are_refused():

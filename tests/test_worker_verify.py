@@ -28,8 +28,14 @@ def hf_row(logits_row, prefix, prompt_len, params, allowed):
     ids = torch.tensor([prefix])
     x = logits_row[None].clone()
     x = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, x)
-    out_counts = torch.bincount(torch.tensor(prefix[prompt_len:], dtype=torch.long), minlength=x.shape[1])
-    x = x - params.frequency_penalty * out_counts - params.presence_penalty * (out_counts > 0).float()
+    out_counts = torch.bincount(
+        torch.tensor(prefix[prompt_len:], dtype=torch.long), minlength=x.shape[1]
+    )
+    x = (
+        x
+        - params.frequency_penalty * out_counts
+        - params.presence_penalty * (out_counts > 0).float()
+    )
     for tok, b in params.logit_bias.items():
         x[0, tok] += b
     x = x.masked_fill(~allowed[None], NEG)
@@ -51,8 +57,13 @@ def test_rows_equal_plain_processing_of_their_own_prefix(device):
     allowed[:, [3, 7, 9, 12]] = True
     allowed[6] = False  # an invalid node's row: all zero
     params = SamplingParams(
-        temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.3,
-        frequency_penalty=0.4, presence_penalty=0.25, logit_bias={3: 1.5, 20: -2.0},
+        temperature=0.7,
+        top_k=20,
+        top_p=0.8,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.25,
+        logit_bias={3: 1.5, 20: -2.0},
     )
     bitmask = pack_bool_mask(allowed)
     out = process_tree_logits(logits.to(device), tree, context, params, bitmask, prompt_len=3).cpu()
@@ -155,7 +166,9 @@ def test_verify_greedy_matches_stepwise_plain_greedy():
         committed = [tree.token_list[a] for a in accepted[1:]] + [bonus]
         node, expected = 0, []
         while True:
-            _, tok = verify_greedy(processed[node : node + 1], DraftTree.chain(tree.token_list[node], []))
+            _, tok = verify_greedy(
+                processed[node : node + 1], DraftTree.chain(tree.token_list[node], [])
+            )
             expected.append(tok)
             ok = [c for c in tree.children(node) if valid[c] and tree.token_list[c] == tok]
             if not ok:
@@ -200,7 +213,9 @@ def test_verify_stochastic_is_lossless(device):
     # rows of the next plain step after a one-token commit, one per token
     nxt_logits = torch.randn(vocab, vocab, generator=g)
     nxt = [
-        process_tree_logits(nxt_logits[t : t + 1].to(device), DraftTree.chain(t, []), [0, t], params)
+        process_tree_logits(
+            nxt_logits[t : t + 1].to(device), DraftTree.chain(t, []), [0, t], params
+        )
         for t in range(vocab)
     ]
 
@@ -220,7 +235,9 @@ def test_verify_stochastic_is_lossless(device):
     m = 20000
     counts = torch.zeros(vocab, vocab + 1, dtype=torch.float64)
     for _ in range(m):
-        accepted, bonus = verify_stochastic(processed, tree, gen, valid.to(device), stop_token_ids={stop})
+        accepted, bonus = verify_stochastic(
+            processed, tree, gen, valid.to(device), stop_token_ids={stop}
+        )
         # never accepted: the stop node 3, invalid 4, out-of-range 5, dead-row 7, below-stop 8
         assert not {3, 4, 5, 7, 8}.intersection(accepted)
         committed = [tokens[a] for a in accepted[1:]] + [bonus]
@@ -270,5 +287,7 @@ def test_token_logprobs_and_dispatch():
     torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), expected)
     with pytest.raises(ValueError, match="Generator"):
         verify(processed, tree, SamplingParams(temperature=1.0))
-    a, b = verify(processed, tree, SamplingParams(temperature=1.0), make_generator(SamplingParams(seed=1)))
+    a, b = verify(
+        processed, tree, SamplingParams(temperature=1.0), make_generator(SamplingParams(seed=1))
+    )
     assert a[0] == 0 and 0 <= b < 8

@@ -30,14 +30,20 @@ import importlib.metadata
 import os
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from spec_grammar.bitmask import check_bitmask, clear_padding_bits
-from spec_grammar.errors import BitmaskError, GrammarCompileError, GrammarStateError, UnsupportedGrammarError
+from spec_grammar.errors import (
+    BitmaskError,
+    GrammarCompileError,
+    GrammarStateError,
+    UnsupportedGrammarError,
+)
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.strict import REMOTE_REF, KeywordSupport
@@ -132,7 +138,7 @@ class LLGuidanceMatcher(SpecGrammar):
     """:class:`SpecGrammar` over ``llguidance.LLMatcher`` (see the module docstring for rows,
     stop tokens and the error state)."""
 
-    def __init__(self, backend: "LLGuidanceBackend", matcher: Any, *, terminated: bool = False):
+    def __init__(self, backend: LLGuidanceBackend, matcher: Any, *, terminated: bool = False):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._m = matcher
@@ -170,9 +176,11 @@ class LLGuidanceMatcher(SpecGrammar):
             self._terminated = False
             num_tokens -= 1
         if num_tokens and not (self._m.rollback(num_tokens) and not self._m.is_error()):
-            raise GrammarStateError(f"llguidance rollback({num_tokens}) failed: {self._m.get_error()}")
+            raise GrammarStateError(
+                f"llguidance rollback({num_tokens}) failed: {self._m.get_error()}"
+            )
 
-    def _fork(self) -> "LLGuidanceMatcher":
+    def _fork(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._backend, self._m.deep_copy(), terminated=self._terminated)
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -214,7 +222,11 @@ class LLGuidanceMatcher(SpecGrammar):
                 if self.is_stop_token(t) or not self._allows(t):
                     break
                 row = self._scratch
-                longer = (u for u, b in vocab.starting_with(token_bytes[t]) if len(b) > len(token_bytes[t]))
+                longer = (
+                    u
+                    for u, b in vocab.starting_with(token_bytes[t])
+                    if len(b) > len(token_bytes[t])
+                )
                 if any((int(row[u >> 5]) >> (u & 31)) & 1 for u in longer):
                     break
                 _consume_native(self._m, t)
@@ -224,7 +236,9 @@ class LLGuidanceMatcher(SpecGrammar):
                 self._m.rollback(len(forced))
         return forced
 
-    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _fill_tree_bitmask(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
         """Depth-first walk with consume/rollback on the native matcher; a child is entered only
         when its bit is set in its parent's row (G4), a stop-token child is valid with a zero
         row and is never consumed. Same rows as :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`."""
@@ -306,9 +320,22 @@ class LLGuidanceBackend(GrammarBackend):
     json_schema_support = KeywordSupport(
         unenforced={
             **dict.fromkeys(
-                ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
-             "dependentSchemas", "dependencies", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
-             "$dynamicRef"),
+                (
+                    "not",
+                    "if",
+                    "then",
+                    "else",
+                    "contains",
+                    "minContains",
+                    "maxContains",
+                    "dependentRequired",
+                    "dependentSchemas",
+                    "dependencies",
+                    "propertyNames",
+                    "unevaluatedItems",
+                    "unevaluatedProperties",
+                    "$dynamicRef",
+                ),
                 "not enforced by llguidance 1.9 (refused when not lenient, ignored when lenient)",
             ),
             "uniqueItems": "llguidance 1.9 ignores uniqueItems (not context-free)",
@@ -498,7 +525,8 @@ class LLGuidanceBackend(GrammarBackend):
                     kids = [
                         c
                         for c in tree.children(node)
-                        if 0 <= (t := tree.token_list[c]) < n_tok and (int(prow[t >> 5]) >> (t & 31)) & 1
+                        if 0 <= (t := tree.token_list[c]) < n_tok
+                        and (int(prow[t >> 5]) >> (t & 31)) & 1
                     ]
                     for c in kids:
                         valids[j][c] = True
@@ -519,7 +547,7 @@ class LLGuidanceBackend(GrammarBackend):
                 if k:
                     m._m.rollback(k)
         out = []
-        for (m, tree, off), v in zip(jobs, valids):
+        for (_, tree, off), v in zip(jobs, valids):
             clear_padding_bits(bitmask, off, off + tree.num_nodes, n_tok)
             out.append(torch.tensor(v, dtype=torch.bool))
         return out

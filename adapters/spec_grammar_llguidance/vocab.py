@@ -9,7 +9,8 @@ tokens, or a normalizer that rewrites text, would leave it with no allowed token
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -64,9 +65,13 @@ def llg_tokenizer(info: TokenizerInfo, slices: list[str] | None) -> Any:
     Raises ``ValueError`` for a tokenizer that is not a fast Hugging Face tokenizer.
     """
     stops = list(info.stop_token_ids)
-    lt = llguidance.hf.from_tokenizer(info.hf_tokenizer, n_vocab=info.vocab_size, eos_token=stops, slices=slices)
+    lt = llguidance.hf.from_tokenizer(
+        info.hf_tokenizer, n_vocab=info.vocab_size, eos_token=stops, slices=slices
+    )
     n = info.tokenizer_vocab_size
-    sample = [t for t in range(0, n, max(1, n // _ROUND_TRIP_SAMPLE)) if t not in info.special_token_ids]
+    sample = [
+        t for t in range(0, n, max(1, n // _ROUND_TRIP_SAMPLE)) if t not in info.special_token_ids
+    ]
     texts = [lt.decode_bytes([t]) for t in sample]
     if all(lt.decode_bytes(lt.tokenize_bytes(b)) == b for b in texts):
         return lt
@@ -80,9 +85,7 @@ class VocabIndex:
 
     def __init__(self, info: TokenizerInfo):
         specials = info.special_token_ids
-        pairs = sorted(
-            (b, t) for t, b in enumerate(info.token_bytes) if b and t not in specials
-        )
+        pairs = sorted((b, t) for t, b in enumerate(info.token_bytes) if b and t not in specials)
         self._keys = [b for b, _ in pairs]
         self._ids = [t for _, t in pairs]
 

@@ -190,7 +190,9 @@ class OutlinesGrammar:
         cache_bytes: bytes of packed rows to keep (at least one row is always kept).
     """
 
-    def __init__(self, index: "oc.Index", info: TokenizerInfo, vocab: VocabularyInfo, cache_bytes: int):
+    def __init__(
+        self, index: oc.Index, info: TokenizerInfo, vocab: VocabularyInfo, cache_bytes: int
+    ):
         self.index = index
         self.initial_state: int = index.get_initial_state()
         self._width = info.bitmask_width
@@ -300,7 +302,9 @@ class OutlinesMatcher(SpecGrammar):
     termination are exact and O(1) / O(max_rollback_tokens).
     """
 
-    def __init__(self, backend: "OutlinesBackend", grammar: OutlinesGrammar, states: list[int] | None = None):
+    def __init__(
+        self, backend: OutlinesBackend, grammar: OutlinesGrammar, states: list[int] | None = None
+    ):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._g = grammar
@@ -354,7 +358,7 @@ class OutlinesMatcher(SpecGrammar):
     def _rollback(self, num_tokens: int) -> None:
         del self._states[-num_tokens:]
 
-    def _fork(self) -> "OutlinesMatcher":
+    def _fork(self) -> OutlinesMatcher:
         return OutlinesMatcher(self._backend, self._g, list(self._states))
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -375,7 +379,9 @@ class OutlinesMatcher(SpecGrammar):
             state = self._g.next_state(state, t)
         return forced
 
-    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _fill_tree_bitmask(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
         # Same rows as spec_grammar.traverse.fill_tree_bitmask_dfs, without touching the
         # matcher: a node's DFA state is the step from its parent's state by its token, and
         # since parents[i] < i, one pass in index order visits parents first.
@@ -446,9 +452,22 @@ class OutlinesBackend(GrammarBackend):
     json_schema_support = KeywordSupport(
         unenforced={
             **dict.fromkeys(
-                ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
-             "dependentSchemas", "dependencies", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
-             "$dynamicRef"),
+                (
+                    "not",
+                    "if",
+                    "then",
+                    "else",
+                    "contains",
+                    "minContains",
+                    "maxContains",
+                    "dependentRequired",
+                    "dependentSchemas",
+                    "dependencies",
+                    "propertyNames",
+                    "unevaluatedItems",
+                    "unevaluatedProperties",
+                    "$dynamicRef",
+                ),
                 "not translated by outlines-core 0.2.14's schema-to-regex (ignored)",
             ),
             **dict.fromkeys(
@@ -467,7 +486,9 @@ class OutlinesBackend(GrammarBackend):
         },
     )
 
-    def __init__(self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any):
+    def __init__(
+        self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any
+    ):
         # an outlines index keeps a transition table per DFA state: hundreds of MB for JSON with an
         # unconstrained value, 6.3 GB for an array of <= 50 strings of <= 200 characters (SmolLM2):
         # 256 of them (the protocol's default) could take the whole host
@@ -486,15 +507,25 @@ class OutlinesBackend(GrammarBackend):
         if isinstance(spec, JsonSchema):
             if spec.json_schema is False:
                 raise GrammarCompileError("the schema `false` accepts no document")
-            schema = "{}" if spec.json_schema is True else json.dumps(_for_outlines(spec.json_schema), ensure_ascii=False)
+            schema = (
+                "{}"
+                if spec.json_schema is True
+                else json.dumps(_for_outlines(spec.json_schema), ensure_ascii=False)
+            )
             try:
-                return build_regex_from_schema(schema, whitespace_pattern=_WHITESPACE[spec.whitespace])
+                return build_regex_from_schema(
+                    schema, whitespace_pattern=_WHITESPACE[spec.whitespace]
+                )
             except ValueError as e:
                 # outlines says "Unsupported ..." / "... is not supported by Outlines" for
                 # valid schemas it cannot express.
-                cls = UnsupportedGrammarError if "support" in str(e).lower() else GrammarCompileError
+                cls = (
+                    UnsupportedGrammarError if "support" in str(e).lower() else GrammarCompileError
+                )
                 # one line: the rest is outlines' "Make sure it is valid ... open an issue" advice
-                raise cls(f"json_schema: {str(e).strip().splitlines()[0].strip()}", reason=str(e)) from e
+                raise cls(
+                    f"json_schema: {str(e).strip().splitlines()[0].strip()}", reason=str(e)
+                ) from e
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by outlines-core (regex only)")
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
@@ -504,7 +535,8 @@ class OutlinesBackend(GrammarBackend):
             if "NFA" not in str(e):
                 raise
             raise GrammarCompileError(
-                f"{spec.kind} failed to compile: outlines-core could not build an automaton from the pattern ({e}): it has a "
+                f"{spec.kind} failed to compile: outlines-core could not build an automaton from the pattern ({e}): "
+                "it has a "
                 "construct the regex engine lacks (look-around, backreference) or a bound {m,n} with m > n "
                 "(such as minItems > maxItems)",
                 reason=str(e),
@@ -513,7 +545,9 @@ class OutlinesBackend(GrammarBackend):
         if isinstance(spec, JsonSchema) and grammar.is_final(grammar.initial_state):
             # outlines turns unsatisfiable schemas (e.g. `{"enum": []}`) into an empty
             # pattern; no JSON document is empty, so such a grammar accepts nothing.
-            raise GrammarCompileError("the schema accepts no JSON document (outlines built an empty pattern)")
+            raise GrammarCompileError(
+                "the schema accepts no JSON document (outlines built an empty pattern)"
+            )
         return grammar
 
     def _matcher(self, compiled: CompiledGrammar) -> OutlinesMatcher:

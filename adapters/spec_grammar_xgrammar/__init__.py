@@ -62,7 +62,7 @@ def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
 class XGrammarMatcher(SpecGrammar):
     """:class:`SpecGrammar` over ``xgrammar.GrammarMatcher``."""
 
-    def __init__(self, backend: "XGrammarBackend", matcher: "xgr.GrammarMatcher"):
+    def __init__(self, backend: XGrammarBackend, matcher: xgr.GrammarMatcher):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._m = matcher
@@ -82,11 +82,13 @@ class XGrammarMatcher(SpecGrammar):
     def _rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
 
-    def _fork(self) -> "XGrammarMatcher":
+    def _fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._backend, self._m.fork())
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._fill_rows(bitmask[row : row + 1], lambda rows: self._m.fill_next_token_bitmask(rows, 0))
+        self._fill_rows(
+            bitmask[row : row + 1], lambda rows: self._m.fill_next_token_bitmask(rows, 0)
+        )
 
     def _is_terminated(self) -> bool:
         return self._m.is_terminated()
@@ -96,7 +98,9 @@ class XGrammarMatcher(SpecGrammar):
         # returned token is forced; stop tokens are never part of a jump-forward string.
         return [t for t in self._m.find_jump_forward_tokens() if not self.is_stop_token(t)]
 
-    def _fill_tree_bitmask(self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int) -> torch.Tensor:
+    def _fill_tree_bitmask(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
         n = tree.num_nodes
         tokens = tree.token_list
         if n > 1 and (min(tokens[1:]) < 0 or max(tokens[1:]) >= self.info.tokenizer_vocab_size):
@@ -106,7 +110,9 @@ class XGrammarMatcher(SpecGrammar):
         valid = self._fix_stale_rows(tree, words) if n > 1 else [True]
         return torch.tensor(valid, dtype=torch.bool)
 
-    def _traverse(self, tree: DraftTree, tokens: np.ndarray, bitmask: torch.Tensor, row_offset: int) -> np.ndarray:
+    def _traverse(
+        self, tree: DraftTree, tokens: np.ndarray, bitmask: torch.Tensor, row_offset: int
+    ) -> np.ndarray:
         """xgrammar's own walk of ``tree`` (with ``tokens (N,)`` int64 in place of its tokens)
         into rows ``[row_offset, row_offset + N)`` of ``bitmask``; returns those rows as a
         writable numpy view. Rows below rejected nodes are left stale (G8)."""
@@ -115,7 +121,9 @@ class XGrammarMatcher(SpecGrammar):
         # tensors, which dominated the fill of a small tree with the validity pass
         first_child = np.array(tree.first_child_list, dtype=np.int64)
         next_sibling = np.array(tree.next_sibling_list, dtype=np.int64)
-        self._fill_rows(rows, lambda out: self._m.traverse_draft_tree(first_child, next_sibling, tokens, out))
+        self._fill_rows(
+            rows, lambda out: self._m.traverse_draft_tree(first_child, next_sibling, tokens, out)
+        )
         return rows.numpy()
 
     def _fill_rows(self, rows: torch.Tensor, fill) -> None:
@@ -195,9 +203,22 @@ class XGrammarBackend(GrammarBackend):
     json_schema_support = KeywordSupport(
         unenforced={
             **dict.fromkeys(
-                ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
-             "dependentSchemas", "dependencies", "propertyNames", "unevaluatedItems", "unevaluatedProperties",
-             "$dynamicRef"),
+                (
+                    "not",
+                    "if",
+                    "then",
+                    "else",
+                    "contains",
+                    "minContains",
+                    "maxContains",
+                    "dependentRequired",
+                    "dependentSchemas",
+                    "dependencies",
+                    "propertyNames",
+                    "unevaluatedItems",
+                    "unevaluatedProperties",
+                    "$dynamicRef",
+                ),
                 "not converted by xgrammar 0.2.9's JSON-schema converter (ignored)",
             ),
             "uniqueItems": "xgrammar 0.2.9 ignores uniqueItems (not context-free)",
@@ -214,14 +235,21 @@ class XGrammarBackend(GrammarBackend):
     )
 
     def __init__(
-        self, tokenizer: Any, *, max_threads: int = 1, dynamic_compilation: bool = True, **kwargs: Any
+        self,
+        tokenizer: Any,
+        *,
+        max_threads: int = 1,
+        dynamic_compilation: bool = True,
+        **kwargs: Any,
     ):
         super().__init__(tokenizer, **kwargs)
         info = self.tokenizer_info
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self._xgr_info = xgr.TokenizerInfo.from_huggingface(
-                info.hf_tokenizer, vocab_size=info.tokenizer_vocab_size, stop_token_ids=list(info.stop_token_ids)
+                info.hf_tokenizer,
+                vocab_size=info.tokenizer_vocab_size,
+                stop_token_ids=list(info.stop_token_ids),
             )
         self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
         # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids

@@ -22,8 +22,10 @@ from spec_grammar import Regex, allocate_token_bitmask, get_backend  # noqa: E40
 from spec_grammar.models import load_tokenizer  # noqa: E402
 
 CASES = [
-    (r"[A-Z]{3}-[0-9]{4} (active|inactive|pending) [a-z]+@[a-z]+\.com \d{1,3}(\.\d{1,2})?",
-     "ABC-1234 active joe@example.com 12.5"),
+    (
+        r"[A-Z]{3}-[0-9]{4} (active|inactive|pending) [a-z]+@[a-z]+\.com \d{1,3}(\.\d{1,2})?",
+        "ABC-1234 active joe@example.com 12.5",
+    ),
     (r'\{"name": "[^"\\]{1,30}", "age": [0-9]{1,3}\}', '{"name": "Ann Lee", "age": 42}'),
     (r"(日本|é|ü)+ [a-z]{1,10}", "日本éü abc"),
     (r".{0,40}", "Any text at all, up to forty characters"),
@@ -56,8 +58,12 @@ def measure(backend, pattern: str, ids: list[int], reps: int) -> dict[str, float
     warm = _median_us(lambda: m.fill_next_token_bitmask(bm, 0), reps)
     t = ids[len(ids) // 2]
     step = _median_us(lambda: (m.accept_token(t), m.rollback(1)), reps)
-    return {"compile ms": compile_ms, "cold fill ms": statistics.mean(cold) * 1e3, "warm fill us": warm,
-            "accept+rollback us": step}
+    return {
+        "compile ms": compile_ms,
+        "cold fill ms": statistics.mean(cold) * 1e3,
+        "warm fill us": warm,
+        "accept+rollback us": step,
+    }
 
 
 def main() -> None:
@@ -70,12 +76,16 @@ def main() -> None:
     t0 = time.perf_counter()
     ours = get_backend("spec_grammar_interegular:InteregularBackend", tok)
     ours.token_table()
-    print(f"{args.model}: {len(tok)} tokens; example vocabulary table built in {time.perf_counter() - t0:.2f} s")
+    print(
+        f"{args.model}: {len(tok)} tokens; example vocabulary table built in {time.perf_counter() - t0:.2f} s"
+    )
     ref = get_backend(args.reference, tok)
     for pattern, text in CASES:
         ids = tok.encode(text, add_special_tokens=False)
         a, b = measure(ours, pattern, ids, args.reps), measure(ref, pattern, ids, args.reps)
-        print(f"\n{pattern}  ({len(ids)} tokens, {ours.compile(Regex(pattern)).native.dfa.num_states} DFA states)")
+        print(
+            f"\n{pattern}  ({len(ids)} tokens, {ours.compile(Regex(pattern)).native.dfa.num_states} DFA states)"
+        )
         print(f"  {'':20s} {'interegular':>12s} {args.reference:>12s} {'ratio':>7s}")
         for key in a:
             print(f"  {key:20s} {a[key]:12.2f} {b[key]:12.2f} {a[key] / b[key]:7.2f}")

@@ -42,9 +42,10 @@ import statistics
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import jsonschema
 import torch
@@ -80,10 +81,13 @@ class E2EBenchConfig(BaseModel):
     model: str = "smollm2"
     jsb_cases: int = Field(12, description="JSONSchemaBench schemas (round-robin over subsets)")
     bfcl_cases: int = 8
-    shortest_prompts: bool = Field(False, description="take each source's shortest prompts instead of a spread")
+    shortest_prompts: bool = Field(
+        False, description="take each source's shortest prompts instead of a spread"
+    )
     max_new_tokens: int = 128
     backends: list[str] | None = Field(
-        None, description="our backends (None: every registered one with JSON Schema and tool calls)"
+        None,
+        description="our backends (None: every registered one with JSON Schema and tool calls)",
     )
     hf_processors: list[str] = ["xgrammar", "llguidance"]
     hf_speculation: list[str] = ["none", "prompt_lookup", "assistant"]
@@ -93,18 +97,30 @@ class E2EBenchConfig(BaseModel):
     assistant_layers: int = 8
     nospec_backend: str = "xgrammar"
     time_budget_s: float | None = Field(
-        None, description="start no new prompt after this many seconds of generation (the rest are listed as skipped)")
-    skip_rows: list[str] = Field([], description="row ids to leave out (e.g. hf/llguidance+assist for time)")
+        None,
+        description="start no new prompt after this many seconds of generation (the rest are listed as skipped)",
+    )
+    skip_rows: list[str] = Field(
+        [], description="row ids to leave out (e.g. hf/llguidance+assist for time)"
+    )
     warmup: bool = True
     torch_threads: int | None = Field(
-        1, description="torch intra-op threads (None: torch's default). 1 by default: on a shared 2-core machine "
-        "2 threads made a 62-token forward 17x slower (0.6 s -> 10 s, OpenMP threads waiting on each other)")
+        1,
+        description="torch intra-op threads (None: torch's default). 1 by default: on a shared 2-core machine "
+        "2 threads made a 62-token forward 17x slower (0.6 s -> 10 s, OpenMP threads waiting on each other)",
+    )
 
     @classmethod
-    def quick(cls, **overrides: Any) -> "E2EBenchConfig":
+    def quick(cls, **overrides: Any) -> E2EBenchConfig:
         """A smoke run: the shortest schema + BFCL prompt, 8 new tokens, xgrammar only."""
-        base = dict(jsb_cases=1, bfcl_cases=1, shortest_prompts=True, max_new_tokens=8, backends=["xgrammar"],
-                    warmup=False)
+        base = dict(
+            jsb_cases=1,
+            bfcl_cases=1,
+            shortest_prompts=True,
+            max_new_tokens=8,
+            backends=["xgrammar"],
+            warmup=False,
+        )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -152,7 +168,9 @@ def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
         mine = []
         for c in cases:
             if c.source == source:
-                ids = build_prompt(tokenizer, schema_prompt(c.spec, questions.get(c.name, _JSB_TASK)))
+                ids = build_prompt(
+                    tokenizer, schema_prompt(c.spec, questions.get(c.name, _JSB_TASK))
+                )
                 mine.append(E2EPrompt(c.name, c.source, c.spec, c.schema, ids))
         if cfg.shortest_prompts:
             mine.sort(key=lambda p: len(p.prompt_ids))
@@ -166,17 +184,39 @@ def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
 
 def row_specs(cfg: E2EBenchConfig, backends: list[str]) -> list[RowSpec]:
     """The rows of a run, ours first; ids are stable keys of the JSON result."""
-    rows = [RowSpec(f"ours-spec/{b}", f"ours, spec ({cfg.draft}), {b}", "ours", b, cfg.draft) for b in backends]
+    rows = [
+        RowSpec(f"ours-spec/{b}", f"ours, spec ({cfg.draft}), {b}", "ours", b, cfg.draft)
+        for b in backends
+    ]
     if cfg.nospec_backend in backends:
         b = cfg.nospec_backend
         rows.append(RowSpec(f"ours-nospec/{b}", f"ours, no spec, {b}", "ours", b, "none"))
-    rows.append(RowSpec("ours-spec/unconstrained", f"ours, spec ({cfg.draft}), no grammar", "ours", None, cfg.draft))
-    names = {"none": "", "prompt_lookup": f" + prompt lookup ({cfg.prompt_lookup_num_tokens})",
-             "assistant": f" + assistant (first {cfg.assistant_layers} layers)"}
+    rows.append(
+        RowSpec(
+            "ours-spec/unconstrained",
+            f"ours, spec ({cfg.draft}), no grammar",
+            "ours",
+            None,
+            cfg.draft,
+        )
+    )
+    names = {
+        "none": "",
+        "prompt_lookup": f" + prompt lookup ({cfg.prompt_lookup_num_tokens})",
+        "assistant": f" + assistant (first {cfg.assistant_layers} layers)",
+    }
     for lib in cfg.hf_processors:
         for spec in cfg.hf_speculation:
             suffix = {"none": "", "prompt_lookup": "+pld", "assistant": "+assist"}[spec]
-            rows.append(RowSpec(f"hf/{lib}{suffix}", f"HF generate + {lib} processor{names[spec]}", "hf", lib, spec))
+            rows.append(
+                RowSpec(
+                    f"hf/{lib}{suffix}",
+                    f"HF generate + {lib} processor{names[spec]}",
+                    "hf",
+                    lib,
+                    spec,
+                )
+            )
     return [r for r in rows if r.id not in cfg.skip_rows]
 
 
@@ -222,11 +262,15 @@ class LLGuidanceLogitsProcessor:
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
+        from llguidance.torch import (
+            allocate_token_bitmask,
+            apply_token_bitmask_inplace,
+            fill_next_token_bitmask,
+        )
 
         if input_ids.shape[0] != 1:
             raise ValueError("LLGuidanceLogitsProcessor handles one sequence")
-        new = input_ids[0, self.prompt_len:].tolist()
+        new = input_ids[0, self.prompt_len :].tolist()
         common = 0
         while common < min(len(new), len(self.consumed)) and new[common] == self.consumed[common]:
             common += 1
@@ -237,7 +281,7 @@ class LLGuidanceLogitsProcessor:
             else:
                 self.matcher, self.consumed, self.stop_len = self._prototype.deep_copy(), [], None
                 self._consume(new[:common])
-        self._consume(new[len(self.consumed):])
+        self._consume(new[len(self.consumed) :])
         mask = allocate_token_bitmask(1, self.vocab)
         fill_next_token_bitmask(self.matcher, mask)
         apply_token_bitmask_inplace(scores, mask.to(scores.device))
@@ -264,7 +308,9 @@ class _FirstToken:
 class _HFRow:
     """Runs one HF row: compiles the grammar with the library's own API, then ``generate``."""
 
-    def __init__(self, row: RowSpec, cfg: E2EBenchConfig, model: Any, tokenizer: Any, stop_ids: list[int]):
+    def __init__(
+        self, row: RowSpec, cfg: E2EBenchConfig, model: Any, tokenizer: Any, stop_ids: list[int]
+    ):
         self.row, self.cfg, self.model, self.tok = row, cfg, model, tokenizer
         self.vocab = int(model.config.vocab_size)
         self.stop_ids = stop_ids
@@ -277,12 +323,16 @@ class _HFRow:
         if row.lib == "xgrammar":
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab, stop_token_ids=stop_ids)
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab, stop_token_ids=stop_ids
+            )
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         elif row.lib == "llguidance":
             import llguidance.hf
 
-            self._ll_tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab, eos_token=stop_ids[0])
+            self._ll_tok = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=self.vocab, eos_token=stop_ids[0]
+            )
         else:
             raise ValueError(f"no HF grammar processor for {row.lib!r}: use xgrammar or llguidance")
 
@@ -295,14 +345,23 @@ class _HFRow:
         t0 = time.perf_counter()
         if self.row.lib == "xgrammar":
             self.compiled[p.name] = self._compiler.compile_json_schema(
-                spec.schema_json(), any_whitespace=False, separators=(", ", ": "), strict_mode=False)
+                spec.schema_json(), any_whitespace=False, separators=(", ", ": "), strict_mode=False
+            )
         else:
             import llguidance
 
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                spec.schema_json(), overrides={"whitespace_flexible": False, "item_separator": ", ",
-                                               "key_separator": ": ", "lenient": True})
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tok)
+                spec.schema_json(),
+                overrides={
+                    "whitespace_flexible": False,
+                    "item_separator": ", ",
+                    "key_separator": ": ",
+                    "lenient": True,
+                },
+            )
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self._ll_tok
+            )
             if is_error:
                 raise ValueError(messages[0])
             self.compiled[p.name] = grammar
@@ -337,19 +396,32 @@ class _HFRow:
         try:
             t0 = time.perf_counter()
             out = self.model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                logits_processor=LogitsProcessorList([self.processor(p)]), eos_token_id=self.stop_ids,
-                pad_token_id=self.stop_ids[0], streamer=streamer, **extra)
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([self.processor(p)]),
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.stop_ids[0],
+                streamer=streamer,
+                **extra,
+            )
             wall = time.perf_counter() - t0
         finally:
             hook.remove()
-        gen = out[0, len(p.prompt_ids):].tolist()
+        gen = out[0, len(p.prompt_ids) :].tolist()
         stops = [i for i, t in enumerate(gen) if t in self.stop_ids]
         complete = bool(stops)
         gen = gen[: stops[0]] if stops else gen
-        return {"token_ids": gen, "wall_s": wall, "forwards": forwards[0],
-                "ttft_s": (streamer.t_first - t0) if streamer.t_first else None,
-                "finish": "complete" if complete else ("length" if len(gen) >= max_new_tokens else "stopped")}
+        return {
+            "token_ids": gen,
+            "wall_s": wall,
+            "forwards": forwards[0],
+            "ttft_s": (streamer.t_first - t0) if streamer.t_first else None,
+            "finish": "complete"
+            if complete
+            else ("length" if len(gen) >= max_new_tokens else "stopped"),
+        }
 
 
 # -- our side ------------------------------------------------------------------------------------
@@ -363,16 +435,25 @@ class _OursRow:
 
         self.row, self.cfg = row, cfg
         self.worker = build_worker(
-            model=cfg.model, grammar_backend=row.lib, draft=None if row.speculation == "none" else cfg.draft,
-            num_draft_tokens=cfg.num_draft_tokens, no_spec=row.speculation == "none", device="cpu")
+            model=cfg.model,
+            grammar_backend=row.lib,
+            draft=None if row.speculation == "none" else cfg.draft,
+            num_draft_tokens=cfg.num_draft_tokens,
+            no_spec=row.speculation == "none",
+            device="cpu",
+        )
         self._fresh = None
         if row.lib is not None:
             from ..registry import get_backend
 
             # timed compiles go to a backend without compile cache; the worker's own backend
             # then compiles once, untimed, so generation never includes a compile
-            self._fresh = get_backend(row.lib, self.worker.tokenizer, vocab_size=self.worker.runner.vocab_size,
-                                      compile_cache_size=0)
+            self._fresh = get_backend(
+                row.lib,
+                self.worker.tokenizer,
+                vocab_size=self.worker.runner.vocab_size,
+                compile_cache_size=0,
+            )
 
     def compile(self, p: E2EPrompt) -> float:
         if self._fresh is None:
@@ -387,8 +468,11 @@ class _OursRow:
         from ..worker import Request
         from ..worker.sampling import SamplingParams
 
-        req = Request(prompt=list(p.prompt_ids), grammar=p.spec if self.row.constrained else None,
-                      sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))
+        req = Request(
+            prompt=list(p.prompt_ids),
+            grammar=p.spec if self.row.constrained else None,
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+        )
         first: list[float] = []
 
         def on_step(_stats: Any, states: Any) -> None:
@@ -401,8 +485,13 @@ class _OursRow:
         if res.finish_reason == "error":
             raise RuntimeError(res.error or "the worker reported an error")
         finish = {"grammar": "complete", "stop": "complete", "length": "length"}[res.finish_reason]
-        return {"token_ids": list(res.token_ids), "wall_s": wall, "forwards": res.steps,
-                "ttft_s": (first[0] - t0) if first else None, "finish": finish}
+        return {
+            "token_ids": list(res.token_ids),
+            "wall_s": wall,
+            "forwards": res.steps,
+            "ttft_s": (first[0] - t0) if first else None,
+            "finish": finish,
+        }
 
     def close(self) -> None:
         self.worker.close()
@@ -421,8 +510,15 @@ def _validate(text: str, schema: Any) -> tuple[bool, str | None]:
     return (err is None), (None if err is None else err.message[:200])
 
 
-def explain_divergence(model: Any, tokenizer: Any, compiled_xgr: Any, prompt_ids: list[int],
-                       ref: list[int], other: list[int], stop_id: int) -> dict[str, Any]:
+def explain_divergence(
+    model: Any,
+    tokenizer: Any,
+    compiled_xgr: Any,
+    prompt_ids: list[int],
+    ref: list[int],
+    other: list[int],
+    stop_id: int,
+) -> dict[str, Any]:
     """Why two greedy outputs differ: at the first differing position, the target's logits
     (one plain HF forward over prompt + common prefix, float32) and the reference grammar's
     mask (xgrammar, fed the prefix).
@@ -466,8 +562,15 @@ def explain_divergence(model: Any, tokenizer: Any, compiled_xgr: Any, prompt_ids
         cause = "near-tie"
     else:
         cause = "mask-row" if gap > 0 else "other"
-    return {"pos": pos, "ref_token": tokenizer.decode([a]), "token": tokenizer.decode([b]),
-            "ref_allowed": allowed(a), "token_allowed": allowed(b), "logit_gap": gap, "cause": cause}
+    return {
+        "pos": pos,
+        "ref_token": tokenizer.decode([a]),
+        "token": tokenizer.decode([b]),
+        "ref_allowed": allowed(a),
+        "token_allowed": allowed(b),
+        "logit_gap": gap,
+        "cause": cause,
+    }
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -481,7 +584,9 @@ def _select_backends(cfg: E2EBenchConfig) -> tuple[list[str], list[dict[str, Any
     # by default the backends that can run every prompt (JSON Schema and tool calls); a
     # regex-only adapter (the example one) would only fail them all
     wanted = cfg.backends or [
-        i.name for i in infos if i.error is None and i.capabilities.json_schema and i.capabilities.tool_calls
+        i.name
+        for i in infos
+        if i.error is None and i.capabilities.json_schema and i.capabilities.tool_calls
     ]
     unknown = [n for n in wanted if n not in available]
     if unknown:
@@ -536,12 +641,18 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
                     progress("warm-up", i + 1, len(rows))
         done, t_start, skipped = 0, time.perf_counter(), []
         for i, p in enumerate(prompts):
-            if i and cfg.time_budget_s is not None and time.perf_counter() - t_start > cfg.time_budget_s:
-                skipped = [q.name for q in prompts[i:]]  # whole prompts only: every row sees the same ones
+            if (
+                i
+                and cfg.time_budget_s is not None
+                and time.perf_counter() - t_start > cfg.time_budget_s
+            ):
+                skipped = [
+                    q.name for q in prompts[i:]
+                ]  # whole prompts only: every row sees the same ones
                 prompts = prompts[:i]
                 break
             # rotate the order: no row always runs right after another's cache-warming run
-            for r in rows[i % len(rows):] + rows[: i % len(rows)]:
+            for r in rows[i % len(rows) :] + rows[: i % len(rows)]:
                 samples.append(_one(runners[r.id], r, p, cfg, tok))
                 done += 1
                 if progress:
@@ -574,7 +685,10 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
             "stop_token_ids": stop_ids,
         },
         "backends": listing,
-        "prompts": [{"name": p.name, "source": p.source, "prompt_tokens": len(p.prompt_ids)} for p in prompts],
+        "prompts": [
+            {"name": p.name, "source": p.source, "prompt_tokens": len(p.prompt_ids)}
+            for p in prompts
+        ],
         "prompts_skipped": skipped,
         "rows": [r.__dict__ | {"constrained": r.constrained} for r in rows],
         "samples": samples,
@@ -584,7 +698,13 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
 
 
 def _one(runner: Any, row: RowSpec, p: E2EPrompt, cfg: E2EBenchConfig, tok: Any) -> dict[str, Any]:
-    rec: dict[str, Any] = {"row": row.id, "prompt": p.name, "source": p.source, "status": "ok", "error": None}
+    rec: dict[str, Any] = {
+        "row": row.id,
+        "prompt": p.name,
+        "source": p.source,
+        "status": "ok",
+        "error": None,
+    }
     try:
         rec["compile_ms"] = runner.compile(p) if row.constrained else None
     except Exception as e:
@@ -608,13 +728,25 @@ def _error_text(e: BaseException) -> str:
     where = ""
     if frame is not None:
         parts = frame.filename.split(os.sep)
-        short = os.sep.join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else parts[-1]
+        short = (
+            os.sep.join(parts[parts.index("site-packages") + 1 :])
+            if "site-packages" in parts
+            else parts[-1]
+        )
         where = f" at {short}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
     return (f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)[:240] + where
 
 
-def _compare(samples: list[dict[str, Any]], prompts: list[E2EPrompt], rows: list[RowSpec], model: Any,
-             tok: Any, ref: _HFRow, stop_ids: list[int], progress: Progress | None) -> None:
+def _compare(
+    samples: list[dict[str, Any]],
+    prompts: list[E2EPrompt],
+    rows: list[RowSpec],
+    model: Any,
+    tok: Any,
+    ref: _HFRow,
+    stop_ids: list[int],
+    progress: Progress | None,
+) -> None:
     """Add ``identical`` (token-identical to the reference row) and, where not, ``divergence``."""
     by = {(s["row"], s["prompt"]): s for s in samples}
     todo = [(r, p) for p in prompts for r in rows if r.constrained and r.id != REFERENCE_ROW]
@@ -623,8 +755,15 @@ def _compare(samples: list[dict[str, Any]], prompts: list[E2EPrompt], rows: list
         if s["status"] == "ok" and base["status"] == "ok":
             s["identical"] = s["token_ids"] == base["token_ids"]
             if not s["identical"] and p.name in ref.compiled:
-                s["divergence"] = explain_divergence(model, tok, ref.compiled[p.name], p.prompt_ids,
-                                                     base["token_ids"], s["token_ids"], stop_ids[0])
+                s["divergence"] = explain_divergence(
+                    model,
+                    tok,
+                    ref.compiled[p.name],
+                    p.prompt_ids,
+                    base["token_ids"],
+                    s["token_ids"],
+                    stop_ids[0],
+                )
         if progress:
             progress("compare", i + 1, len(todo))
 
@@ -658,26 +797,34 @@ def summarize_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
             if "divergence" in s:
                 c = s["divergence"]["cause"]
                 causes[c] = causes.get(c, 0) + 1
-        out.append({
-            "row": row["id"],
-            "label": row["label"],
-            "prompts": len(mine),
-            "ok": len(ok),
-            "errors": sum(errors.values()),
-            "error_counts": errors,
-            "tokens": tokens,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else None,
-            "decode_tokens_per_s": sum(s["tokens"] - 1 for s in timed) / decode_wall if decode_wall > 0 else None,
-            "forwards": fwd,
-            "accept_length": tokens / fwd if fwd else None,
-            "completed": len(completed),
-            "valid": sum(bool(s["valid"]) for s in completed),
-            "cut": sum(s["finish"] == "length" for s in ok),
-            "compile_ms_median": _median([s["compile_ms"] for s in mine if s.get("compile_ms") is not None]),
-            "ttft_ms_median": _median([1e3 * s["ttft_s"] for s in ok if s.get("ttft_s") is not None]),
-            "compared": len(compared),
-            "identical": sum(s["identical"] for s in compared),
-            "divergence_causes": causes,
-        })
+        out.append(
+            {
+                "row": row["id"],
+                "label": row["label"],
+                "prompts": len(mine),
+                "ok": len(ok),
+                "errors": sum(errors.values()),
+                "error_counts": errors,
+                "tokens": tokens,
+                "wall_s": wall,
+                "tokens_per_s": tokens / wall if wall > 0 else None,
+                "decode_tokens_per_s": sum(s["tokens"] - 1 for s in timed) / decode_wall
+                if decode_wall > 0
+                else None,
+                "forwards": fwd,
+                "accept_length": tokens / fwd if fwd else None,
+                "completed": len(completed),
+                "valid": sum(bool(s["valid"]) for s in completed),
+                "cut": sum(s["finish"] == "length" for s in ok),
+                "compile_ms_median": _median(
+                    [s["compile_ms"] for s in mine if s.get("compile_ms") is not None]
+                ),
+                "ttft_ms_median": _median(
+                    [1e3 * s["ttft_s"] for s in ok if s.get("ttft_s") is not None]
+                ),
+                "compared": len(compared),
+                "identical": sum(s["identical"] for s in compared),
+                "divergence_causes": causes,
+            }
+        )
     return out

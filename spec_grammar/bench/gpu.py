@@ -39,7 +39,8 @@ compute-bound forward's speed follows the GPU's recent power draw, and without t
 mode would pay for the mode that ran just before it.
 
 Measures: step time = the wall time of a step (``StepStats.step_ms``: draft, forward launch,
-grammar work where not hidden, mask/verify/commit; mean over full-batch steps); exposed grammar = step(overlap) - step(plain);
+grammar work where not hidden, mask/verify/commit; mean over full-batch steps); exposed grammar = step(overlap) -
+step(plain);
 grammar work = the host's matcher work per step; tokens/s = committed tokens over the summed
 step times. The *verify forward* of a configuration is a synchronized timing of
 ``runner.forward_trees`` at that batch size and tree shape (median of ``forward_reps``): the
@@ -58,8 +59,9 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Callable, Sequence
+from typing import Annotated, Any
 
 import pydantic
 import torch
@@ -69,34 +71,60 @@ from ..worker.drafters import Drafter
 from ..worker.runner import ModelRunner, ancestors
 
 __all__ = [
-    "GpuBenchConfig", "ReplayDrafter", "MODEL_SHAPES", "REAL_MODELS", "build_model", "run_gpu_bench",
+    "GpuBenchConfig",
+    "ReplayDrafter",
+    "MODEL_SHAPES",
+    "REAL_MODELS",
+    "build_model",
+    "run_gpu_bench",
     "write_gpu_report",
 ]
 
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.1-8B config.json
     "llama-3.1-8b": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     ),
     # HuggingFaceTB/SmolLM2-135M config.json
     "smollm2-135m": dict(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
     ),
     # CPU smoke runs only
     "tiny": dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
         tie_word_embeddings=True,
     ),
 }
 REAL_MODELS: dict[str, str] = {"smollm2-135m-real": "smollm2"}
 """Real-weight model name -> default source for :func:`spec_grammar.models.load_model`."""
 
-_AGREE_LOGIT = 1e4  # added to the document token: larger than any logit gap of a real or random model
+_AGREE_LOGIT = (
+    1e4  # added to the document token: larger than any logit gap of a real or random model
+)
 MODES = ("plain", "overlap", "sync")
 TARGET_RATIO = 0.97  # issue #6: constrained >= 0.97x unconstrained tok/s where grammar < forward
 WEIGHT_READ_LIMIT = 1.5  # issue #6: 8B batch-1 verify forward <= 1.5x its weight-read time
@@ -160,7 +188,9 @@ class GpuBenchConfig(pydantic.BaseModel):
     repeats: int = pydantic.Field(1, ge=1)
     cooldown_s: float = pydantic.Field(0.5, ge=0.0, allow_inf_nan=False)
     forward_reps: int = pydantic.Field(10, ge=1)
-    budget_s: float = pydantic.Field(420.0, ge=0.0, allow_inf_nan=False)  # finite: the report is JSON
+    budget_s: float = pydantic.Field(
+        420.0, ge=0.0, allow_inf_nan=False
+    )  # finite: the report is JSON
     seed: int = 0
 
     @pydantic.field_validator("models")
@@ -168,7 +198,9 @@ class GpuBenchConfig(pydantic.BaseModel):
     def _known_models(cls, v: list[str]) -> list[str]:
         bad = [m for m in v if m not in MODEL_SHAPES and m not in REAL_MODELS]
         if bad:
-            raise ValueError(f"unknown models {bad}; known: {', '.join([*MODEL_SHAPES, *REAL_MODELS])}")
+            raise ValueError(
+                f"unknown models {bad}; known: {', '.join([*MODEL_SHAPES, *REAL_MODELS])}"
+            )
         return v
 
     @pydantic.field_validator("tokenizers")
@@ -182,7 +214,9 @@ class GpuBenchConfig(pydantic.BaseModel):
                 raise ValueError(f"{spec!r}: expected NAME=DIR")
             folder = Path(path) if eq else Path(spec) if Path(spec).is_dir() else None
             if folder is None and spec not in KNOWN_MODELS:
-                raise ValueError(f"unknown tokenizer {spec!r}; give {', '.join(KNOWN_MODELS)}, NAME=DIR or DIR")
+                raise ValueError(
+                    f"unknown tokenizer {spec!r}; give {', '.join(KNOWN_MODELS)}, NAME=DIR or DIR"
+                )
             if folder is not None and not folder.is_dir():
                 raise ValueError(f"{spec!r}: no directory {folder}")
             if folder is not None and not (folder / "tokenizer.json").is_file():
@@ -214,16 +248,29 @@ class GpuBenchConfig(pydantic.BaseModel):
         return v
 
     @classmethod
-    def quick(cls, **overrides: Any) -> "GpuBenchConfig":
+    def quick(cls, **overrides: Any) -> GpuBenchConfig:
         """A CPU smoke run (seconds): a 2-layer model, one case, batch 1 and 2, no CUDA graphs."""
-        base = dict(models=["tiny"], tokenizers=["smollm2"], batches=[1, 2], nodes=[8, 16], cases=1,
-                    device="cpu", dtype="float32", min_doc_tokens=8, max_doc_tokens=40, prompt_tokens=8, cuda_graphs=False,
-                    forward_reps=3)
+        base = dict(
+            models=["tiny"],
+            tokenizers=["smollm2"],
+            batches=[1, 2],
+            nodes=[8, 16],
+            cases=1,
+            device="cpu",
+            dtype="float32",
+            min_doc_tokens=8,
+            max_doc_tokens=40,
+            prompt_tokens=8,
+            cuda_graphs=False,
+            forward_reps=3,
+        )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
 
-def build_model(shape: str, device: str | torch.device, dtype: torch.dtype, **overrides: Any) -> Any:
+def build_model(
+    shape: str, device: str | torch.device, dtype: torch.dtype, **overrides: Any
+) -> Any:
     """A random-weight ``LlamaForCausalLM`` of :data:`MODEL_SHAPES[shape]` (config fields
     replaced by ``overrides``), created directly on ``device`` in ``dtype`` (eval mode, sdpa
     attention). ``KeyError`` for an unknown shape."""
@@ -274,7 +321,9 @@ class _ReplayRunner(ModelRunner):
                 raise ValueError(f"document tokens {bad[:8]} are outside [0, {self.vocab_size})")
             if prompt_len + len(document) > self._TABLE_SIZE:
                 raise ValueError(f"prompt + document exceed {self._TABLE_SIZE} positions")
-            table[prompt_len - 1 : prompt_len - 1 + len(document)] = torch.tensor([int(t) for t in document])
+            table[prompt_len - 1 : prompt_len - 1 + len(document)] = torch.tensor(
+                [int(t) for t in document]
+            )
         self._table.copy_(table)
         if self._editing != (prompt_len is not None):
             self._editing = prompt_len is not None
@@ -310,8 +359,16 @@ class ReplayDrafter(Drafter):
 
     name = "replay"
 
-    def __init__(self, document: Sequence[int], *, num_draft_tokens: int, chain_depth: int,
-                 accept_rate: float, wrong_token: Callable[[int, int], int], seed: int = 0):
+    def __init__(
+        self,
+        document: Sequence[int],
+        *,
+        num_draft_tokens: int,
+        chain_depth: int,
+        accept_rate: float,
+        wrong_token: Callable[[int, int], int],
+        seed: int = 0,
+    ):
         super().__init__(num_draft_tokens=num_draft_tokens)
         self.document = [int(t) for t in document]
         self.chain_depth = min(int(chain_depth), num_draft_tokens - 1)
@@ -344,7 +401,11 @@ class ReplayDrafter(Drafter):
             d = k % depth
             first = d not in used
             used.add(d)
-            tok = self.document[pos + d] if (first and not right[d]) else self.wrong_token(pos + d, 1 + k)
+            tok = (
+                self.document[pos + d]
+                if (first and not right[d])
+                else self.wrong_token(pos + d, 1 + k)
+            )
             tokens.append(tok)
             parents.append(d)
         return DraftTree(tokens, parents)
@@ -425,12 +486,19 @@ def _sync(device: torch.device) -> None:
 def _probe_tree(cfg: GpuBenchConfig, nodes: int) -> DraftTree:
     """A tree of the replay drafter's shape with ``nodes`` nodes (what the runs verify)."""
     doc = list(range(200, 200 + cfg.chain_depth + 1))
-    drafter = ReplayDrafter(doc, num_draft_tokens=nodes, chain_depth=cfg.chain_depth, accept_rate=1.0,
-                            wrong_token=lambda pos, salt: 100 + (pos + salt) % 50)
+    drafter = ReplayDrafter(
+        doc,
+        num_draft_tokens=nodes,
+        chain_depth=cfg.chain_depth,
+        accept_rate=1.0,
+        wrong_token=lambda pos, salt: 100 + (pos + salt) % 50,
+    )
     return drafter._tree(5, 0)
 
 
-def _forward_ms(runner: ModelRunner, tree: DraftTree, batch: int, prompt_len: int, reps: int) -> float:
+def _forward_ms(
+    runner: ModelRunner, tree: DraftTree, batch: int, prompt_len: int, reps: int
+) -> float:
     """Median wall ms of one synchronized ``forward_trees`` over ``batch`` requests with
     ``prompt_len``-token prompts, each verifying ``tree`` (3 untimed warm-up forwards first:
     allocations, CUDA graph capture)."""
@@ -503,27 +571,46 @@ class _Setup:
     """One (model, tokenizer) pair: its runners (CUDA graphs as configured, and eager) and
     grammar backend."""
 
-    def __init__(self, name: str, tok_name: str, tokenizer: Any, model: Any, cfg: GpuBenchConfig,
-                 device: torch.device):
+    def __init__(
+        self,
+        name: str,
+        tok_name: str,
+        tokenizer: Any,
+        model: Any,
+        cfg: GpuBenchConfig,
+        device: torch.device,
+    ):
         from ..registry import get_backend
 
         self.name, self.tok_name, self.tokenizer, self.model = name, tok_name, tokenizer, model
         # the flag only means something on CUDA (the runner never captures graphs elsewhere)
         graphs = {"cuda_graphs": cfg.cuda_graphs} if device.type == "cuda" else {}
         prefill = (  # prefill chunks of at most prefill_tokens too
-            {} if cfg.prefill_tokens is None
-            else {"prefill_tokens": cfg.prefill_tokens, "prefill_chunk": min(512, cfg.prefill_tokens)}
+            {}
+            if cfg.prefill_tokens is None
+            else {
+                "prefill_tokens": cfg.prefill_tokens,
+                "prefill_chunk": min(512, cfg.prefill_tokens),
+            }
         )
         fused = cfg.fused_forward
         self.runner = _ReplayRunner(model, device=device, fused_forward=fused, **graphs, **prefill)
         self.eager = (
-            _ReplayRunner(model, device=device, cuda_graphs=False, fused_forward=fused, **prefill)
-            if device.type == "cuda" else self.runner
-        ) if cfg.eager_batches else None
+            (
+                _ReplayRunner(
+                    model, device=device, cuda_graphs=False, fused_forward=fused, **prefill
+                )
+                if device.type == "cuda"
+                else self.runner
+            )
+            if cfg.eager_batches
+            else None
+        )
         # HF's own forward under the same graphs, for the batch-1 forward table only
         self.hf = (
             _ReplayRunner(model, device=device, fused_forward=False, **graphs, **prefill)
-            if self.runner.uses_fused_forward else None
+            if self.runner.uses_fused_forward
+            else None
         )
         self.backend = get_backend(cfg.backend, tokenizer, vocab_size=self.runner.vocab_size)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -543,13 +630,24 @@ class _Setup:
         """Synchronized verify forward of runner ``variant`` at (batch, nodes), measured once."""
         key = (variant, batch, nodes)
         if key not in self.forward:
-            self.forward[key] = _forward_ms(self.variants()[variant], _probe_tree(cfg, nodes), batch,
-                                            cfg.prompt_tokens, cfg.forward_reps)
+            self.forward[key] = _forward_ms(
+                self.variants()[variant],
+                _probe_tree(cfg, nodes),
+                batch,
+                cfg.prompt_tokens,
+                cfg.forward_reps,
+            )
         return self.forward[key]
 
 
-def _build_setups(cfg: GpuBenchConfig, device: torch.device, dtype: torch.dtype,
-                  tokenizers: list[tuple[str, Any]], res: dict, progress: Callable[[str], None]) -> list[_Setup]:
+def _build_setups(
+    cfg: GpuBenchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizers: list[tuple[str, Any]],
+    res: dict,
+    progress: Callable[[str], None],
+) -> list[_Setup]:
     """Every compatible (model, tokenizer) pair; random shapes are built once per vocabulary."""
     from ..models import load_model
 
@@ -561,11 +659,18 @@ def _build_setups(cfg: GpuBenchConfig, device: torch.device, dtype: torch.dtype,
             if name in REAL_MODELS:
                 key = (name, 0)
                 if key not in models:
-                    models[key] = load_model(cfg.weights or REAL_MODELS[name], dtype=dtype, device=device)
+                    models[key] = load_model(
+                        cfg.weights or REAL_MODELS[name], dtype=dtype, device=device
+                    )
                 vocab = models[key].config.vocab_size
                 if len(tok) > vocab:
-                    res["skipped"].append(dict(model=name, tokenizer=tok_name,
-                                               reason=f"tokenizer has {len(tok)} ids, model {vocab}"))
+                    res["skipped"].append(
+                        dict(
+                            model=name,
+                            tokenizer=tok_name,
+                            reason=f"tokenizer has {len(tok)} ids, model {vocab}",
+                        )
+                    )
                     continue
             else:
                 key = (name, max(MODEL_SHAPES[name]["vocab_size"], len(tok)))
@@ -576,8 +681,11 @@ def _build_setups(cfg: GpuBenchConfig, device: torch.device, dtype: torch.dtype,
     return setups
 
 
-def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
-                  on_partial: Callable[[dict], None] | None = None) -> dict:
+def run_gpu_bench(
+    cfg: GpuBenchConfig,
+    progress: Callable[[str], None] = print,
+    on_partial: Callable[[dict], None] | None = None,
+) -> dict:
     """Run every configuration of ``cfg`` until ``cfg.budget_s``; returns the result dict
     :func:`write_gpu_report` writes. All models stay loaded and the loop runs (case, batch,
     nodes, setup), so a run cut off by the budget loses the largest shapes of the last case
@@ -591,11 +699,18 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
     res: dict[str, Any] = dict(
         config=cfg.model_dump(),
         env=dict(
-            device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            torch=torch.__version__, python=platform.python_version(), copy_bandwidth_gbs=bw,
+            device=torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or "cpu",
+            torch=torch.__version__,
+            python=platform.python_version(),
+            copy_bandwidth_gbs=bw,
             cpus=os.cpu_count(),
         ),
-        rows=[], forward=[], problems=[], skipped=[],
+        rows=[],
+        forward=[],
+        problems=[],
+        skipped=[],
     )
     tokenizers = [_load_tokenizer(t) for t in cfg.tokenizers]
     setups = _build_setups(cfg, device, dtype, tokenizers, res, progress)
@@ -604,20 +719,30 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
         for variant, runner in s.variants().items():
             for n in (1, *cfg.nodes):
                 ms = s.forward_ms(cfg, variant, 1, n)
-                res["forward"].append(dict(
-                    model=s.name, tokenizer=s.tok_name, nodes=n, graphs=runner.uses_cuda_graphs,
-                    decoder="fused" if runner.uses_fused_forward else "hf",
-                    forward_ms=ms, weight_gb=s.weight_bytes / 1e9,
-                    weight_read_ms=s.weight_bytes / (bw * 1e9) * 1e3 if bw else None,
-                ))
-                progress(f"{s.name}/{s.tok_name}: verify forward batch 1, {n} nodes, {res['forward'][-1]['decoder']} "
-                         f"decoder, CUDA graphs {'on' if runner.uses_cuda_graphs else 'off'}: {ms:.2f} ms")
+                res["forward"].append(
+                    dict(
+                        model=s.name,
+                        tokenizer=s.tok_name,
+                        nodes=n,
+                        graphs=runner.uses_cuda_graphs,
+                        decoder="fused" if runner.uses_fused_forward else "hf",
+                        forward_ms=ms,
+                        weight_gb=s.weight_bytes / 1e9,
+                        weight_read_ms=s.weight_bytes / (bw * 1e9) * 1e3 if bw else None,
+                    )
+                )
+                progress(
+                    f"{s.name}/{s.tok_name}: verify forward batch 1, {n} nodes, {res['forward'][-1]['decoder']} "
+                    f"decoder, CUDA graphs {'on' if runner.uses_cuda_graphs else 'off'}: {ms:.2f} ms"
+                )
     docs = {}
     for s in setups:  # the documents depend on the tokenizer only
         if s.tok_name not in docs:
             docs[s.tok_name] = _documents(cfg, s.tokenizer, s.backend, s.tokenizer.eos_token_id)
             if not docs[s.tok_name]:
-                res["problems"].append(f"{s.tok_name}: no valid document of {cfg.min_doc_tokens}-{cfg.max_doc_tokens} tokens")
+                res["problems"].append(
+                    f"{s.tok_name}: no valid document of {cfg.min_doc_tokens}-{cfg.max_doc_tokens} tokens"
+                )
     prompt = [(1000 + 37 * i) % 40000 + 10 for i in range(cfg.prompt_tokens)]
     for c in range(cfg.cases):
         live = [s for s in setups if c < len(docs[s.tok_name])]
@@ -630,11 +755,19 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
                 for n in cfg.nodes:
                     for s in live:
                         doc = docs[s.tok_name][c]
-                        key = dict(model=s.name, tokenizer=s.tok_name, case=doc["name"], batch=batch, nodes=n)
+                        key = dict(
+                            model=s.name,
+                            tokenizer=s.tok_name,
+                            case=doc["name"],
+                            batch=batch,
+                            nodes=n,
+                        )
                         if time.perf_counter() - t_start > cfg.budget_s:
                             res["skipped"].append(key)
                             continue
-                        wrong = _wrong_tokens(doc["ids"], frozenset(s.backend.tokenizer_info.stop_token_ids))
+                        wrong = _wrong_tokens(
+                            doc["ids"], frozenset(s.backend.tokenizer_info.stop_token_ids)
+                        )
                         row = _run_config(cfg, s, doc, batch, n, prompt, wrong, res["problems"])
                         res["rows"].append({**key, "doc_tokens": len(doc["ids"]), **row})
                         progress(_row_line(res["rows"][-1]))
@@ -649,8 +782,16 @@ def run_gpu_bench(cfg: GpuBenchConfig, progress: Callable[[str], None] = print,
     return res
 
 
-def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, prompt: list[int],
-                wrong: Callable[[int, int], int], problems: list[str]) -> dict:
+def _run_config(
+    cfg: GpuBenchConfig,
+    s: _Setup,
+    doc: dict,
+    batch: int,
+    n: int,
+    prompt: list[int],
+    wrong: Callable[[int, int], int],
+    problems: list[str],
+) -> dict:
     """Every mode of one configuration. Each mode keeps one worker for all its runs, as a server
     keeps its worker (its reused host buffers, e.g. the pinned bitmask ring, are allocated
     once), and runs once untimed first: new shapes allocate device and pinned host blocks and
@@ -660,13 +801,25 @@ def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, p
     plan = [(m, s.runner, m == "overlap", m != "plain") for m in MODES]
     if batch in cfg.eager_batches and s.eager is not None:
         plan.append(("eager", s.eager, True, True))
-    drafter = ReplayDrafter(doc["ids"], num_draft_tokens=n, chain_depth=cfg.chain_depth,
-                            accept_rate=cfg.accept_rate, wrong_token=wrong, seed=cfg.seed)
+    drafter = ReplayDrafter(
+        doc["ids"],
+        num_draft_tokens=n,
+        chain_depth=cfg.chain_depth,
+        accept_rate=cfg.accept_rate,
+        wrong_token=wrong,
+        seed=cfg.seed,
+    )
     workers = {
-        mode: SpecWorker(runner, s.tokenizer, backend=s.backend if grammar else None, draft=drafter,
-                         overlap=overlap, grammar_threads=cfg.grammar_threads,
-                         # sync fills every tree in order: the host's grammar time of the target
-                         lazy_grammar=cfg.lazy_grammar if overlap else False)
+        mode: SpecWorker(
+            runner,
+            s.tokenizer,
+            backend=s.backend if grammar else None,
+            draft=drafter,
+            overlap=overlap,
+            grammar_threads=cfg.grammar_threads,
+            # sync fills every tree in order: the host's grammar time of the target
+            lazy_grammar=cfg.lazy_grammar if overlap else False,
+        )
         for mode, runner, overlap, grammar in plan
     }
     runs: dict[str, list] = {mode: [] for mode in workers}
@@ -683,7 +836,7 @@ def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, p
         return out
 
     try:
-        for mode, worker in workers.items():
+        for worker in workers.values():
             cooled_run(worker)
         for _ in range(cfg.repeats):  # the modes take turns
             for mode, worker in workers.items():
@@ -695,15 +848,24 @@ def _run_config(cfg: GpuBenchConfig, s: _Setup, doc: dict, batch: int, n: int, p
     for mode in runs:
         row[mode] = _summary(runs[mode], batch)
         if row[mode].pop("mismatched"):
-            problems.append(f"{s.name}/{s.tok_name} {doc['name']} B={batch} N={n} {mode}: output != document")
+            problems.append(
+                f"{s.name}/{s.tok_name} {doc['name']} B={batch} N={n} {mode}: output != document"
+            )
     forward = s.forward_ms(cfg, "main", batch, n)
-    ratio = row["overlap"]["tokens_per_s"] / row["plain"]["tokens_per_s"] if row["plain"]["tokens_per_s"] else None
+    ratio = (
+        row["overlap"]["tokens_per_s"] / row["plain"]["tokens_per_s"]
+        if row["plain"]["tokens_per_s"]
+        else None
+    )
     # the host's grammar time = the whole work (advance + tree fill), measured in order: lazy
     # walks (overlap mode) skip most of it, so their own time does not decide applicability
     applies = row["sync"]["grammar_ms"] < forward
     # the same round's runs side by side: how far one round's ratio strays from the pooled one
-    rounds = [_tokens_per_s(o) / _tokens_per_s(p) for (p, _), (o, _) in zip(runs["plain"], runs["overlap"])
-              if _tokens_per_s(p) > 0]
+    rounds = [
+        _tokens_per_s(o) / _tokens_per_s(p)
+        for (p, _), (o, _) in zip(runs["plain"], runs["overlap"])
+        if _tokens_per_s(p) > 0
+    ]
     row.update(
         forward_ms=forward,
         ratio_rounds=rounds,
@@ -743,7 +905,9 @@ def _f(x: Any, digits: int = 2) -> str:
 
 
 def _label(r: dict) -> str:
-    model = {"llama-3.1-8b": "8B", "smollm2-135m-real": "135M-real", "smollm2-135m": "135M"}.get(r["model"], r["model"])
+    model = {"llama-3.1-8b": "8B", "smollm2-135m-real": "135M-real", "smollm2-135m": "135M"}.get(
+        r["model"], r["model"]
+    )
     return f"{model}/{r['tokenizer']} {r['case'].rsplit('/', 1)[-1]} B{r['batch']} N{r['nodes']}"
 
 
@@ -762,19 +926,40 @@ def _plot(res: dict, out: Path, name: str) -> dict[str, Path]:
     width = max(8.0, 0.45 * len(rows))
     fig, ax = plt.subplots(figsize=(width, 5))
     for k, mode in enumerate(MODES):
-        ax.bar([i + (k - 1) * 0.27 for i in x], [r[mode]["step_ms"] for r in rows], 0.27, label=mode)
-    ax.plot(list(x), [r["forward_ms"] for r in rows], "k_", markersize=12, label="verify forward (sync.)")
-    steps = _save_plot(fig, ax, labels, "ms per step",
-                       "Speculative step: no grammar / grammar + overlap / grammar, no overlap",
-                       out / f"{name}-step.png")
+        ax.bar(
+            [i + (k - 1) * 0.27 for i in x], [r[mode]["step_ms"] for r in rows], 0.27, label=mode
+        )
+    ax.plot(
+        list(x),
+        [r["forward_ms"] for r in rows],
+        "k_",
+        markersize=12,
+        label="verify forward (sync.)",
+    )
+    steps = _save_plot(
+        fig,
+        ax,
+        labels,
+        "ms per step",
+        "Speculative step: no grammar / grammar + overlap / grammar, no overlap",
+        out / f"{name}-step.png",
+    )
 
     fig, ax = plt.subplots(figsize=(width, 4.5))
-    colors = ["tab:green" if r["target_met"] else "tab:red" if r["target_met"] is False else "tab:gray" for r in rows]
+    colors = [
+        "tab:green" if r["target_met"] else "tab:red" if r["target_met"] is False else "tab:gray"
+        for r in rows
+    ]
     ax.bar(list(x), [r["ratio"] or 0.0 for r in rows], color=colors)
     ax.axhline(TARGET_RATIO, color="k", linestyle="--", label=f"{TARGET_RATIO} (issue #6)")
-    ratio = _save_plot(fig, ax, labels, "tok/s overlap / tok/s plain",
-                       "tok/s with grammar (overlap) / without; gray: tree fill >= verify forward",
-                       out / f"{name}-ratio.png")
+    ratio = _save_plot(
+        fig,
+        ax,
+        labels,
+        "tok/s overlap / tok/s plain",
+        "tok/s with grammar (overlap) / without; gray: tree fill >= verify forward",
+        out / f"{name}-ratio.png",
+    )
     return {"step_plot": steps, "ratio_plot": ratio}
 
 
@@ -792,7 +977,9 @@ def _save_plot(fig: Any, ax: Any, labels: list[str], ylabel: str, title: str, pa
     return path
 
 
-def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: bool = True) -> dict[str, Path]:
+def write_gpu_report(
+    res: dict, out: str | Path, name: str = "gpu-h200", plots: bool = True
+) -> dict[str, Path]:
     """Write ``<name>.json``, ``<name>.md`` and (``plots``) ``<name>-step.png`` and
     ``<name>-ratio.png`` into ``out``; returns their paths."""
     out = Path(out)
@@ -825,7 +1012,8 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         "matcher work per step (overlap mode, lazy walks included); *tree fill* = the same in sync mode "
         "(advance + every tree row filled, in order): the host's grammar time that decides where the target "
         "applies. *lazy*: share of overlap steps verified lazily (no tree fill: the greedy walks ask the "
-        "matchers token by token, `LazyGrammar` in `spec_grammar/worker/placement.py`). exposed = step(overlap) - step(plain); sync = step(sync) - "
+        "matchers token by token, `LazyGrammar` in `spec_grammar/worker/placement.py`). "
+        "exposed = step(overlap) - step(plain); sync = step(sync) - "
         "step(plain). *grammar in thread*: share of overlap steps whose grammar work ran in the grammar "
         "thread during the graph replay rather than inline after it (`spec_grammar/worker/placement.py`). "
         "*ratio* = tok/s(overlap) / tok/s(plain), pooled over the rounds (*rounds*: the lowest and highest "
@@ -835,13 +1023,21 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
         "Triton kernels on CUDA), `hf` = the model's own Hugging Face forward; *CUDA graphs* on = the forward "
         "replays a captured graph.",
         "",
-        *(["**Smoke run off CUDA**: it shows that the bench runs end to end; its times and verdicts say "
-           "nothing about a GPU.", ""] if "cuda" not in str(cfg.get("device", "")) else []),
+        *(
+            [
+                "**Smoke run off CUDA**: it shows that the bench runs end to end; its times and verdicts say "
+                "nothing about a GPU.",
+                "",
+            ]
+            if "cuda" not in str(cfg.get("device", ""))
+            else []
+        ),
         f"**Done-when (constrained >= {TARGET_RATIO}x unconstrained where tree fill < forward): "
         f"{len(met)}/{len(applied)} applicable configurations met** ({len(rows) - len(applied)} not applicable).",
         "",
         "| model | tokenizer | case | B | nodes | accept len | forward | step plain | step overlap | step sync | "
-        "step eager | grammar | tree fill | lazy | grammar in thread | exposed (overlap) | exposed (sync) | tok/s plain | "
+        "step eager | grammar | tree fill | lazy | grammar in thread | exposed (overlap) | "
+        "exposed (sync) | tok/s plain | "
         "tok/s overlap | tok/s sync | ratio | rounds | target |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -853,39 +1049,61 @@ def write_gpu_report(res: dict, out: str | Path, name: str = "gpu-h200", plots: 
             f"{_f(r['overlap']['step_ms'])} | {_f(r['sync']['step_ms'])} | "
             f"{_f(r['eager']['step_ms']) if 'eager' in r else '-'} | {_f(r['overlap']['grammar_ms'])} | "
             f"{_f(r['sync']['grammar_ms'])} | {_f(100 * r['overlap'].get('lazy_share', 0.0), 0)}% | "
-            f"{_f(100 * r['overlap'].get('grammar_thread_share', 0.0), 0)}% | {_f(r['exposed_grammar_ms'])} | {_f(r['sync_grammar_ms'])} | {_f(r['plain']['tokens_per_s'], 0)} | "
+            f"{_f(100 * r['overlap'].get('grammar_thread_share', 0.0), 0)}% | "
+            f"{_f(r['exposed_grammar_ms'])} | {_f(r['sync_grammar_ms'])} | "
+            f"{_f(r['plain']['tokens_per_s'], 0)} | "
             f"{_f(r['overlap']['tokens_per_s'], 0)} | {_f(r['sync']['tokens_per_s'], 0)} | {_f(r['ratio'], 3)} | "
             f"{_span(r.get('ratio_rounds'))} | {target} |"
         )
-    lines += ["", "Verify forward at batch 1 (median, synchronized) vs reading the weights once "
-              f"(issue #6: the 8B shape within {WEIGHT_READ_LIMIT}x):", "",
-              "| model | tokenizer | decoder | CUDA graphs | nodes | forward ms | weights GB | weight-read ms | "
-              "forward / weight-read |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Verify forward at batch 1 (median, synchronized) vs reading the weights once "
+        f"(issue #6: the 8B shape within {WEIGHT_READ_LIMIT}x):",
+        "",
+        "| model | tokenizer | decoder | CUDA graphs | nodes | forward ms | weights GB | weight-read ms | "
+        "forward / weight-read |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for f in res["forward"]:
         ratio = f["forward_ms"] / f["weight_read_ms"] if f["weight_read_ms"] else None
-        mark = " (**over**)" if ratio is not None and f["model"] == "llama-3.1-8b" and ratio > WEIGHT_READ_LIMIT else ""
-        lines.append(f"| {f['model']} | {f['tokenizer']} | {f.get('decoder', 'hf')} | {'on' if f['graphs'] else 'off'} | "
-                     f"{f['nodes']} | "
-                     f"{_f(f['forward_ms'])} | {_f(f['weight_gb'])} | {_f(f['weight_read_ms'])} | {_f(ratio)}{mark} |")
+        mark = (
+            " (**over**)"
+            if ratio is not None and f["model"] == "llama-3.1-8b" and ratio > WEIGHT_READ_LIMIT
+            else ""
+        )
+        lines.append(
+            f"| {f['model']} | {f['tokenizer']} | {f.get('decoder', 'hf')} | {'on' if f['graphs'] else 'off'} | "
+            f"{f['nodes']} | "
+            f"{_f(f['forward_ms'])} | {_f(f['weight_gb'])} | {_f(f['weight_read_ms'])} | {_f(ratio)}{mark} |"
+        )
     eight_b = [f for f in res["forward"] if f["model"] == "llama-3.1-8b" and f["weight_read_ms"]]
     if eight_b:
-        lines += ["", f"**Done-when (8B verify forward at batch 1 <= {WEIGHT_READ_LIMIT}x weight-read):** " + "; ".join(
-            f"{f['tokenizer']} vocab, {f.get('decoder', 'hf')} decoder, graphs {'on' if f['graphs'] else 'off'}, "
-            f"{f['nodes']} nodes: "
-            f"{f['forward_ms'] / f['weight_read_ms']:.2f}x "
-            f"({'met' if f['forward_ms'] / f['weight_read_ms'] <= WEIGHT_READ_LIMIT else 'not met'})"
-            for f in eight_b
-        )]
+        lines += [
+            "",
+            f"**Done-when (8B verify forward at batch 1 <= {WEIGHT_READ_LIMIT}x weight-read):** "
+            + "; ".join(
+                f"{f['tokenizer']} vocab, {f.get('decoder', 'hf')} decoder, graphs {'on' if f['graphs'] else 'off'}, "
+                f"{f['nodes']} nodes: "
+                f"{f['forward_ms'] / f['weight_read_ms']:.2f}x "
+                f"({'met' if f['forward_ms'] / f['weight_read_ms'] <= WEIGHT_READ_LIMIT else 'not met'})"
+                for f in eight_b
+            ),
+        ]
     if "step_plot" in paths:
-        lines += ["", f"![step time per mode]({paths['step_plot'].name})",
-                  f"![tok/s ratio overlap/plain]({paths['ratio_plot'].name})"]
+        lines += [
+            "",
+            f"![step time per mode]({paths['step_plot'].name})",
+            f"![tok/s ratio overlap/plain]({paths['ratio_plot'].name})",
+        ]
     cut = [k for k in res["skipped"] if "batch" in k]
     if cut:
         lines += ["", f"Not run (time budget): {len(cut)} configurations."]
     for k in res["skipped"]:
         if "reason" in k:
-            lines += ["", f"Not run: {k['model']} with the {k['tokenizer']} tokenizer ({k['reason']})."]
+            lines += [
+                "",
+                f"Not run: {k['model']} with the {k['tokenizer']} tokenizer ({k['reason']}).",
+            ]
     for p in res["problems"]:
         lines.append(f"\n**check failed:** {p}")
     mpath.write_text("\n".join(lines) + "\n")

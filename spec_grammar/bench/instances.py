@@ -58,7 +58,12 @@ def load_cases(max_per_source: int | None = None) -> list[Case]:
         jsb.extend(rows[i] for rows in by_subset.values() if i < len(rows))
     jsb = jsb[:limit]
     cases = [
-        Case(f"jsonschemabench/{r['subset']}/{r['id']}", "jsonschemabench", JsonSchema(r["schema"]), r["schema"])
+        Case(
+            f"jsonschemabench/{r['subset']}/{r['id']}",
+            "jsonschemabench",
+            JsonSchema(r["schema"]),
+            r["schema"],
+        )
         for r in jsb
     ]
     bfcl = bfcl_cases()
@@ -67,7 +72,9 @@ def load_cases(max_per_source: int | None = None) -> list[Case]:
     for c in bfcl:
         # an example output the dataset marks invalid is not used; one is sampled instead
         instance = json.dumps(c["example_output"]) if c.get("example_output_valid") else None
-        cases.append(Case(f"bfcl/{c['id']}", "bfcl", ToolCalls(c["tools"]), c["required_schema"], instance))
+        cases.append(
+            Case(f"bfcl/{c['id']}", "bfcl", ToolCalls(c["tools"]), c["required_schema"], instance)
+        )
     return cases
 
 

@@ -18,7 +18,8 @@ Method (``shared/notes/backend-libraries.md`` section 5 and appendix, reproduced
   matchers is the *cold* time (the methods share the compiled grammar, so its lazy caches go
   to whichever runs first: the order is rotated from root to root); then ``reps`` warm
   rounds, each calling every method once in turn (interleaved: load changes on a shared
-  machine hit all methods alike), give a median per method. ``gc`` is disabled while timing. One request: medians per root averaged over
+  machine hit all methods alike), give a median per method. ``gc`` is disabled while timing.
+  One request: medians per root averaged over
   roots. R requests: one batch of R trees (roots cycled) per repetition.
 - **Checks**: every method must report the same valid nodes as the tree builder expected,
   and ours and naive must write identical rows for every valid, non-terminated node.
@@ -38,9 +39,10 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +69,9 @@ class MaskBenchConfig(BaseModel):
     """What :func:`run_masks` measures. Defaults are the full run; :meth:`quick` the smoke one."""
 
     tokenizers: list[str] = ["smollm2", "gemma3"]
-    backends: list[str] | None = Field(None, description="None: every backend registered without error")
+    backends: list[str] | None = Field(
+        None, description="None: every backend registered without error"
+    )
     sizes: list[int] = [8, 16, 64]
     requests: list[int] = [1, 16, 64]
     threads: list[int] = [1, 2]
@@ -80,7 +84,7 @@ class MaskBenchConfig(BaseModel):
     seed: int = 0
 
     @classmethod
-    def quick(cls, **overrides: Any) -> "MaskBenchConfig":
+    def quick(cls, **overrides: Any) -> MaskBenchConfig:
         """A small run for development and tests (tens of seconds per backend and tokenizer)."""
         base = dict(
             sizes=[8, 16],
@@ -100,7 +104,9 @@ class MaskBenchConfig(BaseModel):
 # -- compile phase (worker process) ------------------------------------------------------------
 
 
-def _compile_worker(conn, backend_name: str, tokenizer_name: str, per_source: int | None, start: int) -> None:
+def _compile_worker(
+    conn, backend_name: str, tokenizer_name: str, per_source: int | None, start: int
+) -> None:
     """Child process: compile cases ``start..`` and send one result tuple per case."""
     warnings.simplefilter("ignore")
     t0 = time.perf_counter()
@@ -142,8 +148,15 @@ def compile_phase(
     def skip_spent() -> int:
         i = start
         while i < len(cases) and spent.get(cases[i].source, 0.0) > cfg.compile_budget_s:
-            rows.append(_compile_row(cases[i], "skipped", 0.0, "Budget",
-                                     f"compile budget of {cfg.compile_budget_s:.0f} s for this source spent"))
+            rows.append(
+                _compile_row(
+                    cases[i],
+                    "skipped",
+                    0.0,
+                    "Budget",
+                    f"compile budget of {cfg.compile_budget_s:.0f} s for this source spent",
+                )
+            )
             i += 1
         return i
 
@@ -169,8 +182,13 @@ def compile_phase(
             init_s = init_s if init_s is not None else msg[1]
             while start < len(cases):
                 if not parent.poll(cfg.compile_timeout_s):
-                    add(start, "timeout", cfg.compile_timeout_s, "Timeout",
-                        f"no result within {cfg.compile_timeout_s:.0f} s (worker killed)")
+                    add(
+                        start,
+                        "timeout",
+                        cfg.compile_timeout_s,
+                        "Timeout",
+                        f"no result within {cfg.compile_timeout_s:.0f} s (worker killed)",
+                    )
                     # the restart it forces is charged to the same source
                     spent[cases[start].source] += init_s or 0.0
                     start += 1
@@ -181,7 +199,10 @@ def compile_phase(
                 i, ok, secs, etype, reason = msg
                 add(i, "ok" if ok else "failed", secs, etype, reason)
                 start = i + 1
-                if start < len(cases) and spent.get(cases[start].source, 0.0) > cfg.compile_budget_s:
+                if (
+                    start < len(cases)
+                    and spent.get(cases[start].source, 0.0) > cfg.compile_budget_s
+                ):
                     break
         except (EOFError, OSError, RuntimeError) as e:
             # the worker died (crash, out of memory): blame the case it was compiling
@@ -196,9 +217,17 @@ def compile_phase(
     return {"init_s": init_s, "cases": rows}
 
 
-def _compile_row(case: Case, status: str, secs: float, etype: str | None, reason: str | None) -> dict[str, Any]:
-    return {"case": case.name, "source": case.source, "status": status, "ms": secs * 1e3,
-            "error": etype, "reason": reason}
+def _compile_row(
+    case: Case, status: str, secs: float, etype: str | None, reason: str | None
+) -> dict[str, Any]:
+    return {
+        "case": case.name,
+        "source": case.source,
+        "status": status,
+        "ms": secs * 1e3,
+        "error": etype,
+        "reason": reason,
+    }
 
 
 def summarize_compile(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -241,8 +270,10 @@ class _Checker:
 
     def valid(self, label: str, got: list[bool], expected: list[bool]) -> None:
         if got != expected:
-            self.problems.append(f"{label}: valid nodes {np.flatnonzero(got).tolist()} != "
-                                 f"expected {np.flatnonzero(expected).tolist()}")
+            self.problems.append(
+                f"{label}: valid nodes {np.flatnonzero(got).tolist()} != "
+                f"expected {np.flatnonzero(expected).tolist()}"
+            )
 
     def rows(self, label: str, a: np.ndarray, b: np.ndarray, nodes: list[int]) -> None:
         bad = [n for n in nodes if not np.array_equal(a[n], b[n])]
@@ -310,10 +341,20 @@ def _bench_backend_size(
     base = dict(backend=backend.name, nodes=n)
     naive_visited: list[int] = []
     # one request: per-root medians, averaged over roots
-    per: dict[str, list[tuple[float, float, int]]] = {"ours": [], "hook": [], "naive": [], "native": []}
+    per: dict[str, list[tuple[float, float, int]]] = {
+        "ours": [],
+        "hook": [],
+        "naive": [],
+        "native": [],
+    }
     for i, r in enumerate(roots):
         # the tree's lazily built link tensors are shared by the methods: build them untimed
-        _ = (r.tree.tokens, r.tree.retrieve_next_token, r.tree.retrieve_next_sibling, r.tree.depth_list)
+        _ = (
+            r.tree.tokens,
+            r.tree.retrieve_next_token,
+            r.tree.retrieve_next_sibling,
+            r.tree.depth_list,
+        )
         bm = allocate_token_bitmask(n, info.vocab_size)
         hb = allocate_token_bitmask(n, info.vocab_size)
         m, mh = ours_matcher(r), ours_matcher(r)
@@ -335,8 +376,10 @@ def _bench_backend_size(
         for k, (cold, warm, _) in got.items():
             per[k].append((warm, cold, visited))
         if visited != r.expected_valid:
-            check.problems.append(f"{backend.name} {r.case}@{r.position} N={n}: {visited} valid nodes, "
-                                  f"tree builder expected {r.expected_valid}")
+            check.problems.append(
+                f"{backend.name} {r.case}@{r.position} N={n}: {visited} valid nodes, "
+                f"tree builder expected {r.expected_valid}"
+            )
         if "naive" in got:
             nvalid, nfilled = got["naive"][2]
             naive_visited.append(sum(nvalid))
@@ -344,9 +387,12 @@ def _bench_backend_size(
             if w.semantics_note is None:
                 check.valid(f"{label} naive", nvalid, valid)
                 ignored = w.ignored_ids()
-                check.rows(f"{label} ours-vs-naive", _comparable_rows(bm, backend, ignored),
-                           _comparable_rows(nb, backend, ignored),
-                           [i for i in range(n) if valid[i] and nfilled[i]])
+                check.rows(
+                    f"{label} ours-vs-naive",
+                    _comparable_rows(bm, backend, ignored),
+                    _comparable_rows(nb, backend, ignored),
+                    [i for i in range(n) if valid[i] and nfilled[i]],
+                )
             else:
                 check.note(f"{backend.name}: {w.semantics_note}")
                 if any(a and not b for a, b in zip(nvalid, valid)):
@@ -355,16 +401,23 @@ def _bench_backend_size(
         if not vals:
             continue
         per_visited = [w / v for w, _, v in vals]
-        records.append(dict(
-            base, requests=1, threads=1, method=method,
-            us_per_tree=statistics.fmean(w for w, _, _ in vals),
-            us_per_node=statistics.fmean(w / n for w, _, _ in vals),
-            us_per_visited=statistics.fmean(per_visited),
-            us_per_visited_min=min(per_visited), us_per_visited_max=max(per_visited),
-            cold_us_per_node=statistics.fmean(c / n for _, c, _ in vals),
-            visited_mean=statistics.fmean(v for _, _, v in vals),
-            trees=len(vals), reps=cfg.reps,
-        ))
+        records.append(
+            dict(
+                base,
+                requests=1,
+                threads=1,
+                method=method,
+                us_per_tree=statistics.fmean(w for w, _, _ in vals),
+                us_per_node=statistics.fmean(w / n for w, _, _ in vals),
+                us_per_visited=statistics.fmean(per_visited),
+                us_per_visited_min=min(per_visited),
+                us_per_visited_max=max(per_visited),
+                cold_us_per_node=statistics.fmean(c / n for _, c, _ in vals),
+                visited_mean=statistics.fmean(v for _, _, v in vals),
+                trees=len(vals),
+                reps=cfg.reps,
+            )
+        )
         if method == "naive":
             records[-1]["naive_visited_mean"] = statistics.fmean(naive_visited)
     # R requests: one batch of R trees (roots cycled) per repetition
@@ -383,14 +436,19 @@ def _bench_backend_size(
                 pools.append(pool)
                 chunks = [jobs[i::threads] for i in range(threads)]
                 fns[("ours", threads)] = lambda chunks=chunks, pool=pool: list(
-                    pool.map(lambda js: backend.fill_tree_bitmasks(js, bm), chunks))
+                    pool.map(lambda js: backend.fill_tree_bitmasks(js, bm), chunks)
+                )
         if all(r.case in walkers for r in batch):
-            starts = [(walkers[r.case], walkers[r.case].start(r.prefix), r.tree, j * n) for j, r in enumerate(batch)]
+            starts = [
+                (walkers[r.case], walkers[r.case].start(r.prefix), r.tree, j * n)
+                for j, r in enumerate(batch)
+            ]
             nbm = starts[0][0].allocate(nreq * n)
 
             def walk_all(starts=starts, nbm=nbm):
                 for w, nm, tree, off in starts:
                     w.walk(nm, tree, nbm, off)
+
             fns[("naive", 1)] = walk_all
         try:
             got = _interleaved(fns, reps, shift=nreq)
@@ -398,11 +456,21 @@ def _bench_backend_size(
             for pool in pools:
                 pool.shutdown()
         for (method, threads), (cold, warm, _) in got.items():
-            records.append(dict(
-                base, requests=nreq, threads=threads, method=method,
-                us_per_tree=warm / nreq, us_per_node=warm / (nreq * n), us_per_visited=warm / visited,
-                cold_us_per_node=cold / (nreq * n), visited_mean=visited / nreq, trees=nreq, reps=reps,
-            ))
+            records.append(
+                dict(
+                    base,
+                    requests=nreq,
+                    threads=threads,
+                    method=method,
+                    us_per_tree=warm / nreq,
+                    us_per_node=warm / (nreq * n),
+                    us_per_visited=warm / visited,
+                    cold_us_per_node=cold / (nreq * n),
+                    visited_mean=visited / nreq,
+                    trees=nreq,
+                    reps=reps,
+                )
+            )
     return records
 
 
@@ -425,7 +493,9 @@ def tree_phase(
     tok = backends[0].tokenizer_info.hf_tokenizer
     info = backends[0].tokenizer_info
     excluded_ids = np.zeros(info.tokenizer_vocab_size, dtype=bool)
-    excluded_ids[[t for t in info.special_token_ids | set(info.stop_token_ids) if t < len(excluded_ids)]] = True
+    excluded_ids[
+        [t for t in info.special_token_ids | set(info.stop_token_ids) if t < len(excluded_ids)]
+    ] = True
     used, excluded = [], []
     compiled: dict[str, dict[str, Any]] = {b.name: {} for b in backends}
     instances: dict[str, list[int]] = {}
@@ -441,13 +511,20 @@ def tree_phase(
             m = b.matcher(cg)
             k = m.validate_tokens(ids)
             if k != len(ids):
-                reason = f"{b.name} refuses the instance at token {k} ({info.decode(ids[max(0, k - 3):k + 1])!r})"
+                reason = f"{b.name} refuses the instance at token {k} ({info.decode(ids[max(0, k - 3) : k + 1])!r})"
                 break
             compiled[b.name][case.name] = cg
         if reason:
             excluded.append({"case": case.name, "reason": reason})
             continue
-        used.append({"case": case.name, "source": case.source, "instance_tokens": len(ids), "instance": case.instance})
+        used.append(
+            {
+                "case": case.name,
+                "source": case.source,
+                "instance_tokens": len(ids),
+                "instance": case.instance,
+            }
+        )
         instances[case.name] = ids
     records, tree_stats = [], []
     check = _Checker()
@@ -467,12 +544,15 @@ def tree_phase(
                 roots.append(TreeRoot(name, p, ids[:p], tree, nvalid))
         if not roots:
             continue
-        tree_stats.append({
-            "nodes": n, "trees": len(roots),
-            "valid_mean": statistics.fmean(r.expected_valid for r in roots),
-            "depth_mean": statistics.fmean(statistics.fmean(r.tree.depth_list) for r in roots),
-            "depth_max_mean": statistics.fmean(max(r.tree.depth_list) for r in roots),
-        })
+        tree_stats.append(
+            {
+                "nodes": n,
+                "trees": len(roots),
+                "valid_mean": statistics.fmean(r.expected_valid for r in roots),
+                "depth_mean": statistics.fmean(statistics.fmean(r.tree.depth_list) for r in roots),
+                "depth_max_mean": statistics.fmean(max(r.tree.depth_list) for r in roots),
+            }
+        )
         for b in backends:
             gc.collect()
             gc.disable()
@@ -486,8 +566,14 @@ def tree_phase(
             done += 1
             if progress:
                 progress(f"trees {tokenizer_name}", done, total)
-    return {"records": records, "cases": used, "excluded": excluded, "problems": check.problems,
-            "notes": check.notes, "trees": tree_stats}
+    return {
+        "records": records,
+        "cases": used,
+        "excluded": excluded,
+        "problems": check.problems,
+        "notes": check.notes,
+        "trees": tree_stats,
+    }
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -496,24 +582,40 @@ def tree_phase(
 def _select_backends(cfg: MaskBenchConfig) -> tuple[list[str], list[dict[str, Any]]]:
     infos = list_backends()
     # the bench compiles JSON schemas: a backend without JSON-schema support has no rows
-    available = [i.name for i in infos if i.error is None and i.capabilities is not None and i.capabilities.json_schema]
+    available = [
+        i.name
+        for i in infos
+        if i.error is None and i.capabilities is not None and i.capabilities.json_schema
+    ]
     wanted = cfg.backends or available
     chosen = [n for n in wanted if n in available]
     listing = [
         {
-            "name": i.name, "version": i.version, "selected": i.name in chosen,
-            "error": i.error or (None if i.capabilities is None or i.capabilities.json_schema else "no JSON-schema support"),
+            "name": i.name,
+            "version": i.version,
+            "selected": i.name in chosen,
+            "error": i.error
+            or (
+                None
+                if i.capabilities is None or i.capabilities.json_schema
+                else "no JSON-schema support"
+            ),
         }
         for i in infos
     ]
     for n in wanted:
         if n not in available and not any(i.name == n for i in infos):
-            listing.append({"name": n, "version": None, "error": "not registered", "selected": False})
+            listing.append(
+                {"name": n, "version": None, "error": "not registered", "selected": False}
+            )
     return chosen, listing
 
 
 def _tree_cases(
-    cfg: MaskBenchConfig, sampler: GrammarBackend, compile_ok: set[str], texts: dict[str, str | None]
+    cfg: MaskBenchConfig,
+    sampler: GrammarBackend,
+    compile_ok: set[str],
+    texts: dict[str, str | None],
 ) -> list[Case]:
     """The first ``tree_cases_per_source`` cases of each source that every backend compiled and
     that have a valid instance. JSONSchemaBench instances are sampled with ``sampler`` unless
@@ -531,7 +633,12 @@ def _tree_cases(
                 if case.name not in texts:
                     # a few seeds: one walk may not terminate within the token cap
                     texts[case.name] = next(
-                        (t for k in range(3) if (t := sample_instance(sampler, case, seed=cfg.seed + k))), None
+                        (
+                            t
+                            for k in range(3)
+                            if (t := sample_instance(sampler, case, seed=cfg.seed + k))
+                        ),
+                        None,
                     )
                 case.instance = texts[case.name]
                 if case.instance is None:
@@ -553,7 +660,9 @@ def run_masks(
     """
     chosen, listing = _select_backends(cfg)
     if not chosen:
-        raise ValueError(f"no usable backend among {cfg.backends or 'the registered ones'}: {listing}")
+        raise ValueError(
+            f"no usable backend among {cfg.backends or 'the registered ones'}: {listing}"
+        )
     result: dict[str, Any] = {
         "kind": RESULT_KIND,
         "config": cfg.model_dump(),
@@ -583,24 +692,40 @@ def run_masks(
             continue
         for bname in chosen:
             phase = compile_phase(bname, tname, cfg, progress)
-            result["compile"].append({"backend": bname, "tokenizer": tname, "init_s": phase["init_s"],
-                                      "summary": summarize_compile(phase["cases"]), "cases": phase["cases"]})
+            result["compile"].append(
+                {
+                    "backend": bname,
+                    "tokenizer": tname,
+                    "init_s": phase["init_s"],
+                    "summary": summarize_compile(phase["cases"]),
+                    "cases": phase["cases"],
+                }
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok = load_tokenizer(tname)
             backends = [get_backend(b, tok) for b in chosen]
-            ok_everywhere = set.intersection(*[
-                {r["case"] for r in c["cases"] if r["status"] == "ok"}
-                for c in result["compile"] if c["tokenizer"] == tname
-            ])
+            ok_everywhere = set.intersection(
+                *[
+                    {r["case"] for r in c["cases"] if r["status"] == "ok"}
+                    for c in result["compile"]
+                    if c["tokenizer"] == tname
+                ]
+            )
             # sample instances with xgrammar when present (the most widely used engine)
             sampler = next((b for b in backends if b.name == "xgrammar"), backends[0])
             cases = _tree_cases(cfg, sampler, ok_everywhere, sampled)
             phase = tree_phase(tname, backends, cases, cfg, progress)
         result["trees"].extend(phase["records"])
-        result["tree_setup"].append({"tokenizer": tname, "vocab_size": backends[0].vocab_size,
-                                     "cases": phase["cases"], "excluded": phase["excluded"],
-                                     "trees": phase["trees"]})
+        result["tree_setup"].append(
+            {
+                "tokenizer": tname,
+                "vocab_size": backends[0].vocab_size,
+                "cases": phase["cases"],
+                "excluded": phase["excluded"],
+                "trees": phase["trees"],
+            }
+        )
         result["problems"].extend(f"{tname}: {p}" for p in phase["problems"])
         result["notes"].extend(n for n in phase["notes"] if n not in result["notes"])
         if on_partial:

@@ -18,7 +18,8 @@ The walkers reach into the adapters only for the library objects a compiled gram
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -89,7 +90,9 @@ class NaiveWalker:
                 accepted = True
             else:
                 t = tokens[curr]
-                accepted = 0 <= t < vocab and (int(words[row_offset + parent, t >> 5]) >> (t & 31)) & 1
+                accepted = (
+                    0 <= t < vocab and (int(words[row_offset + parent, t >> 5]) >> (t & 31)) & 1
+                )
             if accepted:
                 if curr != 0:
                     accept(m, tokens[curr])
@@ -146,7 +149,9 @@ class _XGrammarWalker(NaiveWalker):
 
     @staticmethod
     def _traverse(m: Any, tree: DraftTree, rows: torch.Tensor) -> None:
-        m.traverse_draft_tree(tree.retrieve_next_token, tree.retrieve_next_sibling, tree.tokens, rows)
+        m.traverse_draft_tree(
+            tree.retrieve_next_token, tree.retrieve_next_sibling, tree.tokens, rows
+        )
 
 
 class _LLGuidanceWalker(NaiveWalker):
@@ -242,4 +247,3 @@ def naive_walker(backend: GrammarBackend, compiled: CompiledGrammar) -> NaiveWal
         return factory(backend, compiled)
     except (AttributeError, TypeError, ImportError) as e:
         raise LookupError(f"library-API baseline for {backend.name!r} unavailable: {e}") from e
-

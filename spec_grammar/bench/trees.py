@@ -11,8 +11,8 @@ nodes still get (arbitrary) children, which a correct fill never visits.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -106,7 +106,9 @@ def grow_tree(
             child_state = None
             if state[node] is not None:
                 forks = [m.fork() for m in state[node]]
-                if all(f.accept_token(tok) for f in forks) and not any(f.is_terminated() for f in forks):
+                if all(f.accept_token(tok) for f in forks) and not any(
+                    f.is_terminated() for f in forks
+                ):
                     child_state = forks
             tokens.append(tok)
             parents.append(node)

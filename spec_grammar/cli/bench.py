@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 
 def _csv(text: str) -> list[str]:
@@ -15,7 +15,9 @@ def _ints(text: str) -> list[int]:
     try:
         return [int(t) for t in _csv(text)]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def _register_masks(sub) -> None:
@@ -25,17 +27,43 @@ def _register_masks(sub) -> None:
         description="Writes masks.json, masks.md and PNG plots into --out.",
     )
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--quick", action="store_true", help="small smoke run (tens of seconds per backend and tokenizer)")
-    p.add_argument("--tokenizers", type=_csv, default=None, help="comma list (default smollm2,gemma3)")
-    p.add_argument("--backends", type=_csv, default=None, help="comma list (default: every registered backend)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small smoke run (tens of seconds per backend and tokenizer)",
+    )
+    p.add_argument(
+        "--tokenizers", type=_csv, default=None, help="comma list (default smollm2,gemma3)"
+    )
+    p.add_argument(
+        "--backends", type=_csv, default=None, help="comma list (default: every registered backend)"
+    )
     p.add_argument("--sizes", type=_ints, default=None, help="tree sizes N (default 8,16,64)")
-    p.add_argument("--requests", type=_ints, default=None, help="requests per batch (default 1,16,64)")
-    p.add_argument("--threads", type=_ints, default=None, help="thread counts for ours (default 1,2)")
+    p.add_argument(
+        "--requests", type=_ints, default=None, help="requests per batch (default 1,16,64)"
+    )
+    p.add_argument(
+        "--threads", type=_ints, default=None, help="thread counts for ours (default 1,2)"
+    )
     p.add_argument("--reps", type=int, default=None, help="warm repetitions per tree (default 20)")
-    p.add_argument("--compile-cases", type=int, default=None, help="cases per source to compile (default all)")
-    p.add_argument("--compile-timeout", type=float, default=None, help="seconds per compile before it is killed")
-    p.add_argument("--compile-budget", type=float, default=None, help="compile seconds per backend, tokenizer and source")
-    p.add_argument("--docs", default=None, help="also regenerate this Markdown page (e.g. docs/benchmarks.md)")
+    p.add_argument(
+        "--compile-cases", type=int, default=None, help="cases per source to compile (default all)"
+    )
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=None,
+        help="seconds per compile before it is killed",
+    )
+    p.add_argument(
+        "--compile-budget",
+        type=float,
+        default=None,
+        help="compile seconds per backend, tokenizer and source",
+    )
+    p.add_argument(
+        "--docs", default=None, help="also regenerate this Markdown page (e.g. docs/benchmarks.md)"
+    )
     p.set_defaults(func=_run_masks)
 
 
@@ -47,9 +75,15 @@ def _run_masks(args) -> int:
     from ..bench.report import write_docs, write_masks_report
 
     overrides = dict(
-        tokenizers=args.tokenizers, backends=args.backends, sizes=args.sizes, requests=args.requests,
-        threads=args.threads, reps=args.reps, compile_cases_per_source=args.compile_cases,
-        compile_timeout_s=args.compile_timeout, compile_budget_s=args.compile_budget,
+        tokenizers=args.tokenizers,
+        backends=args.backends,
+        sizes=args.sizes,
+        requests=args.requests,
+        threads=args.threads,
+        reps=args.reps,
+        compile_cases_per_source=args.compile_cases,
+        compile_timeout_s=args.compile_timeout,
+        compile_budget_s=args.compile_budget,
     )
     if args.quick:
         cfg = MaskBenchConfig.quick(**overrides)
@@ -57,7 +91,11 @@ def _run_masks(args) -> int:
         cfg = MaskBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
     console = Console()
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
     ) as progress:
         tasks: dict[str, int] = {}
 
@@ -67,7 +105,9 @@ def _run_masks(args) -> int:
             progress.update(tasks[stage], completed=done, total=total)
 
         # a crash in a later tokenizer keeps the finished ones on disk
-        res = run_masks(cfg, report, on_partial=lambda partial: write_masks_report(partial, args.out))
+        res = run_masks(
+            cfg, report, on_partial=lambda partial: write_masks_report(partial, args.out)
+        )
     paths = write_masks_report(res, args.out)
     if args.docs:
         paths["docs"] = write_docs([args.out], args.docs, replot=False)
@@ -84,7 +124,11 @@ def _print_summary(console, res) -> None:
 
     sizes = sorted({r["nodes"] for r in res["trees"]})
     table = Table(title="tree-mask cost (ours, 1 request, 1 thread)")
-    for col in ["backend", "tokenizer", "compile median ms"] + [f"µs/node N={n}" for n in sizes] + ["speedup vs naive"]:
+    for col in (
+        ["backend", "tokenizer", "compile median ms"]
+        + [f"µs/node N={n}" for n in sizes]
+        + ["speedup vs naive"]
+    ):
         table.add_column(col)
     for row in summary_rows(res):
         table.add_row(*row)
@@ -100,8 +144,18 @@ def _register_report(sub) -> None:
         description="Reads every benchmark JSON in the --from directories; rewrites their Markdown "
         "reports and plots, and the --docs page.",
     )
-    p.add_argument("--from", dest="from_dirs", action="append", required=True, help="results directory (repeatable)")
-    p.add_argument("--docs", default="docs/benchmarks.md", help="Markdown page to write (default docs/benchmarks.md)")
+    p.add_argument(
+        "--from",
+        dest="from_dirs",
+        action="append",
+        required=True,
+        help="results directory (repeatable)",
+    )
+    p.add_argument(
+        "--docs",
+        default="docs/benchmarks.md",
+        help="Markdown page to write (default docs/benchmarks.md)",
+    )
     p.set_defaults(func=_run_report)
 
 
@@ -117,7 +171,10 @@ from .bench_e2e import register_e2e  # noqa: E402  (it reuses this module's help
 from .bench_gpu import register_gpu  # noqa: E402
 
 BENCHMARKS: dict[str, Callable] = {
-    "masks": _register_masks, "e2e": register_e2e, "gpu": register_gpu, "report": _register_report
+    "masks": _register_masks,
+    "e2e": register_e2e,
+    "gpu": register_gpu,
+    "report": _register_report,
 }
 """Subcommand name -> ``register(subparsers)``; a new benchmark adds itself here."""
 

@@ -26,23 +26,60 @@ def register_e2e(sub) -> None:
         description="Writes e2e.json, e2e.md and PNG plots into --out. Greedy, CPU, the same prompts for every row.",
     )
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 schema + 1 BFCL case, 8 new tokens, xgrammar")
     p.add_argument(
-        "--backends", type=_csv, default=None,
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 schema + 1 BFCL case, 8 new tokens, xgrammar",
+    )
+    p.add_argument(
+        "--backends",
+        type=_csv,
+        default=None,
         help="our backends, comma list (default: every registered one with JSON Schema and tool calls)",
     )
-    p.add_argument("--max-new-tokens", type=_positive, default=None, help="token limit per output (default 128)")
-    p.add_argument("--schemas", type=int, default=None, help="JSONSchemaBench schemas (default 12, spread over subsets)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=_positive,
+        default=None,
+        help="token limit per output (default 128)",
+    )
+    p.add_argument(
+        "--schemas",
+        type=int,
+        default=None,
+        help="JSONSchemaBench schemas (default 12, spread over subsets)",
+    )
     p.add_argument("--bfcl", type=int, default=None, help="BFCL tool-call cases (default 8)")
-    p.add_argument("--hf-processors", type=_csv, default=None, help="xgrammar,llguidance (default both)")
-    p.add_argument("--hf-speculation", type=_csv, default=None,
-                   help="HF rows: none,prompt_lookup,assistant (default all three)")
-    p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds of generation after which no new prompt starts (default: none)")
-    p.add_argument("--skip-rows", type=_csv, default=None, help="row ids to leave out, e.g. hf/llguidance+assist")
+    p.add_argument(
+        "--hf-processors", type=_csv, default=None, help="xgrammar,llguidance (default both)"
+    )
+    p.add_argument(
+        "--hf-speculation",
+        type=_csv,
+        default=None,
+        help="HF rows: none,prompt_lookup,assistant (default all three)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds of generation after which no new prompt starts (default: none)",
+    )
+    p.add_argument(
+        "--skip-rows",
+        type=_csv,
+        default=None,
+        help="row ids to leave out, e.g. hf/llguidance+assist",
+    )
     p.add_argument("--model", default=None, help="model name or path (default smollm2)")
-    p.add_argument("--threads", type=_positive, default=None, help="torch intra-op threads (default 1)")
-    p.add_argument("--docs", default=None, help="also regenerate this Markdown page from --out (e.g. docs/benchmarks.md)")
+    p.add_argument(
+        "--threads", type=_positive, default=None, help="torch intra-op threads (default 1)"
+    )
+    p.add_argument(
+        "--docs",
+        default=None,
+        help="also regenerate this Markdown page from --out (e.g. docs/benchmarks.md)",
+    )
     p.set_defaults(func=_run_e2e)
 
 
@@ -54,10 +91,18 @@ def _run_e2e(args) -> int:
     from ..bench.e2e_report import goal_ratios, write_e2e_report
     from ..bench.report import write_docs
 
-    overrides = dict(backends=args.backends, max_new_tokens=args.max_new_tokens, jsb_cases=args.schemas,
-                     bfcl_cases=args.bfcl, hf_processors=args.hf_processors, hf_speculation=args.hf_speculation,
-                     model=args.model, torch_threads=args.threads, skip_rows=args.skip_rows,
-                     time_budget_s=args.time_budget)
+    overrides = dict(
+        backends=args.backends,
+        max_new_tokens=args.max_new_tokens,
+        jsb_cases=args.schemas,
+        bfcl_cases=args.bfcl,
+        hf_processors=args.hf_processors,
+        hf_speculation=args.hf_speculation,
+        model=args.model,
+        torch_threads=args.threads,
+        skip_rows=args.skip_rows,
+        time_budget_s=args.time_budget,
+    )
     bad = [s for s in args.hf_speculation or [] if s not in ("none", "prompt_lookup", "assistant")]
     if bad:
         raise ValueError(f"unknown --hf-speculation {bad}: use none, prompt_lookup, assistant")
@@ -66,8 +111,13 @@ def _run_e2e(args) -> int:
     else:
         cfg = E2EBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
     console = Console()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         tasks: dict[str, int] = {}
 
         def report(stage: str, done: int, total: int) -> None:
@@ -89,15 +139,30 @@ def _print_summary(console, res, goals) -> None:
     from rich.table import Table
 
     table = Table(title="end to end (sums over prompts)")
-    for col in ("row", "tokens/s", "accept length", "valid / completed", "cut", "failed", "same as HF + xgrammar"):
+    for col in (
+        "row",
+        "tokens/s",
+        "accept length",
+        "valid / completed",
+        "cut",
+        "failed",
+        "same as HF + xgrammar",
+    ):
         table.add_column(col)
     for s in res["summary"]:
-        table.add_row(s["label"], f"{s['tokens_per_s']:.2f}" if s["tokens_per_s"] else "–",
-                      f"{s['accept_length']:.2f}" if s["accept_length"] else "–", f"{s['valid']}/{s['completed']}",
-                      str(s["cut"]), f"{s['errors']}/{s['prompts']}",
-                      f"{s['identical']}/{s['compared']}" if s["compared"] else "–")
+        table.add_row(
+            s["label"],
+            f"{s['tokens_per_s']:.2f}" if s["tokens_per_s"] else "–",
+            f"{s['accept_length']:.2f}" if s["accept_length"] else "–",
+            f"{s['valid']}/{s['completed']}",
+            str(s["cut"]),
+            f"{s['errors']}/{s['prompts']}",
+            f"{s['identical']}/{s['compared']}" if s["compared"] else "–",
+        )
     console.print(table)
     for g in goals:
         x = {k: f"{v:.2f}x" if v else "–" for k, v in g.items() if k.startswith("vs_")}
-        console.print(f"{g['row']}: {x['vs_hf']} HF + xgrammar ({x['vs_hf_decode']} decode only), "
-                      f"{x['vs_unconstrained']} unconstrained spec ({x['vs_unconstrained_decode']} decode only)")
+        console.print(
+            f"{g['row']}: {x['vs_hf']} HF + xgrammar ({x['vs_hf_decode']} decode only), "
+            f"{x['vs_unconstrained']} unconstrained spec ({x['vs_unconstrained_decode']} decode only)"
+        )

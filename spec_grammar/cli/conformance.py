@@ -25,8 +25,12 @@ def register(sub) -> None:
         help="fixture tokenizer(s) to run on (default: both; repeatable)",
     )
     p.add_argument("--quick", action="store_true", help="toy tokenizer only (a few seconds)")
-    p.add_argument("--slow", action="store_true", help="long mode: 8x random examples, whole data sets")
-    p.add_argument("--property", action="append", metavar="NAME", help="run only this property (repeatable)")
+    p.add_argument(
+        "--slow", action="store_true", help="long mode: 8x random examples, whole data sets"
+    )
+    p.add_argument(
+        "--property", action="append", metavar="NAME", help="run only this property (repeatable)"
+    )
     p.add_argument("--seed", type=int, help="random seed (default: the same examples every run)")
     p.add_argument("--list", action="store_true", help="list the properties and exit")
     p.add_argument(
@@ -49,13 +53,22 @@ def run(args) -> int:
             print(f"{prop.name}  [{prop.fixture}]  {prop.contract}")
         return 0
     if not args.backend:
-        print("spec-grammar conformance: error: give --backend NAME (or --compare / --list)", file=sys.stderr)
+        print(
+            "spec-grammar conformance: error: give --backend NAME (or --compare / --list)",
+            file=sys.stderr,
+        )
         return 2
     factory = resolve_factory(args.backend)
-    results = run_conformance(factory, fixtures=fixtures, names=args.property, slow=args.slow, seed=args.seed)
+    results = run_conformance(
+        factory, fixtures=fixtures, names=args.property, slow=args.slow, seed=args.seed
+    )
     failed = [r for r in results if r.status in ("FAIL", "ERROR")]
     if args.json:
-        report = {"backend": args.backend, "passed": not failed, "results": [r.to_dict() for r in results]}
+        report = {
+            "backend": args.backend,
+            "passed": not failed,
+            "results": [r.to_dict() for r in results],
+        }
         print(json.dumps(report, indent=2))
         return 1 if failed else 0
     _print_results(args.backend, results)
@@ -96,6 +109,8 @@ def _compare(args) -> int:
     if args.json:
         print(json.dumps({"cases": len(cases), "differences": rows}, indent=2))
     else:
-        print(f"{len(cases)} instances; {len(rows)} where a backend differs from jsonschema or another backend")
+        print(
+            f"{len(cases)} instances; {len(rows)} where a backend differs from jsonschema or another backend"
+        )
         print(format_table(rows, names))
     return 0

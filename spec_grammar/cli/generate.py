@@ -2,8 +2,9 @@
 
 One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: ``prompt`` plus
 its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
-``tools`` (file paths relative to the batch file), and optional sampling fields such as ``max_new_tokens`` / ``temperature`` / ``seed``
-/ ``stop``: any :class:`~spec_grammar.worker.sampling.SamplingParams` field). A line with an
+``tools`` (file paths relative to the batch file), and optional sampling fields such as
+``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``: any
+:class:`~spec_grammar.worker.sampling.SamplingParams` field). A line with an
 unknown key, one that cannot be turned into a request, or whose grammar fails to compile, is
 reported as failed; the other requests complete. Exit code 0 when every request succeeded, 1
 when some failed, 2 on bad arguments (missing files, unknown backend, unreadable schema, bad
@@ -31,58 +32,121 @@ def register(sub) -> None:
         "tool calls), verifying draft trees against the grammar's tree bitmask.",
     )
     p.add_argument("prompt", nargs="?", help="the user prompt (chat template applied)")
-    p.add_argument("--grammar-backend", "--backend", dest="grammar_backend", default="xgrammar", help="xgrammar, outlines, llguidance, an entry point or module:Class")
+    p.add_argument(
+        "--grammar-backend",
+        "--backend",
+        dest="grammar_backend",
+        default="xgrammar",
+        help="xgrammar, outlines, llguidance, an entry point or module:Class",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
     g.add_argument("--regex", metavar="RE", help="regular expression the output must match")
     g.add_argument("--ebnf", metavar="FILE", help="GBNF/EBNF grammar file (root rule: root)")
     g.add_argument("--lark", metavar="FILE", help="Lark grammar file (start rule: start)")
-    g.add_argument("--tools", metavar="FILE", help="OpenAI-style tool list (JSON); output = required tool calls")
-    p.add_argument("--model", default="smollm2", help="smollm2, gemma3, a model directory or a .gguf file")
-    p.add_argument("--draft", default="ngram", help="ngram (default), self:L, model:PATH, grammar (forced tokens alone) or none")
-    p.add_argument("--constrain-draft", action="store_true", help="grammar-constrained drafting (legal tokens only; rows reused for verification)")
+    g.add_argument(
+        "--tools",
+        metavar="FILE",
+        help="OpenAI-style tool list (JSON); output = required tool calls",
+    )
     p.add_argument(
-        "--forced-tokens", action=argparse.BooleanOptionalAction, default=None,
+        "--model", default="smollm2", help="smollm2, gemma3, a model directory or a .gguf file"
+    )
+    p.add_argument(
+        "--draft",
+        default="ngram",
+        help="ngram (default), self:L, model:PATH, grammar (forced tokens alone) or none",
+    )
+    p.add_argument(
+        "--constrain-draft",
+        action="store_true",
+        help="grammar-constrained drafting (legal tokens only; rows reused for verification)",
+    )
+    p.add_argument(
+        "--forced-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="extend drafts with grammar-forced tokens (default: the library's DEFAULT_FORCED_TOKENS)",
     )
-    p.add_argument("--topk", type=int, default=1, help="branches per draft step (model drafters; default 1)")
-    p.add_argument("--num-steps", type=int, default=4, help="draft depth (model drafters; default 4)")
-    p.add_argument("--num-draft-tokens", type=int, default=8, help="draft tree size, root included (default 8)")
+    p.add_argument(
+        "--topk", type=int, default=1, help="branches per draft step (model drafters; default 1)"
+    )
+    p.add_argument(
+        "--num-steps", type=int, default=4, help="draft depth (model drafters; default 4)"
+    )
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=8, help="draft tree size, root included (default 8)"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)"
+    )
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="output token budget per request (default 256)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="output token budget per request (default 256)",
+    )
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (default)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (default)")
-    p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
-    p.add_argument("--no-spec", action="store_true", help="plain constrained decoding (no drafts)")
-    p.add_argument("--no-overlap", action="store_true", help="grammar work after the verify forward, not under it")
     p.add_argument(
-        "--no-cuda-graphs", action="store_true",
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+    )
+    p.add_argument("--no-spec", action="store_true", help="plain constrained decoding (no drafts)")
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="grammar work after the verify forward, not under it",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
         help="run the forwards eagerly (CUDA graphs are used on CUDA devices only)",
     )
     p.add_argument(
-        "--no-fused-forward", action="store_true",
+        "--no-fused-forward",
+        action="store_true",
         help="run the model's own Hugging Face forward (default on CUDA: our fused decoder for Llama-family models)",
     )
     p.add_argument(
-        "--grammar-threads", type=_positive_int, default=None, metavar="N",
+        "--grammar-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
         help="threads sharing a step's grammar work (default 1: more measured slower with xgrammar)",
     )
     p.add_argument(
-        "--lazy-grammar", choices=["auto", "on", "off"], default="auto",
+        "--lazy-grammar",
+        choices=["auto", "on", "off"],
+        default="auto",
         help="verify greedy requests without tree fills, asking the grammar for each greedy token "
         "(auto: on CUDA-graph steps whenever the fills would not hide under the forward)",
     )
-    p.add_argument("--no-schema-in-prompt", action="store_true", help="do not write the schema/tools/pattern into the prompt")
-    p.add_argument("--batch-file", metavar="FILE.jsonl", help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '
-                   'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}; '
-                   'json_schema / tools take an object or a file path, ebnf / lark grammar text or a file path, '
-                   'paths relative to the batch file')
-    p.add_argument("--json", action="store_true", help="print per-request results and stats as JSON")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = CUDA when available")
+    p.add_argument(
+        "--no-schema-in-prompt",
+        action="store_true",
+        help="do not write the schema/tools/pattern into the prompt",
+    )
+    p.add_argument(
+        "--batch-file",
+        metavar="FILE.jsonl",
+        help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '
+        'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}; '
+        "json_schema / tools take an object or a file path, ebnf / lark grammar text or a file path, "
+        "paths relative to the batch file",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print per-request results and stats as JSON"
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto = CUDA when available",
+    )
     p.set_defaults(func=run)
 
 
@@ -108,8 +172,10 @@ def _read_text(path: str, what: str) -> str:
     except OSError as e:  # e.g. a name too long for the file system (inline text taken for a path)
         if isinstance(e, FileNotFoundError) and e.filename is None:
             raise
-        raise ValueError(f"{what} file {path[:80]}{'...' if len(path) > 80 else ''} cannot be read: "
-                         f"{e.strerror or e}") from None
+        raise ValueError(
+            f"{what} file {path[:80]}{'...' if len(path) > 80 else ''} cannot be read: "
+            f"{e.strerror or e}"
+        ) from None
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -120,7 +186,9 @@ def _read_json(path: str, what: str) -> Any:
         raise ValueError(f"{what} file {path} is not valid JSON: {e}") from None
 
 
-def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files_only: bool = False):
+def _spec_from_fields(
+    fields: dict[str, Any], base: Path | None = None, *, files_only: bool = False
+):
     """The grammar spec named by one of ``_GRAMMAR_FIELDS``, or None. Values are file paths
     (relative to ``base``) when ``files_only`` (the CLI flags); in a batch line they may also be
     inline (a JSON object/list, grammar text)."""
@@ -134,7 +202,9 @@ def _spec_from_fields(fields: dict[str, Any], base: Path | None = None, *, files
     key = present[0]
     value = fields[key]
     if key in ("regex", "ebnf", "lark") and not isinstance(value, str):
-        raise ValueError(f"{key} must be a string (the grammar or, for ebnf/lark, a file path), got {_json_type(value)}")
+        raise ValueError(
+            f"{key} must be a string (the grammar or, for ebnf/lark, a file path), got {_json_type(value)}"
+        )
     if key == "regex":
         return Regex(value)
 
@@ -174,7 +244,13 @@ def _is_file(path: str) -> bool:
 
 def _json_type(value: Any) -> str:
     """The JSON name of a parsed value's type (for error messages)."""
-    names = {str: "a string", list: "an array", int: "a number", float: "a number", type(None): "null"}
+    names = {
+        str: "a string",
+        list: "an array",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -227,13 +303,22 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
     accepted = ("prompt", *_GRAMMAR_FIELDS, *SamplingParams.model_fields)
     unknown = [k for k in rec if k not in accepted]
     if unknown:
-        raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                         f"accepted: {', '.join(accepted)}")
+        raise ValueError(
+            f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"accepted: {', '.join(accepted)}"
+        )
 
 
 def run(args) -> int:
     from ..registry import load_backend_class
-    from ..worker.api import build_prompt, build_worker, precompile, resolve_device, schema_prompt, summarize
+    from ..worker.api import (
+        build_prompt,
+        build_worker,
+        precompile,
+        resolve_device,
+        schema_prompt,
+        summarize,
+    )
     from ..worker.request import Request, RequestResult
 
     if args.prompt is None and not args.batch_file:
@@ -262,7 +347,11 @@ def run(args) -> int:
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError("each line needs a string field 'prompt'")
                 _check_line_keys(rec)
-                spec = _spec_from_fields(rec, base) if any(k in rec for k in _GRAMMAR_FIELDS) else global_spec
+                spec = (
+                    _spec_from_fields(rec, base)
+                    if any(k in rec for k in _GRAMMAR_FIELDS)
+                    else global_spec
+                )
                 items.append((f"line-{n}", rec["prompt"], spec, _sampling(args, rec)))
             except (ValueError, FileNotFoundError) as e:
                 items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
@@ -295,7 +384,9 @@ def run(args) -> int:
             continue
         rid, text, spec, sampling = item
         user = text if spec is None or args.no_schema_in_prompt else schema_prompt(spec, text)
-        req = Request(prompt=build_prompt(worker.tokenizer, user), grammar=spec, sampling=sampling, rid=rid)
+        req = Request(
+            prompt=build_prompt(worker.tokenizer, user), grammar=spec, sampling=sampling, rid=rid
+        )
         slots.append(len(requests))
         requests.append(req)
 
@@ -308,9 +399,18 @@ def run(args) -> int:
         if isinstance(slot, tuple):
             final.append(
                 RequestResult(
-                    rid=slot[0], text="", token_ids=[], prompt_tokens=0, finish_reason="error",
-                    error=slot[1], num_tokens=0, steps=0, accept_length=0.0, tokens_per_s=0.0,
-                    grammar_ms_hidden=0.0, grammar_ms_exposed=0.0,
+                    rid=slot[0],
+                    text="",
+                    token_ids=[],
+                    prompt_tokens=0,
+                    finish_reason="error",
+                    error=slot[1],
+                    num_tokens=0,
+                    steps=0,
+                    accept_length=0.0,
+                    tokens_per_s=0.0,
+                    grammar_ms_hidden=0.0,
+                    grammar_ms_exposed=0.0,
                 )
             )
         else:
@@ -320,7 +420,10 @@ def run(args) -> int:
     for r in final:  # one line per distinct warning set (a shared grammar warns once)
         if r.warnings and tuple(r.warnings) not in shown:
             shown.add(tuple(r.warnings))
-            print(f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}", file=sys.stderr)
+            print(
+                f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}",
+                file=sys.stderr,
+            )
     if args.json:
         runner = {  # what ran: the GPU speed depends on it
             "device": str(worker.runner.device),
@@ -328,8 +431,15 @@ def run(args) -> int:
             "cuda_graphs": worker.runner.uses_cuda_graphs,
         }
         # one line: token id lists would take a line per id with an indent (pipe to jq to read)
-        print(json.dumps({"results": [r.model_dump() for r in final], "summary": summary.model_dump(),
-                          "runner": runner}))
+        print(
+            json.dumps(
+                {
+                    "results": [r.model_dump() for r in final],
+                    "summary": summary.model_dump(),
+                    "runner": runner,
+                }
+            )
+        )
     else:
         for r in final:
             if len(final) > 1:
@@ -339,8 +449,10 @@ def run(args) -> int:
             else:
                 print(r.text)
                 if len(final) == 1 and r.finish_reason == "length":
-                    print(f"note: stopped at --max-new-tokens ({r.num_tokens} tokens): the output is incomplete",
-                          file=sys.stderr)
+                    print(
+                        f"note: stopped at --max-new-tokens ({r.num_tokens} tokens): the output is incomplete",
+                        file=sys.stderr,
+                    )
         print(
             f"{summary.output_tokens} tokens in {summary.wall_s:.2f} s ({summary.tokens_per_s:.1f} tok/s), "
             f"accept length {summary.accept_length:.2f}, grammar {summary.grammar_ms_per_step:.2f} ms/step "
@@ -359,20 +471,32 @@ class _progress:
 
     def __enter__(self):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         console = Console(stderr=True)
         if not console.is_terminal or self.total < 64:
             return None
         self.bar = Progress(
-            TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=console, transient=True,
+            TextColumn("generating"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
         )
         self.bar.start()
         task = self.bar.add_task("tokens", total=self.total)
 
         def on_step(_stats, states):
-            done = sum(s.sampling.max_new_tokens if s.finished else len(s.output_ids) for s in states)
+            done = sum(
+                s.sampling.max_new_tokens if s.finished else len(s.output_ids) for s in states
+            )
             self.bar.update(task, completed=done)
 
         return on_step

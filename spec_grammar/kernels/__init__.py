@@ -14,7 +14,7 @@ columns past the mask are disallowed, mask bits past ``V`` are ignored.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +29,14 @@ try:
 except ImportError:  # torch without Triton (CPU wheels): CUDA tensors take the torch path
     HAS_TRITON = False
 
-__all__ = ["apply_token_bitmask_inplace", "masked_argmax", "masked_softmax", "row_argmax", "NONFINITE", "HAS_TRITON"]
+__all__ = [
+    "apply_token_bitmask_inplace",
+    "masked_argmax",
+    "masked_softmax",
+    "row_argmax",
+    "NONFINITE",
+    "HAS_TRITON",
+]
 
 Indices = torch.Tensor | Sequence[int] | None
 
@@ -105,7 +112,9 @@ def apply_token_bitmask_inplace(
     if _use_triton(logits):
         apply_token_bitmask_inplace_triton(logits, bitmask.contiguous(), indices=idx)
     else:
-        apply_token_bitmask_inplace_torch(logits, bitmask, indices=idx if idx is None else idx.long())
+        apply_token_bitmask_inplace_torch(
+            logits, bitmask, indices=idx if idx is None else idx.long()
+        )
 
 
 def masked_argmax(
@@ -199,7 +208,9 @@ def masked_softmax(
                 f"{temperature.dtype} of shape {tuple(temperature.shape)}"
             )
         if temperature.device != logits.device:
-            raise BitmaskError(f"temperature is on {temperature.device} but logits are on {logits.device}")
+            raise BitmaskError(
+                f"temperature is on {temperature.device} but logits are on {logits.device}"
+            )
         if temperature.device.type == "cpu" and n and not bool((temperature > 0).all()):
             raise BitmaskError(f"temperatures must be > 0, got {temperature.tolist()}")
     else:
@@ -207,7 +218,9 @@ def masked_softmax(
         if not (temperature > 0 and math.isfinite(temperature)):
             raise BitmaskError(f"temperature must be a finite float > 0, got {temperature}")
     if _use_triton(logits):
-        return masked_softmax_triton(logits, bitmask.contiguous(), temperature, log=log, indices=idx)
+        return masked_softmax_triton(
+            logits, bitmask.contiguous(), temperature, log=log, indices=idx
+        )
     return masked_softmax_torch(
         logits, bitmask, temperature, log=log, indices=idx if idx is None else idx.long()
     )

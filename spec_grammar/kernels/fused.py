@@ -25,8 +25,18 @@ _NO_INDEX = tl.constexpr(2**31 - 1)  # "no allowed token seen"
 
 
 @triton.jit
-def _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width, logits_stride, mask_stride,
-                  WORDS: tl.constexpr):
+def _masked_block(
+    logits_ptr,
+    mask_ptr,
+    lrow,
+    mrow,
+    w0,
+    vocab,
+    width,
+    logits_stride,
+    mask_stride,
+    WORDS: tl.constexpr,
+):
     """float32 logits of tokens ``[32*w0, 32*(w0+WORDS))`` with disallowed ones at -inf, and the
     token ids, both ``(WORDS, 32)``."""
     w = w0 + tl.arange(0, WORDS)
@@ -34,15 +44,31 @@ def _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width, logits_str
     bit = tl.arange(0, 32)
     cols = w[:, None] * 32 + bit[None, :]
     ok = (((word[:, None] >> bit[None, :]) & 1) != 0) & (cols < vocab)
-    x = tl.load(logits_ptr + lrow * logits_stride + cols,
-                mask=(word != 0)[:, None] & (cols < vocab), other=0.0)
+    x = tl.load(
+        logits_ptr + lrow * logits_stride + cols,
+        mask=(word != 0)[:, None] & (cols < vocab),
+        other=0.0,
+    )
     return tl.where(ok, x.to(tl.float32), float("-inf")), cols
 
 
 @triton.jit
-def _argmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, val_ptr, arg_ptr, vocab, width,
-                           logits_stride, mask_stride, splits, words_per_split,
-                           HAS_INDICES: tl.constexpr, FINAL: tl.constexpr, WORDS: tl.constexpr):
+def _argmax_partial_kernel(
+    logits_ptr,
+    mask_ptr,
+    idx_ptr,
+    val_ptr,
+    arg_ptr,
+    vocab,
+    width,
+    logits_stride,
+    mask_stride,
+    splits,
+    words_per_split,
+    HAS_INDICES: tl.constexpr,
+    FINAL: tl.constexpr,
+    WORDS: tl.constexpr,
+):
     pid = tl.program_id(0)
     row = pid // splits
     part = pid % splits
@@ -53,8 +79,9 @@ def _argmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, val_ptr, arg_ptr, voca
     w0 = part * words_per_split
     w_end = w0 + words_per_split
     while w0 < w_end:  # a while loop: older Triton interpreters cannot range() over arguments
-        x, cols = _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width,
-                                logits_stride, mask_stride, WORDS)
+        x, cols = _masked_block(
+            logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width, logits_stride, mask_stride, WORDS
+        )
         # Strict '>' keeps the first index per lane; lanes see increasing ids.
         better = x > best
         best = tl.where(better, x, best)
@@ -88,10 +115,24 @@ def _row_temperature(t_ptr, row, temperature, HAS_T_TENSOR: tl.constexpr):
 
 
 @triton.jit
-def _softmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, temperature,
-                            vocab, width, logits_stride, mask_stride, splits, words_per_split,
-                            HAS_INDICES: tl.constexpr, HAS_T_TENSOR: tl.constexpr,
-                            WORDS: tl.constexpr):
+def _softmax_partial_kernel(
+    logits_ptr,
+    mask_ptr,
+    idx_ptr,
+    t_ptr,
+    m_ptr,
+    s_ptr,
+    temperature,
+    vocab,
+    width,
+    logits_stride,
+    mask_stride,
+    splits,
+    words_per_split,
+    HAS_INDICES: tl.constexpr,
+    HAS_T_TENSOR: tl.constexpr,
+    WORDS: tl.constexpr,
+):
     pid = tl.program_id(0)
     row = pid // splits
     part = pid % splits
@@ -103,8 +144,9 @@ def _softmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, 
     w0 = part * words_per_split
     w_end = w0 + words_per_split
     while w0 < w_end:
-        x, cols = _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width,
-                                logits_stride, mask_stride, WORDS)
+        x, cols = _masked_block(
+            logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width, logits_stride, mask_stride, WORDS
+        )
         z = x / t
         new_m = tl.maximum(run_m, z)
         # A lane that has seen only -inf keeps sum 0 (avoids exp(-inf - -inf) = NaN).
@@ -120,10 +162,28 @@ def _softmax_partial_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, 
 
 
 @triton.jit
-def _softmax_write_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, out_ptr, temperature,
-                          vocab, width, logits_stride, mask_stride, out_stride, splits,
-                          words_per_split, HAS_INDICES: tl.constexpr, HAS_T_TENSOR: tl.constexpr,
-                          LOG: tl.constexpr, WORDS: tl.constexpr, SPLITS: tl.constexpr):
+def _softmax_write_kernel(
+    logits_ptr,
+    mask_ptr,
+    idx_ptr,
+    t_ptr,
+    m_ptr,
+    s_ptr,
+    out_ptr,
+    temperature,
+    vocab,
+    width,
+    logits_stride,
+    mask_stride,
+    out_stride,
+    splits,
+    words_per_split,
+    HAS_INDICES: tl.constexpr,
+    HAS_T_TENSOR: tl.constexpr,
+    LOG: tl.constexpr,
+    WORDS: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     pid = tl.program_id(0)
     row = pid // splits
     part = pid % splits
@@ -141,8 +201,9 @@ def _softmax_write_kernel(logits_ptr, mask_ptr, idx_ptr, t_ptr, m_ptr, s_ptr, ou
     w0 = part * words_per_split
     w_end = w0 + words_per_split
     while w0 < w_end:
-        x, cols = _masked_block(logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width,
-                                logits_stride, mask_stride, WORDS)
+        x, cols = _masked_block(
+            logits_ptr, mask_ptr, lrow, mrow, w0, vocab, width, logits_stride, mask_stride, WORDS
+        )
         y = x / t - lse
         if not LOG:
             y = tl.exp(y)
@@ -171,15 +232,33 @@ def masked_argmax_triton(
     splits, words = _splits(n, vocab)
     common = (vocab, bitmask.shape[1], logits.stride(0), bitmask.stride(0), splits, words)
     if splits == 1:
-        _argmax_partial_kernel[(n,)](logits, bitmask, indices, out, out, *common,
-                                     HAS_INDICES=indices is not None, FINAL=True,
-                                     WORDS=WORDS_PER_BLOCK, num_warps=NUM_WARPS)
+        _argmax_partial_kernel[(n,)](
+            logits,
+            bitmask,
+            indices,
+            out,
+            out,
+            *common,
+            HAS_INDICES=indices is not None,
+            FINAL=True,
+            WORDS=WORDS_PER_BLOCK,
+            num_warps=NUM_WARPS,
+        )
         return out
     val = torch.empty(n * splits, dtype=torch.float32, device=logits.device)
     arg = torch.empty(n * splits, dtype=torch.int32, device=logits.device)
-    _argmax_partial_kernel[(n * splits,)](logits, bitmask, indices, val, arg, *common,
-                                          HAS_INDICES=indices is not None, FINAL=False,
-                                          WORDS=WORDS_PER_BLOCK, num_warps=NUM_WARPS)
+    _argmax_partial_kernel[(n * splits,)](
+        logits,
+        bitmask,
+        indices,
+        val,
+        arg,
+        *common,
+        HAS_INDICES=indices is not None,
+        FINAL=False,
+        WORDS=WORDS_PER_BLOCK,
+        num_warps=NUM_WARPS,
+    )
     _argmax_combine_kernel[(n,)](val, arg, out, splits, SPLITS=triton.next_power_of_2(splits))
     return out
 
@@ -205,11 +284,30 @@ def masked_softmax_triton(
     t_ptr = temperature if t_tensor else None
     t_val = 1.0 if t_tensor else float(temperature)
     geometry = (vocab, bitmask.shape[1], logits.stride(0), bitmask.stride(0))
-    flags = dict(HAS_INDICES=indices is not None, HAS_T_TENSOR=t_tensor, WORDS=WORDS_PER_BLOCK,
-                 num_warps=NUM_WARPS)
-    _softmax_partial_kernel[(n * splits,)](logits, bitmask, indices, t_ptr, part_m, part_s, t_val,
-                                           *geometry, splits, words, **flags)
-    _softmax_write_kernel[(n * splits,)](logits, bitmask, indices, t_ptr, part_m, part_s, out,
-                                         t_val, *geometry, out.stride(0), splits, words, LOG=log,
-                                         SPLITS=triton.next_power_of_2(splits), **flags)
+    flags = dict(
+        HAS_INDICES=indices is not None,
+        HAS_T_TENSOR=t_tensor,
+        WORDS=WORDS_PER_BLOCK,
+        num_warps=NUM_WARPS,
+    )
+    _softmax_partial_kernel[(n * splits,)](
+        logits, bitmask, indices, t_ptr, part_m, part_s, t_val, *geometry, splits, words, **flags
+    )
+    _softmax_write_kernel[(n * splits,)](
+        logits,
+        bitmask,
+        indices,
+        t_ptr,
+        part_m,
+        part_s,
+        out,
+        t_val,
+        *geometry,
+        out.stride(0),
+        splits,
+        words,
+        LOG=log,
+        SPLITS=triton.next_power_of_2(splits),
+        **flags,
+    )
     return out

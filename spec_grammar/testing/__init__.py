@@ -11,7 +11,13 @@ names the contract, the input, and the expected and actual allowed sets (ids and
 
 from .core import PROPERTIES, BackendFactory, ConformanceFailure, Property, PropertySkipped, Session
 from .fixtures import fixture_tokenizer, toy_tokenizer
-from .runner import PropertyResult, resolve_factory, run_conformance, run_property, select_properties
+from .runner import (
+    PropertyResult,
+    resolve_factory,
+    run_conformance,
+    run_property,
+    select_properties,
+)
 
 __all__ = [
     "PROPERTIES",

@@ -9,8 +9,9 @@ Both runners (``spec-grammar conformance`` and the pytest plugin) call the same 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,7 +93,9 @@ def _is_id_set(value: Any) -> bool:
     )
 
 
-def describe_ids(ids: Sequence[int], decode: Callable[[Sequence[int]], str], limit: int = 24) -> str:
+def describe_ids(
+    ids: Sequence[int], decode: Callable[[Sequence[int]], str], limit: int = 24
+) -> str:
     """``ids`` with each token's decoded text, e.g. ``{7 '1', 8 '2'}``; long sets are cut."""
     ids = list(ids)
     shown = ", ".join(f"{t} {decode([t])!r}" for t in ids[:limit])
@@ -114,7 +117,7 @@ class Property:
     name: str
     contract: str
     fixture: str
-    fn: Callable[["Session"], None]
+    fn: Callable[[Session], None]
 
 
 PROPERTIES: dict[str, Property] = {}
@@ -126,7 +129,7 @@ def conformance_property(name: str, contract: str, fixture: str) -> Callable:
     if fixture not in ("toy", "smollm2"):
         raise ValueError(f"unknown fixture {fixture!r}")
 
-    def register(fn: Callable[["Session"], None]) -> Callable[["Session"], None]:
+    def register(fn: Callable[[Session], None]) -> Callable[[Session], None]:
         if name in PROPERTIES:
             raise ValueError(f"conformance property {name!r} is registered twice")
         PROPERTIES[name] = Property(name, contract, fixture, fn)
@@ -185,24 +188,32 @@ class Session:
                         str(e),
                     ) from None
         if not out:
-            raise PropertySkipped(f"{backend.name} supports none of the grammars this property uses")
+            raise PropertySkipped(
+                f"{backend.name} supports none of the grammars this property uses"
+            )
         return out
 
 
-def allowed_set(matcher: SpecGrammar, bitmask: torch.Tensor | None = None, row: int = 0) -> frozenset[int]:
+def allowed_set(
+    matcher: SpecGrammar, bitmask: torch.Tensor | None = None, row: int = 0
+) -> frozenset[int]:
     """Allowed token ids of ``matcher``'s current state (fills a fresh row, unless ``bitmask``
     is given: then the ids set in ``bitmask[row]``)."""
     if bitmask is None:
         if matcher.is_terminated():
             raise ConformanceFailure(
                 "the matcher is live here (rollback/fork restored a non-terminated state)",
-                "is_terminated() before filling the next mask", False, True,
+                "is_terminated() before filling the next mask",
+                False,
+                True,
             )
         bitmask = allocate_token_bitmask(1, matcher.info.vocab_size)
         bitmask.zero_()
         matcher.fill_next_token_bitmask(bitmask, 0)
         row = 0
-    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")[: matcher.info.vocab_size]
+    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")[
+        : matcher.info.vocab_size
+    ]
     return frozenset(np.flatnonzero(bits).tolist())
 
 
@@ -215,7 +226,15 @@ def check_equal_sets(
         raise ConformanceFailure(contract, input, set(exp), set(act), decode=matcher.info.decode)
 
 
-def check(condition: bool, contract: str, input: str, expected: Any = None, actual: Any = None, *, decode=None) -> None:
+def check(
+    condition: bool,
+    contract: str,
+    input: str,
+    expected: Any = None,
+    actual: Any = None,
+    *,
+    decode=None,
+) -> None:
     """Raise :class:`ConformanceFailure` unless ``condition``."""
     if not condition:
         raise ConformanceFailure(contract, input, expected, actual, decode=decode)

@@ -93,12 +93,12 @@ def fixture_tokenizer(name: str) -> tuple[Any, int]:
     raise ValueError(f"unknown fixture tokenizer {name!r}; use 'toy' or 'smollm2'")
 
 
-_G_EBNF = r'''root ::= "{" "\"a\"" ":" int ( "," "\"b\"" ":" int )? "}"
+_G_EBNF = r"""root ::= "{" "\"a\"" ":" int ( "," "\"b\"" ":" int )? "}"
 int ::= [12]+
-'''
-_G_LARK = r'''start: "{" "\"a\"" ":" INT ("," "\"b\"" ":" INT)? "}"
+"""
+_G_LARK = r"""start: "{" "\"a\"" ":" INT ("," "\"b\"" ":" INT)? "}"
 INT: /[12]+/
-'''
+"""
 
 
 def grammar_g() -> list[GrammarSpec]:

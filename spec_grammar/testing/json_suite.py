@@ -16,8 +16,9 @@ grammar engines legitimately cover only part of JSON Schema.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import jsonschema
 
@@ -100,8 +101,18 @@ def suite_cases(slow: bool = False) -> list[Case]:
         if not slow and not closed_schema(g["schema"]):
             continue
         for i, t in enumerate(g["tests"]):
-            out.append(Case(g["file"], g["group_index"], g["group_description"], i, t["description"],
-                            g["schema"], t["data"], bool(t["valid"])))
+            out.append(
+                Case(
+                    g["file"],
+                    g["group_index"],
+                    g["group_description"],
+                    i,
+                    t["description"],
+                    g["schema"],
+                    t["data"],
+                    bool(t["valid"]),
+                )
+            )
     return out
 
 
@@ -138,7 +149,9 @@ def acceptance(backend: GrammarBackend, cases: Iterable[Case]) -> dict[str, Outc
     return out
 
 
-def compare_backends(outcomes: dict[str, dict[str, Outcome]], cases: Iterable[Case]) -> list[dict[str, Any]]:
+def compare_backends(
+    outcomes: dict[str, dict[str, Outcome]], cases: Iterable[Case]
+) -> list[dict[str, Any]]:
     """Rows where backends differ from ``jsonschema`` or from each other:
     ``{"key", "group", "instance", "jsonschema", <backend>: outcome, ...}``."""
     rows = []
@@ -147,8 +160,15 @@ def compare_backends(outcomes: dict[str, dict[str, Outcome]], cases: Iterable[Ca
         got = {name: res.get(case.key, "-") for name, res in outcomes.items()}
         if all(v == truth for v in got.values()):
             continue
-        rows.append({"key": case.key, "group": case.group_description, "instance": case.text[:60],
-                     "jsonschema": truth, **got})
+        rows.append(
+            {
+                "key": case.key,
+                "group": case.group_description,
+                "instance": case.text[:60],
+                "jsonschema": truth,
+                **got,
+            }
+        )
     return rows
 
 
@@ -157,7 +177,9 @@ def format_table(rows: list[dict[str, Any]], backends: list[str]) -> str:
     cols = ["key", "group", "instance", "jsonschema", *backends]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(str(r.get(c, "")).replace("|", "\\|")[:70] for c in cols) + " |")
+        lines.append(
+            "| " + " | ".join(str(r.get(c, "")).replace("|", "\\|")[:70] for c in cols) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -185,7 +207,9 @@ def json_suite_sound(session: Session) -> None:
         )
 
 
-def unsound_cases(backend_name: str, outcomes: dict[str, Outcome], cases: Iterable[Case]) -> list[Case]:
+def unsound_cases(
+    backend_name: str, outcomes: dict[str, Outcome], cases: Iterable[Case]
+) -> list[Case]:
     """Cases accepted although ``jsonschema`` rejects them, known library semantics excepted."""
     return [
         c

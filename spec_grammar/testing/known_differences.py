@@ -18,20 +18,35 @@ _IGNORED = "keyword not enforced by xgrammar 0.2.9 (dropped in non-strict mode)"
 # backend -> file -> (reason, group indices)
 KNOWN_UNSOUND: dict[str, dict[str, tuple[str, frozenset[int]]]] = {
     "xgrammar": {
-        "additionalProperties.json": ("additionalProperties next to allOf: allOf branches are not intersected", frozenset({5})),
-        "allOf.json": ("allOf branches are not intersected (only the outer schema is kept)", frozenset({0, 1, 2, 8, 9, 11})),
+        "additionalProperties.json": (
+            "additionalProperties next to allOf: allOf branches are not intersected",
+            frozenset({5}),
+        ),
+        "allOf.json": (
+            "allOf branches are not intersected (only the outer schema is kept)",
+            frozenset({0, 1, 2, 8, 9, 11}),
+        ),
         "anchor.json": ("$anchor references are not resolved", frozenset({0})),
         "anyOf.json": (_TYPELESS, frozenset({0, 1})),
         "contains.json": (_IGNORED, frozenset({0, 1, 2, 3, 4, 5})),
-        "defs.json": ("$ref to the draft 2020-12 meta-schema compiles to any JSON value", frozenset({0})),
+        "defs.json": (
+            "$ref to the draft 2020-12 meta-schema compiles to any JSON value",
+            frozenset({0}),
+        ),
         "dependentRequired.json": (_IGNORED, frozenset({0, 2, 3})),
         "dependentSchemas.json": (_IGNORED, frozenset({0, 1, 2, 3})),
-        "dynamicRef.json": ("$dynamicRef is not resolved", frozenset({0, 1, 2, 3, 4, 5, 9, 11, 12, 18, 19, 20})),
+        "dynamicRef.json": (
+            "$dynamicRef is not resolved",
+            frozenset({0, 1, 2, 3, 4, 5, 9, 11, 12, 18, 19, 20}),
+        ),
         "exclusiveMaximum.json": (_TYPELESS, frozenset({0})),
         "exclusiveMinimum.json": (_TYPELESS, frozenset({0})),
         "if-then-else.json": (_IGNORED, frozenset({3, 4, 5, 7, 8, 9, 10, 11})),
         "infinite-loop-detection.json": ("$ref inside allOf is not intersected", frozenset({0})),
-        "items.json": ("items combined with allOf/prefixItems in $defs: allOf not intersected", frozenset({3, 6})),
+        "items.json": (
+            "items combined with allOf/prefixItems in $defs: allOf not intersected",
+            frozenset({3, 6}),
+        ),
         "maxContains.json": (_IGNORED, frozenset({1, 2, 3, 4})),
         "maxItems.json": (_TYPELESS, frozenset({0, 1})),
         "maxLength.json": (_TYPELESS, frozenset({0, 1})),
@@ -44,21 +59,60 @@ KNOWN_UNSOUND: dict[str, dict[str, tuple[str, frozenset[int]]]] = {
         "minimum.json": (_TYPELESS, frozenset({0, 1})),
         "multipleOf.json": (_TYPELESS, frozenset({0, 1, 2})),
         "not.json": (_IGNORED, frozenset({0, 1, 2, 3, 4, 5, 8})),
-        "oneOf.json": ("oneOf compiled as anyOf (exclusivity is not enforced)", frozenset({0, 1, 2, 6, 7, 8, 9})),
+        "oneOf.json": (
+            "oneOf compiled as anyOf (exclusivity is not enforced)",
+            frozenset({0, 1, 2, 6, 7, 8, 9}),
+        ),
         "pattern.json": (_TYPELESS, frozenset({0})),
         "patternProperties.json": (_IGNORED, frozenset({0, 1, 2, 3})),
         "properties.json": (
-            "property names with escapes (\\n, \\\", \\\\) are not matched to their schema; "
+            'property names with escapes (\\n, \\", \\\\) are not matched to their schema; '
             "group 1: properties without `type: object`",
             frozenset({1, 3}),
         ),
         "propertyNames.json": (_IGNORED, frozenset({0, 1, 3, 4, 5})),
-        "ref.json": ("$ref forms xgrammar does not resolve (compiled to any value)", frozenset(
-            {5, 6, 12, 13, 15, 16, 17, 18, 19, 20, 21, 26, 27, 28, 29, 30, 31, 32})),
-        "required.json": ("required without `type: object`, or with escaped names, is not enforced", frozenset({3, 4})),
+        "ref.json": (
+            "$ref forms xgrammar does not resolve (compiled to any value)",
+            frozenset({5, 6, 12, 13, 15, 16, 17, 18, 19, 20, 21, 26, 27, 28, 29, 30, 31, 32}),
+        ),
+        "required.json": (
+            "required without `type: object`, or with escaped names, is not enforced",
+            frozenset({3, 4}),
+        ),
         "unevaluatedItems.json": (_IGNORED, frozenset({8, 15, 18, 22})),
-        "unevaluatedProperties.json": (_IGNORED, frozenset(
-            {2, 3, 8, 13, 14, 15, 16, 17, 18, 21, 22, 23, 26, 27, 28, 29, 31, 32, 33, 34, 35, 39, 40, 41, 42, 43})),
+        "unevaluatedProperties.json": (
+            _IGNORED,
+            frozenset(
+                {
+                    2,
+                    3,
+                    8,
+                    13,
+                    14,
+                    15,
+                    16,
+                    17,
+                    18,
+                    21,
+                    22,
+                    23,
+                    26,
+                    27,
+                    28,
+                    29,
+                    31,
+                    32,
+                    33,
+                    34,
+                    35,
+                    39,
+                    40,
+                    41,
+                    42,
+                    43,
+                }
+            ),
+        ),
         "uniqueItems.json": (_IGNORED, frozenset({0, 1, 2})),
     },
     "llguidance": {

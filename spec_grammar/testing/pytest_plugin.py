@@ -32,14 +32,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         help="fixture tokenizers to run on (default: both)",
     )
-    group.addoption("--spec-grammar-slow", action="store_true", help="long mode: more random examples")
+    group.addoption(
+        "--spec-grammar-slow", action="store_true", help="long mode: more random examples"
+    )
 
 
 MARKER = "spec_grammar_conformance"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MARKER}: a spec-grammar conformance property (--spec-grammar-backend)")
+    config.addinivalue_line(
+        "markers", f"{MARKER}: a spec-grammar conformance property (--spec-grammar-backend)"
+    )
 
 
 class ConformanceItem(pytest.Item):
@@ -96,7 +100,9 @@ class ConformanceSuite(pytest.Collector):
 
 
 @pytest.hookimpl(tryfirst=True)  # added before -k / -m deselect, so that they select these too
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
     backends = config.getoption("--spec-grammar-backend")
     fixtures = config.getoption("--spec-grammar-tokenizer") or ["toy", "smollm2"]
     if backends:

@@ -12,7 +12,8 @@ tool calls, a regex and an EBNF/Lark grammar. Tokens are drawn mostly from the a
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -22,22 +23,29 @@ from ..datasets import bfcl_cases, jsonschemabench_sample
 from ..protocol import CompiledGrammar, GrammarBackend, SpecGrammar
 from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
 from ..tree import DraftTree
-from .core import ConformanceFailure, Session, allowed_set, check, check_equal_sets, conformance_property
+from .core import (
+    ConformanceFailure,
+    Session,
+    allowed_set,
+    check,
+    check_equal_sets,
+    conformance_property,
+)
 from .fixtures import grammar_g, grammar_u
 
 QUICK_SCHEMA_IDS = ("o12240", "calculate_area_98abd231", "wp_88_Normalized")
 REGEX = r"[A-Z]{3}-[0-9]{4} (active|inactive|pending) [a-z]+@[a-z]+\.com \d{1,3}(\.\d{1,2})?"
-ARITH_EBNF = r'''root ::= expr
+ARITH_EBNF = r"""root ::= expr
 expr ::= term (("+" | "-") term)*
 term ::= factor (("*" | "/") factor)*
 factor ::= [0-9]+ | "(" expr ")"
-'''
-ARITH_LARK = r'''start: expr
+"""
+ARITH_LARK = r"""start: expr
 expr: term (("+" | "-") term)*
 term: factor (("*" | "/") factor)*
 factor: NUMBER | "(" expr ")"
 NUMBER: /[0-9]+/
-'''
+"""
 
 
 def grammar_bank(fixture: str, slow: bool) -> list[GrammarSpec]:
@@ -68,14 +76,19 @@ class Oracle:
 
     def describe(self, path: Sequence[int]) -> str:
         spec = self.compiled.spec
-        return f"{spec.kind} {spec.cache_key()[:120]}... after {list(path)} {self.info.decode(path)!r}"
+        return (
+            f"{spec.kind} {spec.cache_key()[:120]}... after {list(path)} {self.info.decode(path)!r}"
+        )
 
     def fresh(self, path: Sequence[int]) -> SpecGrammar:
         m = self.backend.matcher(self.compiled)
         for i, t in enumerate(path):
             if not m.accept_token(t):
                 raise ConformanceFailure(
-                    "a token the mask allowed is accepted", self.describe(path[:i]) + f", token {t}", True, False
+                    "a token the mask allowed is accepted",
+                    self.describe(path[:i]) + f", token {t}",
+                    True,
+                    False,
                 )
         return m
 
@@ -92,8 +105,13 @@ class Oracle:
 
     def _check_row(self, path: tuple[int, ...], allowed: frozenset[int]) -> None:
         padding = {t for t in allowed if t >= self.info.tokenizer_vocab_size}
-        check(not padding, "ids in [tokenizer vocab, logits width) are never allowed", self.describe(path),
-              set(), padding)
+        check(
+            not padding,
+            "ids in [tokenizer vocab, logits width) are never allowed",
+            self.describe(path),
+            set(),
+            padding,
+        )
         stops = set(self.info.stop_token_ids) & allowed
         if self.is_json and stops:
             text = self.info.decode(path)
@@ -102,8 +120,13 @@ class Oracle:
                 parses = True
             except ValueError:
                 parses = False
-            check(parses, "EOS is allowed only where the grammar can end (the JSON text is complete)",
-                  self.describe(path), "EOS refused", "EOS allowed")
+            check(
+                parses,
+                "EOS is allowed only where the grammar can end (the JSON text is complete)",
+                self.describe(path),
+                "EOS refused",
+                "EOS allowed",
+            )
 
 
 def _settings(session: Session, fixture: str) -> Callable:
@@ -140,7 +163,13 @@ def _draw_token(data: Any, oracle: Oracle, allowed: frozenset[int], *, invalid_r
         if body and (kind < 9 or len(body) == len(allowed)):
             return data.draw(st.sampled_from(body))
         return data.draw(st.sampled_from(sorted(allowed)))
-    junk = [-1, info.tokenizer_vocab_size, info.vocab_size - 1, info.vocab_size, info.vocab_size + 1000]
+    junk = [
+        -1,
+        info.tokenizer_vocab_size,
+        info.vocab_size - 1,
+        info.vocab_size,
+        info.vocab_size + 1000,
+    ]
     if kind % 2:
         return data.draw(st.sampled_from([t for t in junk if t >= -1]))
     return data.draw(st.integers(0, info.tokenizer_vocab_size - 1))
@@ -222,32 +251,68 @@ def random_tree_rows(session: Session, fixture: str) -> None:
 
         m = oracle.fresh(prefix)
         before = (allowed_set(m), m.num_accepted, m.is_terminated())
-        bm = allocate_token_bitmask(tree.num_nodes + 2, backend.vocab_size)  # all ones: stale rows show
+        bm = allocate_token_bitmask(
+            tree.num_nodes + 2, backend.vocab_size
+        )  # all ones: stale rows show
         valid = m.fill_tree_bitmask(tree, bm, row_offset=1)
         expected_valid = [pth is not None for pth in paths]
-        check(valid.tolist() == expected_valid, contract, where + ": valid", expected_valid, valid.tolist())
+        check(
+            valid.tolist() == expected_valid,
+            contract,
+            where + ": valid",
+            expected_valid,
+            valid.tolist(),
+        )
         for node, pth in enumerate(paths):
             live = pth is not None and not oracle.state(pth)[1]
             expected = oracle.state(pth)[0] if live else frozenset()
-            check_equal_sets(m, contract, f"{where}: row of node {node} (path {tree.path(node)})", expected,
-                             allowed_set(m, bm, 1 + node))
-        check(bool((bm[0] == -1).all() and (bm[-1] == -1).all()), contract, where + ": rows outside the tree",
-              "untouched", "overwritten")
+            check_equal_sets(
+                m,
+                contract,
+                f"{where}: row of node {node} (path {tree.path(node)})",
+                expected,
+                allowed_set(m, bm, 1 + node),
+            )
+        check(
+            bool((bm[0] == -1).all() and (bm[-1] == -1).all()),
+            contract,
+            where + ": rows outside the tree",
+            "untouched",
+            "overwritten",
+        )
         after = (allowed_set(m), m.num_accepted, m.is_terminated())
-        check(after == before, contract, where + ": matcher after the fill", _state(before), _state(after))
+        check(
+            after == before,
+            contract,
+            where + ": matcher after the fill",
+            _state(before),
+            _state(after),
+        )
 
         for leaf in range(tree.num_nodes):
             if tree.first_child_list[leaf] != -1:
                 continue
             chain = tree.path(leaf)
             below_root = tree.path_nodes(leaf)[1:]
-            n_valid = next((i for i, node in enumerate(below_root) if not expected_valid[node]), len(chain))
+            n_valid = next(
+                (i for i, node in enumerate(below_root) if not expected_valid[node]), len(chain)
+            )
             n = m.validate_tokens(chain)
-            check(n == n_valid, "validate_tokens counts the leading valid drafts", f"{where}: validate_tokens({chain})",
-                  n_valid, n)
+            check(
+                n == n_valid,
+                "validate_tokens counts the leading valid drafts",
+                f"{where}: validate_tokens({chain})",
+                n_valid,
+                n,
+            )
         after = (allowed_set(m), m.num_accepted, m.is_terminated())
-        check(after == before, "validate_tokens leaves the state unchanged", where + ": after validate_tokens",
-              _state(before), _state(after))
+        check(
+            after == before,
+            "validate_tokens leaves the state unchanged",
+            where + ": after validate_tokens",
+            _state(before),
+            _state(after),
+        )
 
     run()
 
@@ -282,7 +347,13 @@ def random_rollback_fork(session: Session, fixture: str) -> None:
         f = m.fork()
         more = _draw_walk_from(data, oracle, short, 6)
         n = f.accept_tokens(more)
-        check(n == len(more), "fork accepts what the grammar allows", oracle.describe(short + more), len(more), n)
+        check(
+            n == len(more),
+            "fork accepts what the grammar allows",
+            oracle.describe(short + more),
+            len(more),
+            n,
+        )
         _same_as(m, oracle, short, f"origin after its fork accepted {more}")
         _same_as(f, oracle, short + more, "the fork itself")
 
@@ -294,8 +365,13 @@ def random_rollback_fork(session: Session, fixture: str) -> None:
             else:
                 bad = _draw_token(data, oracle, frozenset(), invalid_rate=10)
             if 0 <= bad < backend.vocab_size and bad not in allowed:
-                check(not m.accept_token(bad), "a refused token is refused", oracle.describe(short) + f", token {bad}",
-                      False, True)
+                check(
+                    not m.accept_token(bad),
+                    "a refused token is refused",
+                    oracle.describe(short) + f", token {bad}",
+                    False,
+                    True,
+                )
                 _same_as(m, oracle, short, f"after the refused token {bad}")
 
     run()
@@ -321,30 +397,50 @@ def _draw_walk_from(data: Any, oracle: Oracle, start: list[int], max_len: int) -
         if done or not allowed:
             break
         path.append(data.draw(st.sampled_from(sorted(allowed))))
-    return path[len(start):]
+    return path[len(start) :]
 
 
 def _same_as(m: SpecGrammar, oracle: Oracle, path: Sequence[int], how: str) -> None:
     allowed, done = oracle.state(path)
     where = f"{oracle.describe(path)} ({how})"
     got = (m.is_terminated(), m.num_accepted)
-    check(got == (done, len(path)), "the state equals a fresh replay of the path", where + ": terminated, num_accepted",
-          (done, len(path)), got)
+    check(
+        got == (done, len(path)),
+        "the state equals a fresh replay of the path",
+        where + ": terminated, num_accepted",
+        (done, len(path)),
+        got,
+    )
     if done:
         from ..errors import GrammarStateError
 
-        check(not m.accept_token(oracle.info.stop_token_ids[0]), "nothing is accepted after termination", where,
-              False, True)
+        check(
+            not m.accept_token(oracle.info.stop_token_ids[0]),
+            "nothing is accepted after termination",
+            where,
+            False,
+            True,
+        )
         try:
             m.fill_next_token_bitmask(allocate_token_bitmask(1, oracle.info.vocab_size), 0)
         except GrammarStateError:
             return
         except Exception as e:
-            raise ConformanceFailure("a fill after termination raises GrammarStateError", where,
-                                     "GrammarStateError", f"{type(e).__name__}: {e}") from None
-        raise ConformanceFailure("a fill after termination raises GrammarStateError", where, "GrammarStateError",
-                                 "no error")
-    check_equal_sets(m, "the state equals a fresh replay of the path", where, allowed, allowed_set(m))
+            raise ConformanceFailure(
+                "a fill after termination raises GrammarStateError",
+                where,
+                "GrammarStateError",
+                f"{type(e).__name__}: {e}",
+            ) from None
+        raise ConformanceFailure(
+            "a fill after termination raises GrammarStateError",
+            where,
+            "GrammarStateError",
+            "no error",
+        )
+    check_equal_sets(
+        m, "the state equals a fresh replay of the path", where, allowed, allowed_set(m)
+    )
 
 
 @_register_for_both(
@@ -366,10 +462,22 @@ def random_split_validate(session: Session, fixture: str) -> None:
         cuts = sorted(set(data.draw(st.lists(st.integers(0, len(path)), max_size=4))))
         one = backend.matcher(compiled)
         v = one.validate_tokens(path)
-        check(v == len(path), contract, oracle.describe(path) + ": validate_tokens on a fresh matcher", len(path), v)
+        check(
+            v == len(path),
+            contract,
+            oracle.describe(path) + ": validate_tokens on a fresh matcher",
+            len(path),
+            v,
+        )
         _same_as(one, oracle, [], "after validate_tokens")
         n = one.accept_tokens(path)
-        check(n == len(path), contract, oracle.describe(path) + ": accept_tokens in one call", len(path), n)
+        check(
+            n == len(path),
+            contract,
+            oracle.describe(path) + ": accept_tokens in one call",
+            len(path),
+            n,
+        )
         _same_as(one, oracle, path, "one call")
         chunked = backend.matcher(compiled)
         bounds = [0] + cuts + [len(path)]
@@ -403,10 +511,14 @@ def random_mask_accept_agree(session: Session, fixture: str) -> None:
         padding = list(range(info.tokenizer_vocab_size, info.vocab_size))
         pool = sorted(allowed)[:64] + list(info.stop_token_ids) + padding
         ids = set(data.draw(st.lists(st.integers(0, info.vocab_size - 1), min_size=8, max_size=32)))
-        ids |= set(pool if len(pool) <= 96 else data.draw(st.lists(st.sampled_from(pool), max_size=48)))
+        ids |= set(
+            pool if len(pool) <= 96 else data.draw(st.lists(st.sampled_from(pool), max_size=48))
+        )
         accepted = {t for t in ids if m.fork().accept_token(t)}
         where = oracle.describe(path) + f" over {len(ids)} sampled ids"
-        check_equal_sets(m, "mask allows id <=> accept(id) on a fork", where, allowed & ids, accepted)
+        check_equal_sets(
+            m, "mask allows id <=> accept(id) on a fork", where, allowed & ids, accepted
+        )
 
     run()
 
@@ -431,8 +543,12 @@ def eos_exactly_at_end(session: Session) -> None:
     docs: list[tuple[GrammarSpec, str, Callable[[str], bool]]] = []
     for case in bfcl_cases() if session.slow else bfcl_cases()[:3]:
         if case["example_output_valid"]:
-            docs.append((ToolCalls(case["tools"]), json.dumps(case["example_output"]), _parses_as_json))
-    docs += [(Regex(REGEX), text, lambda t: re.fullmatch(REGEX, t) is not None) for text in REGEX_SAMPLES]
+            docs.append(
+                (ToolCalls(case["tools"]), json.dumps(case["example_output"]), _parses_as_json)
+            )
+    docs += [
+        (Regex(REGEX), text, lambda t: re.fullmatch(REGEX, t) is not None) for text in REGEX_SAMPLES
+    ]
     contract = "EOS allowed exactly where the document can end"
     for spec, compiled in session.supported("smollm2", [d[0] for d in docs], must_compile=False):
         for dspec, text, complete in docs:
@@ -445,16 +561,38 @@ def eos_exactly_at_end(session: Session) -> None:
                 allowed = allowed_set(m)
                 where = f"{spec.kind} after {prefix!r}"
                 can_end = complete(prefix)
-                check(bool(allowed & stops) == can_end, contract, where, can_end, bool(allowed & stops))
+                check(
+                    bool(allowed & stops) == can_end,
+                    contract,
+                    where,
+                    can_end,
+                    bool(allowed & stops),
+                )
                 if i == len(ids):
                     break
-                check(m.accept_token(ids[i]), "a valid document's tokens are accepted", where + f", token {ids[i]}",
-                      True, False)
+                check(
+                    m.accept_token(ids[i]),
+                    "a valid document's tokens are accepted",
+                    where + f", token {ids[i]}",
+                    True,
+                    False,
+                )
             if isinstance(spec, ToolCalls):
-                check_equal_sets(m, "only EOS once the document is complete", f"{spec.kind} after {text!r}",
-                                 stops, allowed_set(m))
+                check_equal_sets(
+                    m,
+                    "only EOS once the document is complete",
+                    f"{spec.kind} after {text!r}",
+                    stops,
+                    allowed_set(m),
+                )
             where = f"{spec.kind} after {text!r}"
-            check(m.accept_token(min(stops)) and m.is_terminated(), "accepting EOS terminates", where, True, False)
+            check(
+                m.accept_token(min(stops)) and m.is_terminated(),
+                "accepting EOS terminates",
+                where,
+                True,
+                False,
+            )
 
 
 def _parses_as_json(text: str) -> bool:

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 from ..registry import load_backend_class
 from .core import PROPERTIES, BackendFactory, ConformanceFailure, Property, PropertySkipped, Session
 
-__all__ = ["PropertyResult", "select_properties", "run_property", "run_conformance", "resolve_factory"]
+__all__ = [
+    "PropertyResult",
+    "select_properties",
+    "run_property",
+    "run_conformance",
+    "resolve_factory",
+]
 
 Status = Literal["PASS", "FAIL", "SKIP", "ERROR"]
 
@@ -70,7 +77,9 @@ def run_property(prop: Property, session: Session) -> PropertyResult:
         detail = f"contract: {prop.contract}\nunexpected {type(e).__name__}: {e}\n" + "".join(
             traceback.format_exception(e)[-6:]
         )
-    return PropertyResult(prop.name, prop.contract, prop.fixture, status, detail, time.perf_counter() - t0)
+    return PropertyResult(
+        prop.name, prop.contract, prop.fixture, status, detail, time.perf_counter() - t0
+    )
 
 
 def run_conformance(

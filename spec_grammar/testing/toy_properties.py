@@ -6,7 +6,7 @@ Each property runs on every spelling of the grammar the backend supports (Regex,
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -80,19 +80,39 @@ def toy_token_bytes(session: Session) -> None:
     for t, raw in enumerate(TOY_TOKEN_BYTES):
         if t == EOS or raw[0] >= 0x80:
             continue  # lone UTF-8 bytes are covered by grammar U
-        pattern = "".join("\\n" if ch == "\n" else ch if ch.isalnum() else f"[{ch}]" for ch in raw.decode())
+        pattern = "".join(
+            "\\n" if ch == "\n" else ch if ch.isalnum() else f"[{ch}]" for ch in raw.decode()
+        )
         try:
             compiled = backend.compile(Regex(pattern))
         except GrammarCompileError:
             continue  # a library may refuse grammars the vocabulary cannot spell every path of
         m = backend.matcher(compiled)
         start = allowed_set(m)
-        check(t in start and EOS not in start, "token text read as its bytes", f"Regex {pattern!r} at the start",
-              f"{t} allowed, EOS refused", sorted(start), decode=m.info.decode)
-        check(m.accept_token(t), "token text read as its bytes", f"Regex {pattern!r}: accept {t}", True, False)
+        check(
+            t in start and EOS not in start,
+            "token text read as its bytes",
+            f"Regex {pattern!r} at the start",
+            f"{t} allowed, EOS refused",
+            sorted(start),
+            decode=m.info.decode,
+        )
+        check(
+            m.accept_token(t),
+            "token text read as its bytes",
+            f"Regex {pattern!r}: accept {t}",
+            True,
+            False,
+        )
         after = allowed_set(m)
-        check(EOS in after, "token text read as its bytes", f"Regex {pattern!r} after token {t}",
-              f"EOS ({EOS}) allowed", sorted(after), decode=m.info.decode)
+        check(
+            EOS in after,
+            "token text read as its bytes",
+            f"Regex {pattern!r} after token {t}",
+            f"EOS ({EOS}) allowed",
+            sorted(after),
+            decode=m.info.decode,
+        )
 
 
 @conformance_property(
@@ -104,8 +124,13 @@ def toy_g_allowed_sets(session: Session) -> None:
     for compiled in _g(session):
         for path, expected in G_ROWS.items():
             m = _at(session, compiled, path)
-            check_equal_sets(m, "mask = grammar's allowed set", _input(compiled, f"after {list(path)} {_text(path)}"),
-                             expected, allowed_set(m))
+            check_equal_sets(
+                m,
+                "mask = grammar's allowed set",
+                _input(compiled, f"after {list(path)} {_text(path)}"),
+                expected,
+                allowed_set(m),
+            )
 
 
 @conformance_property(
@@ -120,30 +145,84 @@ def toy_t1(session: Session) -> None:
         n = m.accept_tokens([7, 6, 4])
         check(n == 3, contract, _input(c, "accept_tokens([7, 6, 4]) after [11]"), 3, n)
         m.rollback(3)
-        check_equal_sets(m, contract, _input(c, "[11] + [7, 6, 4], rollback(3)"), {7, 8}, allowed_set(m))
-        check(m.num_accepted == 1, contract, _input(c, "num_accepted after rollback(3)"), 1, m.num_accepted)
-        check(not m.accept_token(2), contract, _input(c, "accept(2) after the rollback"), False, True)
+        check_equal_sets(
+            m, contract, _input(c, "[11] + [7, 6, 4], rollback(3)"), {7, 8}, allowed_set(m)
+        )
+        check(
+            m.num_accepted == 1,
+            contract,
+            _input(c, "num_accepted after rollback(3)"),
+            1,
+            m.num_accepted,
+        )
+        check(
+            not m.accept_token(2), contract, _input(c, "accept(2) after the rollback"), False, True
+        )
         check(m.accept_token(8), contract, _input(c, "accept(8) after the rollback"), True, False)
 
         m = _at(session, c, [11])
         f = m.fork()
-        check(f.accept_tokens([7, 6, 4]) == 3, contract, _input(c, "fork: accept_tokens([7, 6, 4])"), 3, "fewer")
+        check(
+            f.accept_tokens([7, 6, 4]) == 3,
+            contract,
+            _input(c, "fork: accept_tokens([7, 6, 4])"),
+            3,
+            "fewer",
+        )
         del f
-        check_equal_sets(m, contract, _input(c, "[11], fork advanced by [7, 6, 4] and dropped"), {7, 8}, allowed_set(m))
-        check(not m.accept_token(2) and m.accept_token(8), contract, _input(c, "accept(2) false then accept(8) true"),
-              True, False)
+        check_equal_sets(
+            m,
+            contract,
+            _input(c, "[11], fork advanced by [7, 6, 4] and dropped"),
+            {7, 8},
+            allowed_set(m),
+        )
+        check(
+            not m.accept_token(2) and m.accept_token(8),
+            contract,
+            _input(c, "accept(2) false then accept(8) true"),
+            True,
+            False,
+        )
 
         m = _at(session, c, [11, 7])
         n = m.accept_tokens([2, EOS])
-        check(n == 2 and m.is_terminated(), contract, _input(c, "[11, 7] + accept_tokens([2, 0])"),
-              "2 accepted, terminated", f"{n} accepted, terminated={m.is_terminated()}")
+        check(
+            n == 2 and m.is_terminated(),
+            contract,
+            _input(c, "[11, 7] + accept_tokens([2, 0])"),
+            "2 accepted, terminated",
+            f"{n} accepted, terminated={m.is_terminated()}",
+        )
         m.rollback(2)
-        check(not m.is_terminated(), contract, _input(c, "[11, 7, 2, 0], rollback(2): is_terminated()"), False, True)
-        check_equal_sets(m, contract, _input(c, "[11, 7, 2, 0], rollback(2)"), {7, 8, 6, 2}, allowed_set(m))
-        check(m.accept_tokens([2, EOS]) == 2, contract, _input(c, "re-accept [2, 0] after rollback(2)"), 2, "fewer")
+        check(
+            not m.is_terminated(),
+            contract,
+            _input(c, "[11, 7, 2, 0], rollback(2): is_terminated()"),
+            False,
+            True,
+        )
+        check_equal_sets(
+            m, contract, _input(c, "[11, 7, 2, 0], rollback(2)"), {7, 8, 6, 2}, allowed_set(m)
+        )
+        check(
+            m.accept_tokens([2, EOS]) == 2,
+            contract,
+            _input(c, "re-accept [2, 0] after rollback(2)"),
+            2,
+            "fewer",
+        )
         m.rollback(1)
-        check(not m.is_terminated(), contract, _input(c, "[11, 7, 2, 0], rollback(1): is_terminated()"), False, True)
-        check_equal_sets(m, contract, _input(c, "[11, 7, 2, 0], rollback(1)"), {EOS}, allowed_set(m))
+        check(
+            not m.is_terminated(),
+            contract,
+            _input(c, "[11, 7, 2, 0], rollback(1): is_terminated()"),
+            False,
+            True,
+        )
+        check_equal_sets(
+            m, contract, _input(c, "[11, 7, 2, 0], rollback(1)"), {EOS}, allowed_set(m)
+        )
 
 
 @conformance_property(
@@ -156,13 +235,38 @@ def toy_t2(session: Session) -> None:
     for c in _g(session):
         m = _at(session, c, [11, 7])
         for bad in (10, 18, 20, 31):
-            check(not m.accept_token(bad), contract, _input(c, f"accept({bad}) after [11, 7]"), False, True)
-            check(m.num_accepted == 2, contract, _input(c, f"num_accepted after refused {bad}"), 2, m.num_accepted)
-            check_equal_sets(m, contract, _input(c, f"[11, 7] then refused {bad} ({_text([bad])})"),
-                             {7, 8, 6, 2}, allowed_set(m))
+            check(
+                not m.accept_token(bad),
+                contract,
+                _input(c, f"accept({bad}) after [11, 7]"),
+                False,
+                True,
+            )
+            check(
+                m.num_accepted == 2,
+                contract,
+                _input(c, f"num_accepted after refused {bad}"),
+                2,
+                m.num_accepted,
+            )
+            check_equal_sets(
+                m,
+                contract,
+                _input(c, f"[11, 7] then refused {bad} ({_text([bad])})"),
+                {7, 8, 6, 2},
+                allowed_set(m),
+            )
         n = m.accept_tokens([6, 10, 4])
-        check(n == 1, contract, _input(c, "accept_tokens([6, 10, 4]) after [11, 7]: stops at the refusal"), 1, n)
-        check_equal_sets(m, contract, _input(c, "[11, 7, 6] after the refused 10"), {4}, allowed_set(m))
+        check(
+            n == 1,
+            contract,
+            _input(c, "accept_tokens([6, 10, 4]) after [11, 7]: stops at the refusal"),
+            1,
+            n,
+        )
+        check_equal_sets(
+            m, contract, _input(c, "[11, 7, 6] after the refused 10"), {4}, allowed_set(m)
+        )
 
 
 def _t3_tree() -> DraftTree:
@@ -188,8 +292,13 @@ def toy_t3(session: Session) -> None:
         m = _at(session, c, [11])
         bm = allocate_token_bitmask(tree.num_nodes + 2, TOY_WIDTH)  # all ones: stale rows show up
         valid = m.fill_tree_bitmask(tree, bm, row_offset=1)
-        check(valid.dtype == torch.bool and valid.tolist() == T3_VALID, contract, _input(c, f"valid of {tree}"),
-              T3_VALID, valid.tolist())
+        check(
+            valid.dtype == torch.bool and valid.tolist() == T3_VALID,
+            contract,
+            _input(c, f"valid of {tree}"),
+            T3_VALID,
+            valid.tolist(),
+        )
         for node, expected in enumerate(T3_ROWS):
             path = tree.path(node)
             where = _input(c, f"row of node {node}, path {path} {_text(path)}")
@@ -197,13 +306,30 @@ def toy_t3(session: Session) -> None:
         for node in range(tree.num_nodes):
             if T3_VALID[node] and tree.token_list[node] != EOS:
                 replay = _at(session, c, [11] + tree.path(node))
-                check_equal_sets(m, contract, _input(c, f"node {node} vs fresh replay of {tree.path(node)}"),
-                                 allowed_set(replay), allowed_set(m, bm, 1 + node))
-        check(bool((bm[0] == -1).all() and (bm[-1] == -1).all()), contract, _input(c, "rows outside [1, 1+N)"),
-              "untouched", "overwritten")
-        check(m.num_accepted == 1 and not m.is_terminated(), contract, _input(c, "matcher after the fill"),
-              "num_accepted 1, live", f"num_accepted {m.num_accepted}, terminated={m.is_terminated()}")
-        check_equal_sets(m, contract, _input(c, "live matcher after the fill"), {7, 8}, allowed_set(m))
+                check_equal_sets(
+                    m,
+                    contract,
+                    _input(c, f"node {node} vs fresh replay of {tree.path(node)}"),
+                    allowed_set(replay),
+                    allowed_set(m, bm, 1 + node),
+                )
+        check(
+            bool((bm[0] == -1).all() and (bm[-1] == -1).all()),
+            contract,
+            _input(c, "rows outside [1, 1+N)"),
+            "untouched",
+            "overwritten",
+        )
+        check(
+            m.num_accepted == 1 and not m.is_terminated(),
+            contract,
+            _input(c, "matcher after the fill"),
+            "num_accepted 1, live",
+            f"num_accepted {m.num_accepted}, terminated={m.is_terminated()}",
+        )
+        check_equal_sets(
+            m, contract, _input(c, "live matcher after the fill"), {7, 8}, allowed_set(m)
+        )
 
 
 @conformance_property(
@@ -220,25 +346,52 @@ def toy_t4(session: Session) -> None:
             try:
                 n = m.validate_tokens(drafts)
             except SpecGrammarError as e:
-                raise ConformanceFailure(contract, _input(c, f"validate_tokens({drafts}) after [11]"),
-                                         "1, no exception", repr(e)) from None
+                raise ConformanceFailure(
+                    contract,
+                    _input(c, f"validate_tokens({drafts}) after [11]"),
+                    "1, no exception",
+                    repr(e),
+                ) from None
             check(n == 1, contract, _input(c, f"validate_tokens({drafts}) after [11]"), 1, n)
             tree = DraftTree.chain(11, drafts)
             bm = allocate_token_bitmask(tree.num_nodes, TOY_WIDTH)
             valid = m.fill_tree_bitmask(tree, bm)
-            check(valid.tolist() == [True, True, False, False, False], contract,
-                  _input(c, f"valid of chain {drafts}"), [True, True, False, False, False], valid.tolist())
+            check(
+                valid.tolist() == [True, True, False, False, False],
+                contract,
+                _input(c, f"valid of chain {drafts}"),
+                [True, True, False, False, False],
+                valid.tolist(),
+            )
             for row, expected in enumerate([{7, 8}, {7, 8, 6, 2}, set(), set(), set()]):
-                check_equal_sets(m, contract, _input(c, f"row {row} of chain {drafts} after [11]"),
-                                 expected, allowed_set(m, bm, row))
-            check_equal_sets(m, contract, _input(c, f"live matcher after the chain {drafts}"), {7, 8}, allowed_set(m))
+                check_equal_sets(
+                    m,
+                    contract,
+                    _input(c, f"row {row} of chain {drafts} after [11]"),
+                    expected,
+                    allowed_set(m, bm, row),
+                )
+            check_equal_sets(
+                m,
+                contract,
+                _input(c, f"live matcher after the chain {drafts}"),
+                {7, 8},
+                allowed_set(m),
+            )
             try:
                 m.accept_tokens([7, -1])
-                raise ConformanceFailure(contract, _input(c, "accept_tokens([7, -1])"), "InvalidTokenError", "no error")
+                raise ConformanceFailure(
+                    contract, _input(c, "accept_tokens([7, -1])"), "InvalidTokenError", "no error"
+                )
             except InvalidTokenError:
                 pass
-            check(m.num_accepted == 1, contract, _input(c, "num_accepted after accept_tokens([7, -1]) raised"),
-                  1, m.num_accepted)
+            check(
+                m.num_accepted == 1,
+                contract,
+                _input(c, "num_accepted after accept_tokens([7, -1]) raised"),
+                1,
+                m.num_accepted,
+            )
 
 
 @conformance_property(
@@ -254,9 +407,20 @@ def toy_t8(session: Session) -> None:
         check(n == 1, contract, _input(c, 'validate_tokens([2, 10]) after {"a":1,"b":2'), 1, n)
         check(m.accept_token(2), contract, _input(c, "accept(2)"), True, False)
         check_equal_sets(m, contract, _input(c, 'after {"a":1,"b":2}'), {EOS}, allowed_set(m))
-        check(not m.accept_token(10), contract, _input(c, "accept(10) after the closing brace"), False, True)
-        check(m.accept_token(EOS) and m.is_terminated(), contract, _input(c, "accept(EOS) after the closing brace"),
-              "accepted, terminated", "refused or live")
+        check(
+            not m.accept_token(10),
+            contract,
+            _input(c, "accept(10) after the closing brace"),
+            False,
+            True,
+        )
+        check(
+            m.accept_token(EOS) and m.is_terminated(),
+            contract,
+            _input(c, "accept(EOS) after the closing brace"),
+            "accepted, terminated",
+            "refused or live",
+        )
 
 
 @conformance_property(
@@ -276,20 +440,39 @@ def toy_t9(session: Session) -> None:
         n_tok = sum(by_token.accept_token(t) for t in seq)
         chunks = backend.matcher(c)
         n_chunks = chunks.accept_tokens(seq[:2]) + chunks.accept_tokens(seq[2:])
-        got = [(n_one, one.is_terminated()), (n_tok, by_token.is_terminated()), (n_chunks, chunks.is_terminated())]
-        check(got == [(4, True)] * 3, contract, _input(c, f"{seq}: one call / token by token / [11, 7] + [2, 0]"),
-              [(4, True)] * 3, got)
+        got = [
+            (n_one, one.is_terminated()),
+            (n_tok, by_token.is_terminated()),
+            (n_chunks, chunks.is_terminated()),
+        ]
+        check(
+            got == [(4, True)] * 3,
+            contract,
+            _input(c, f"{seq}: one call / token by token / [11, 7] + [2, 0]"),
+            [(4, True)] * 3,
+            got,
+        )
         fresh = backend.matcher(c)
         n = fresh.validate_tokens(seq)
         check(n == 4, contract, _input(c, f"validate_tokens({seq})"), 4, n)
-        check(fresh.num_accepted == 0 and not fresh.is_terminated(), contract, _input(c, "state after validate"),
-              "num_accepted 0, live", f"num_accepted {fresh.num_accepted}, terminated={fresh.is_terminated()}")
+        check(
+            fresh.num_accepted == 0 and not fresh.is_terminated(),
+            contract,
+            _input(c, "state after validate"),
+            "num_accepted 0, live",
+            f"num_accepted {fresh.num_accepted}, terminated={fresh.is_terminated()}",
+        )
         where = _input(c, f"start state after validate_tokens({seq})")
         check_equal_sets(fresh, contract, where, {1, 11}, allowed_set(fresh))
         alt = backend.matcher(c)
         n = alt.accept_tokens([1, 3, 5, 7, 2, EOS])
-        check(n == 6 and alt.is_terminated(), contract, _input(c, "non-canonical [1, 3, 5, 7, 2, 0]"),
-              "6 accepted, terminated", f"{n}, terminated={alt.is_terminated()}")
+        check(
+            n == 6 and alt.is_terminated(),
+            contract,
+            _input(c, "non-canonical [1, 3, 5, 7, 2, 0]"),
+            "6 accepted, terminated",
+            f"{n}, terminated={alt.is_terminated()}",
+        )
 
 
 def _reachable(session: Session, c: CompiledGrammar, depth: int) -> list[tuple[int, ...]]:
@@ -324,10 +507,21 @@ def toy_t10(session: Session) -> None:
             accepted = {t for t in range(TOY_WIDTH) if m.fork().accept_token(t)}
             where = _input(c, f"after {list(path)} {_text(path)}")
             check_equal_sets(m, contract, where + ": mask vs accept on a fork", accepted, allowed)
-            check(not allowed & PADDING, "padding ids are never allowed", where, set(), set(allowed & PADDING))
+            check(
+                not allowed & PADDING,
+                "padding ids are never allowed",
+                where,
+                set(),
+                set(allowed & PADDING),
+            )
             can_end = bool(path) and path[-1] == 2
-            check((EOS in allowed) == can_end, "EOS allowed exactly when the grammar can end", where,
-                  can_end, EOS in allowed)
+            check(
+                (EOS in allowed) == can_end,
+                "EOS allowed exactly when the grammar can end",
+                where,
+                can_end,
+                EOS in allowed,
+            )
 
 
 @conformance_property(
@@ -338,13 +532,27 @@ def toy_t10(session: Session) -> None:
 )
 def toy_u(session: Session) -> None:
     contract = "multi-byte characters across tokens"
-    expected = {(): {15, 19}, (15,): {16}, (19,): {15, 19, EOS}, (15, 16): {15, 19, EOS}, (19, 15): {16}}
+    expected = {
+        (): {15, 19},
+        (15,): {16},
+        (19,): {15, 19, EOS},
+        (15, 16): {15, 19, EOS},
+        (19, 15): {16},
+    }
     for _, c in session.supported("toy", grammar_u()):
         for path, rows in expected.items():
             m = _at(session, c, path)
-            check_equal_sets(m, contract, f"grammar U as {c.spec.kind}: after {list(path)}", rows, allowed_set(m))
+            check_equal_sets(
+                m, contract, f"grammar U as {c.spec.kind}: after {list(path)}", rows, allowed_set(m)
+            )
         m = _at(session, c, [15])
-        check(not m.accept_token(17), contract, f"grammar U as {c.spec.kind}: accept(17) after [15]", False, True)
+        check(
+            not m.accept_token(17),
+            contract,
+            f"grammar U as {c.spec.kind}: accept(17) after [15]",
+            False,
+            True,
+        )
         n = session.backend("toy").matcher(c).validate_tokens([19, 15, 17])
         check(n == 2, contract, f"grammar U as {c.spec.kind}: validate_tokens([19, 15, 17])", 2, n)
 
@@ -359,25 +567,43 @@ def toy_after_termination(session: Session) -> None:
     contract = "nothing is filled or accepted after termination"
     for c in _g(session):
         m = _at(session, c, [11, 7, 2, EOS])
-        check(m.is_terminated(), contract, _input(c, "is_terminated after [11, 7, 2, 0]"), True, False)
+        check(
+            m.is_terminated(), contract, _input(c, "is_terminated after [11, 7, 2, 0]"), True, False
+        )
         for t in (EOS, 2, 10):
-            check(not m.accept_token(t), contract, _input(c, f"accept({t}) after termination"), False, True)
+            check(
+                not m.accept_token(t),
+                contract,
+                _input(c, f"accept({t}) after termination"),
+                False,
+                True,
+            )
         got = (m.accept_tokens([EOS]), m.validate_tokens([EOS]), m.forced_tokens(), m.num_accepted)
         where = _input(c, "accept_tokens([0]), validate_tokens([0]), forced_tokens(), num_accepted")
         check(got == (0, 0, [], 4), contract, where, (0, 0, [], 4), got)
         bm = allocate_token_bitmask(3, TOY_WIDTH)
-        for what, call in (("fill_next_token_bitmask", lambda: m.fill_next_token_bitmask(bm, 0)),
-                           ("fill_tree_bitmask", lambda: m.fill_tree_bitmask(DraftTree.chain(EOS, [2]), bm))):
+        for what, call in (
+            ("fill_next_token_bitmask", lambda: m.fill_next_token_bitmask(bm, 0)),
+            ("fill_tree_bitmask", lambda: m.fill_tree_bitmask(DraftTree.chain(EOS, [2]), bm)),
+        ):
             try:
                 call()
             except GrammarStateError:
                 continue
             except Exception as e:  # the library's own error leaked out
-                raise ConformanceFailure(contract, _input(c, f"{what} after termination"), "GrammarStateError",
-                                         f"{type(e).__name__}: {e}") from None
-            raise ConformanceFailure(contract, _input(c, f"{what} after termination"), "GrammarStateError", "no error")
+                raise ConformanceFailure(
+                    contract,
+                    _input(c, f"{what} after termination"),
+                    "GrammarStateError",
+                    f"{type(e).__name__}: {e}",
+                ) from None
+            raise ConformanceFailure(
+                contract, _input(c, f"{what} after termination"), "GrammarStateError", "no error"
+            )
         m.rollback(1)
-        check_equal_sets(m, contract, _input(c, "rollback(1) after termination"), {EOS}, allowed_set(m))
+        check_equal_sets(
+            m, contract, _input(c, "rollback(1) after termination"), {EOS}, allowed_set(m)
+        )
 
 
 @conformance_property(
@@ -391,20 +617,43 @@ def toy_fork_independent(session: Session) -> None:
         m = _at(session, c, [11])
         f = m.fork()
         check(f.accept_token(7), contract, _input(c, "fork.accept(7)"), True, False)
-        check_equal_sets(m, contract, _input(c, "origin after fork.accept(7)"), {7, 8}, allowed_set(m))
-        check(m.accept_tokens([8, 6]) == 2, contract, _input(c, "origin.accept_tokens([8, 6])"), 2, "fewer")
+        check_equal_sets(
+            m, contract, _input(c, "origin after fork.accept(7)"), {7, 8}, allowed_set(m)
+        )
+        check(
+            m.accept_tokens([8, 6]) == 2,
+            contract,
+            _input(c, "origin.accept_tokens([8, 6])"),
+            2,
+            "fewer",
+        )
         where = _input(c, "fork after origin.accept_tokens([8, 6])")
         check_equal_sets(f, contract, where, {7, 8, 6, 2}, allowed_set(f))
         f.rollback(1)
-        check_equal_sets(m, contract, _input(c, "origin after fork.rollback(1)"), {4}, allowed_set(m))
-        check((m.num_accepted, f.num_accepted) == (3, 1), contract, _input(c, "num_accepted of origin, fork"),
-              (3, 1), (m.num_accepted, f.num_accepted))
+        check_equal_sets(
+            m, contract, _input(c, "origin after fork.rollback(1)"), {4}, allowed_set(m)
+        )
+        check(
+            (m.num_accepted, f.num_accepted) == (3, 1),
+            contract,
+            _input(c, "num_accepted of origin, fork"),
+            (3, 1),
+            (m.num_accepted, f.num_accepted),
+        )
         done = _at(session, c, [11, 7, 2, EOS])
         g = done.fork()
         check(g.is_terminated(), contract, _input(c, "fork of a terminated matcher"), True, False)
         g.rollback(1)
-        check(done.is_terminated(), contract, _input(c, "origin after its fork rolled back"), True, False)
-        check_equal_sets(g, contract, _input(c, "terminated fork after rollback(1)"), {EOS}, allowed_set(g))
+        check(
+            done.is_terminated(),
+            contract,
+            _input(c, "origin after its fork rolled back"),
+            True,
+            False,
+        )
+        check_equal_sets(
+            g, contract, _input(c, "terminated fork after rollback(1)"), {EOS}, allowed_set(g)
+        )
 
 
 @conformance_property(
@@ -423,12 +672,27 @@ def toy_forced_tokens(session: Session) -> None:
             forced = m.forced_tokens()
             spelled = b"".join(TOY_TOKEN_BYTES[t] for t in forced if 0 <= t < len(TOY_TOKEN_BYTES))
             where = _input(c, f"forced_tokens() after {list(path)}")
-            check(EOS not in forced and text.startswith(spelled), contract, where,
-                  f"a tokenization of a prefix of {text!r}", forced)
-            check(m.num_accepted == len(path) and allowed_set(m) == before, contract,
-                  _input(c, f"state after forced_tokens() at {list(path)}"), "unchanged", "changed")
-            check(m.fork().accept_tokens(forced) == len(forced), contract,
-                  _input(c, f"accept the forced tokens {forced}"), len(forced), "fewer")
+            check(
+                EOS not in forced and text.startswith(spelled),
+                contract,
+                where,
+                f"a tokenization of a prefix of {text!r}",
+                forced,
+            )
+            check(
+                m.num_accepted == len(path) and allowed_set(m) == before,
+                contract,
+                _input(c, f"state after forced_tokens() at {list(path)}"),
+                "unchanged",
+                "changed",
+            )
+            check(
+                m.fork().accept_tokens(forced) == len(forced),
+                contract,
+                _input(c, f"accept the forced tokens {forced}"),
+                len(forced),
+                "fewer",
+            )
 
 
 @conformance_property(
@@ -445,7 +709,18 @@ def toy_root_token_ignored(session: Session) -> None:
             tree = DraftTree.from_parents([root, 1, 3, 11], [-1, 0, 1, 0])
             bm = allocate_token_bitmask(tree.num_nodes, TOY_WIDTH)
             valid = m.fill_tree_bitmask(tree, bm)
-            check(valid.tolist() == [True] * 4, contract, _input(c, f"start state, {tree}"), [True] * 4, valid.tolist())
+            check(
+                valid.tolist() == [True] * 4,
+                contract,
+                _input(c, f"start state, {tree}"),
+                [True] * 4,
+                valid.tolist(),
+            )
             for node, expected in enumerate([{1, 11}, {3}, {5}, {7, 8}]):
-                check_equal_sets(m, contract, _input(c, f"root token {root}: row of node {node}"), expected,
-                                 allowed_set(m, bm, node))
+                check_equal_sets(
+                    m,
+                    contract,
+                    _input(c, f"root token {root}: row of node {node}"),
+                    expected,
+                    allowed_set(m, bm, node),
+                )

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from pydantic import BaseModel
@@ -88,7 +89,9 @@ def _config_vocab_size(model: str) -> int | None:
     return int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
 
 
-def precompile(spec: GrammarSpec, *, model: str = "smollm2", grammar_backend: str = "xgrammar") -> Any:
+def precompile(
+    spec: GrammarSpec, *, model: str = "smollm2", grammar_backend: str = "xgrammar"
+) -> Any:
     """Compile ``spec`` for ``model`` from its tokenizer alone, before the weights load, so a
     bad grammar fails early; the backend is the cached one :func:`build_worker` then uses, so
     the worker's compile is a cache hit. Returns the
@@ -109,7 +112,9 @@ def build_prompt(tokenizer: Any, user: str, *, system: str | None = None) -> lis
     through the tokenizer's chat template; the plain encoding of ``user`` when the tokenizer
     has no template (base models such as the Gemma-3-270M GGUF)."""
     if getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user}
+        ]
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -195,7 +200,9 @@ def _as_spec(g: Any) -> GrammarSpec | None:
         return g
     if isinstance(g, (dict, bool)):
         return JsonSchema(g)
-    raise TypeError(f"a grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or a schema dict, got {type(g).__name__}")
+    raise TypeError(
+        f"a grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or a schema dict, got {type(g).__name__}"
+    )
 
 
 def generate(
@@ -260,7 +267,11 @@ def generate(
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
     Raises ``ValueError`` when a grammar list does not match the prompts.
     """
-    items = [prompts_or_requests] if isinstance(prompts_or_requests, (str, Request)) else list(prompts_or_requests)
+    items = (
+        [prompts_or_requests]
+        if isinstance(prompts_or_requests, (str, Request))
+        else list(prompts_or_requests)
+    )
     grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(items)
     if len(grammars) != len(items):
         raise ValueError(f"{len(grammars)} grammars for {len(items)} prompts")
@@ -325,7 +336,9 @@ class RunSummary(BaseModel):
     grammar_exposed_ms_per_step: float
 
 
-def summarize(results: Sequence[RequestResult], steps: Sequence[StepStats], wall_s: float) -> RunSummary:
+def summarize(
+    results: Sequence[RequestResult], steps: Sequence[StepStats], wall_s: float
+) -> RunSummary:
     """Aggregate a run's results and step stats."""
     n_steps = max(len(steps), 1)
     tokens = sum(r.num_tokens for r in results)

@@ -33,7 +33,8 @@ host time that a 1.3 ms forward of a small model could not hide). The result is 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Collection, Sequence
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,7 +50,12 @@ from .verify import greedy_walk, node_validity
 if TYPE_CHECKING:
     from ..protocol import SpecGrammar
 
-__all__ = ["batch_greedy_eligible", "launch_masked_rows", "pre_accept_first_branch", "verify_greedy_batch"]
+__all__ = [
+    "batch_greedy_eligible",
+    "launch_masked_rows",
+    "pre_accept_first_branch",
+    "verify_greedy_batch",
+]
 
 Verified = tuple[list[int], int] | GrammarStateError
 
@@ -76,7 +82,7 @@ def verify_greedy_batch(
     offsets: Sequence[int | None] = (),
     valids: Sequence[torch.Tensor | None] = (),
     stop_token_ids: Sequence[Collection[int]] = (),
-    matchers: Sequence["SpecGrammar | None"] = (),
+    matchers: Sequence[SpecGrammar | None] = (),
     pre_accepted: Sequence[Sequence[int]] = (),
     row_argmax: torch.Tensor | None = None,
     masked_rows: torch.Tensor | None = None,
@@ -130,9 +136,13 @@ def verify_greedy_batch(
     words = bitmask.numpy() if masked else None
     if masked_rows is not None:
         _check_masked_rows(masked_rows, bitmask, logits.device)
-    walks = _lazy_walks(trees, selected, offsets, matchers, pre_accepted, stop_token_ids, n_max, vocab)
+    walks = _lazy_walks(
+        trees, selected, offsets, matchers, pre_accepted, stop_token_ids, n_max, vocab
+    )
     todo = [i for i in selected if i not in walks]
-    oks = {i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in todo}
+    oks = {
+        i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in todo
+    }
     stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in todo}
     top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
     flat_top = top.reshape(b * n_max)
@@ -148,7 +158,9 @@ def verify_greedy_batch(
         unknown: list[int] = []
         retry = []
         for i in todo:
-            out[i], rows = _walk_filled(trees[i], i * n_max, best, rows_of, words, resolved, oks[i], vocab, stops[i])
+            out[i], rows = _walk_filled(
+                trees[i], i * n_max, best, rows_of, words, resolved, oks[i], vocab, stops[i]
+            )
             if rows:  # the walk read a row whose grammar forbids its greedy token
                 unknown.extend(rows)
                 retry.append(i)
@@ -162,7 +174,9 @@ def verify_greedy_batch(
                 best[r] = early[rows_of[r]]
                 resolved.add(r)
         need = [r for r in unknown if r not in resolved]
-        masks = [bitmask[torch.tensor([rows_of[r] for r in need], dtype=torch.long)]] if need else []
+        masks = (
+            [bitmask[torch.tensor([rows_of[r] for r in need], dtype=torch.long)]] if need else []
+        )
         blocked = []
         for i in lazy:
             r = walks[i].walk(best, resolved)
@@ -209,7 +223,8 @@ def _walk_filled(
         got = e
     visited = got[0] if isinstance(got, tuple) else [0]
     forbidden = [
-        r for r in (base + node for node in visited)
+        r
+        for r in (base + node for node in visited)
         if rows_of[r] >= 0 and r not in resolved and not _allows(words, rows_of[r], best[r])
     ]
     return got, forbidden
@@ -231,7 +246,12 @@ class _LazyWalk:
     __slots__ = ("tree", "matcher", "base", "stops", "pre", "node", "accepted", "ms", "result")
 
     def __init__(
-        self, tree: DraftTree, matcher: "SpecGrammar", base: int, stops: Collection[int], pre: Sequence[int] = ()
+        self,
+        tree: DraftTree,
+        matcher: SpecGrammar,
+        base: int,
+        stops: Collection[int],
+        pre: Sequence[int] = (),
     ):
         self.tree, self.matcher, self.base, self.stops = tree, matcher, base, stops
         self.pre = list(pre)  # nodes from the root whose tokens the matcher holds already
@@ -251,13 +271,19 @@ class _LazyWalk:
         except SpecGrammarError as e:
             self.result = e if isinstance(e, GrammarStateError) else GrammarStateError(str(e))
         except Exception as e:  # a grammar fault ends this request only
-            self.result = GrammarStateError(f"the grammar failed during verification: {type(e).__name__}: {e}")
+            self.result = GrammarStateError(
+                f"the grammar failed during verification: {type(e).__name__}: {e}"
+            )
         finally:
             self.ms += (time.perf_counter() - t0) * 1e3
         return None
 
     def _walk(self, best: list[int], resolved: set[int]) -> int | None:
-        tokens, first, sibling = self.tree.token_list, self.tree.first_child_list, self.tree.next_sibling_list
+        tokens, first, sibling = (
+            self.tree.token_list,
+            self.tree.first_child_list,
+            self.tree.next_sibling_list,
+        )
         # the greedy chain from here: the token read at each row, the node it leads to (-1: none)
         run: list[int] = []
         nodes: list[int] = []
@@ -299,7 +325,9 @@ class _LazyWalk:
             return r
         if dead:
             if len(self.accepted) == 1:
-                raise GrammarStateError("the processed row of node 0 allows no token: nothing can be sampled")
+                raise GrammarStateError(
+                    "the processed row of node 0 allows no token: nothing can be sampled"
+                )
             self.result = (self.accepted[:-1], tokens[self.accepted[-1]])
         else:
             self.result = (self.accepted, run[-1])
@@ -320,7 +348,7 @@ def _lazy_walks(
     trees: Sequence[DraftTree],
     selected: Sequence[int],
     offsets: Sequence[int | None],
-    matchers: Sequence["SpecGrammar | None"],
+    matchers: Sequence[SpecGrammar | None],
     pre_accepted: Sequence[Sequence[int]],
     stop_token_ids: Sequence[Collection[int]],
     n_max: int,
@@ -334,17 +362,21 @@ def _lazy_walks(
         if i < len(offsets) and offsets[i] is not None:
             raise BitmaskError(f"request {i} has both bitmask rows and a lazy matcher")
         if m.info.vocab_size != vocab:
-            raise BitmaskError(f"request {i}'s matcher masks {m.info.vocab_size} tokens, the logits have {vocab}")
+            raise BitmaskError(
+                f"request {i}'s matcher masks {m.info.vocab_size} tokens, the logits have {vocab}"
+            )
         pre = list(pre_accepted[i]) if i < len(pre_accepted) else []
         parents = trees[i].parent_list
         if any(not 0 < c < len(parents) or parents[c] != p for p, c in zip([0] + pre, pre)):
-            raise BitmaskError(f"pre_accepted[{i}] = {pre} is not a path from the root of request {i}'s tree")
+            raise BitmaskError(
+                f"pre_accepted[{i}] = {pre} is not a path from the root of request {i}'s tree"
+            )
         stops = frozenset(stop_token_ids[i] if i < len(stop_token_ids) else ())
         walks[i] = _LazyWalk(trees[i], m, i * n_max, stops, pre)
     return walks
 
 
-def pre_accept_first_branch(matcher: "SpecGrammar", tree: DraftTree) -> list[int]:
+def pre_accept_first_branch(matcher: SpecGrammar, tree: DraftTree) -> list[int]:
     """Accept the tokens of ``tree``'s first branch (first child of the root, its first
     child, ...) on ``matcher``, as far as its grammar allows and at most
     ``matcher.max_rollback_tokens`` of them; returns those nodes, for
@@ -374,12 +406,17 @@ def _fill_rows(walks: Sequence[_LazyWalk], width: int) -> torch.Tensor:
             w.fill(masks, k)
         except Exception as e:  # a grammar fault ends this request only
             masks[k] = 0
-            w.result = GrammarStateError(f"the grammar failed while filling a row: {type(e).__name__}: {e}")
+            w.result = GrammarStateError(
+                f"the grammar failed while filling a row: {type(e).__name__}: {e}"
+            )
     return masks
 
 
 def launch_masked_rows(
-    logits: torch.Tensor, device_bitmask: torch.Tensor, trees: Sequence[DraftTree], offsets: Sequence[int | None]
+    logits: torch.Tensor,
+    device_bitmask: torch.Tensor,
+    trees: Sequence[DraftTree],
+    offsets: Sequence[int | None],
 ) -> torch.Tensor | None:
     """Queue the masked argmax of every bitmask row on the logits' stream; no synchronization.
 
@@ -405,7 +442,9 @@ def launch_masked_rows(
         return torch.empty(0, dtype=torch.long, device=logits.device)
     if idx == list(range(flat.shape[0])):  # every row, in order (full trees, requests in order)
         return masked_argmax(flat, device_bitmask)
-    rows = torch.tensor(idx, dtype=torch.long, pin_memory=flat.is_cuda).to(flat.device, non_blocking=True)
+    rows = torch.tensor(idx, dtype=torch.long, pin_memory=flat.is_cuda).to(
+        flat.device, non_blocking=True
+    )
     return masked_argmax(flat, device_bitmask, rows)
 
 
@@ -424,7 +463,10 @@ def _flat_rows(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _check_batch(
-    logits: torch.Tensor, trees: Sequence[DraftTree], selected: Sequence[int], row_argmax: torch.Tensor | None
+    logits: torch.Tensor,
+    trees: Sequence[DraftTree],
+    selected: Sequence[int],
+    row_argmax: torch.Tensor | None,
 ) -> tuple[int, int, int]:
     """``(B, N_max, V)`` after checking that the batch's arguments fit together."""
     if logits.dim() != 3:
@@ -433,12 +475,18 @@ def _check_batch(
     if len(trees) != b:
         raise BitmaskError(f"{len(trees)} draft trees for a batch of {b}")
     if len(set(selected)) != len(selected) or any(not 0 <= i < b for i in selected):
-        raise BitmaskError(f"selected must be distinct batch indices in [0, {b}), got {list(selected)}")
+        raise BitmaskError(
+            f"selected must be distinct batch indices in [0, {b}), got {list(selected)}"
+        )
     for i in selected:
         if trees[i].num_nodes > n_max:
-            raise BitmaskError(f"request {i}'s tree has {trees[i].num_nodes} nodes, the logits {n_max} rows")
+            raise BitmaskError(
+                f"request {i}'s tree has {trees[i].num_nodes} nodes, the logits {n_max} rows"
+            )
     if row_argmax is not None and (
-        row_argmax.shape != (b, n_max) or row_argmax.dtype != torch.long or row_argmax.device != logits.device
+        row_argmax.shape != (b, n_max)
+        or row_argmax.dtype != torch.long
+        or row_argmax.device != logits.device
     ):
         raise BitmaskError(
             f"row_argmax must be ({b}, {n_max}) int64 on {logits.device}, got {row_argmax.dtype} "
@@ -447,9 +495,15 @@ def _check_batch(
     return b, n_max, vocab
 
 
-def _check_masked_rows(masked_rows: torch.Tensor, bitmask: torch.Tensor | None, device: torch.device) -> None:
+def _check_masked_rows(
+    masked_rows: torch.Tensor, bitmask: torch.Tensor | None, device: torch.device
+) -> None:
     rows = 0 if bitmask is None else bitmask.shape[0]
-    if masked_rows.shape != (rows,) or masked_rows.dtype != torch.long or masked_rows.device != device:
+    if (
+        masked_rows.shape != (rows,)
+        or masked_rows.dtype != torch.long
+        or masked_rows.device != device
+    ):
         raise BitmaskError(
             f"masked_rows must be ({rows},) int64 on {device} (one per bitmask row), got "
             f"{masked_rows.dtype} {tuple(masked_rows.shape)} on {masked_rows.device}"
@@ -466,7 +520,11 @@ def _allows(words: np.ndarray, row: int, token: int) -> bool:
 
 
 def _grammar_rows(
-    bitmask: torch.Tensor | None, masked: Sequence[tuple[int, int]], trees: Sequence[DraftTree], b: int, n_max: int
+    bitmask: torch.Tensor | None,
+    masked: Sequence[tuple[int, int]],
+    trees: Sequence[DraftTree],
+    b: int,
+    n_max: int,
 ) -> list[int]:
     """Per logits row (``B * N_max``), its bitmask row, -1 for rows without a grammar.
     ``masked``: ``(first bitmask row, batch index)`` per grammar request."""
@@ -495,10 +553,17 @@ def _stack(masks: list[torch.Tensor]) -> torch.Tensor:
     """Host mask rows of different widths (a step bitmask narrower than the logits, lazily
     filled rows as wide as them) as one tensor; missing words are zero (forbidden)."""
     width = max(m.shape[1] for m in masks)
-    return torch.cat([m if m.shape[1] == width else torch.nn.functional.pad(m, (0, width - m.shape[1])) for m in masks])
+    return torch.cat(
+        [
+            m if m.shape[1] == width else torch.nn.functional.pad(m, (0, width - m.shape[1]))
+            for m in masks
+        ]
+    )
 
 
-def _resolve(logits: torch.Tensor, best: list[int], rows: list[int], masks: torch.Tensor, n_max: int) -> None:
+def _resolve(
+    logits: torch.Tensor, best: list[int], rows: list[int], masks: torch.Tensor, n_max: int
+) -> None:
     """The masked argmax of flat rows ``rows`` (``i * n_max + node``) under host ``masks``
     ``(len(rows), W)`` int32, into ``best``: one upload and one read-back. Rows whose maximum
     is NaN or +inf are decided as the per-request path does: the masked float32 row's argmax,
@@ -509,7 +574,9 @@ def _resolve(logits: torch.Tensor, best: list[int], rows: list[int], masks: torc
     exact = [k for k, r in enumerate(rows) if best[r] == kernels.NONFINITE]
     got: dict[int, int] = {}
     if fast:
-        idx = torch.tensor([rows[k] // n_max * per + rows[k] % n_max for k in fast]).to(flat.device, non_blocking=True)
+        idx = torch.tensor([rows[k] // n_max * per + rows[k] % n_max for k in fast]).to(
+            flat.device, non_blocking=True
+        )
         sel = dev if len(fast) == len(rows) else dev[torch.tensor(fast, device=dev.device)]
         got.update(zip(fast, masked_argmax(flat, sel, idx).tolist()))
     if exact:

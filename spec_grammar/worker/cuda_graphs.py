@@ -17,7 +17,7 @@ after it cost one input copy and one launch.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -38,11 +38,15 @@ class _Captured:
 
     __slots__ = ("graph", "inputs", "staging", "copied", "output", "output_bytes")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor], output: Output):
+    def __init__(
+        self, graph: torch.cuda.CUDAGraph, inputs: dict[str, torch.Tensor], output: Output
+    ):
         self.graph, self.inputs, self.output = graph, inputs, output
         outputs = output if isinstance(output, tuple) else (output,)
         self.output_bytes = sum(t.numel() * t.element_size() for t in outputs)
-        self.staging = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in inputs.items()}
+        self.staging = {
+            k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in inputs.items()
+        }
         self.copied = torch.cuda.Event()  # the staging buffers may be rewritten after this
         self.copied.record()
 
@@ -126,7 +130,10 @@ class ForwardGraphs:
     def _evict(self) -> None:
         """Drop least recently replayed graphs (never the one just captured: it is the most
         recent) while their outputs exceed the budget."""
-        while len(self._graphs) > 1 and sum(g.output_bytes for g in self._graphs.values()) > self.max_output_bytes:
+        while (
+            len(self._graphs) > 1
+            and sum(g.output_bytes for g in self._graphs.values()) > self.max_output_bytes
+        ):
             self._graphs.popitem(last=False)
 
     def _capture(

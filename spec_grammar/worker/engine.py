@@ -46,20 +46,26 @@ import itertools
 import math
 import threading
 import time
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Collection, Sequence
+from typing import Any
 
 import torch
 
 from ..errors import SpecGrammarError
 from ..protocol import GrammarBackend
 from ..tree import DraftTree
+from .batch_verify import (
+    batch_greedy_eligible,
+    launch_masked_rows,
+    pre_accept_first_branch,
+    verify_greedy_batch,
+)
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
 from .host_bitmask import HostBitmaskRing
 from .placement import EarlyMask, GrammarPlacement, LazyGrammar
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
-from .batch_verify import batch_greedy_eligible, launch_masked_rows, pre_accept_first_branch, verify_greedy_batch
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
 from .verify import verify
@@ -94,7 +100,9 @@ def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
     for k in range(1, parts):
         target = prefix[-1] * k / parts
         # leave at least one item for this range and for each range after it
-        bounds.append(min(range(bounds[-1] + 1, n - parts + k + 1), key=lambda j: abs(prefix[j] - target)))
+        bounds.append(
+            min(range(bounds[-1] + 1, n - parts + k + 1), key=lambda j: abs(prefix[j] - target))
+        )
     bounds.append(n)
     return [range(a, b) for a, b in itertools.pairwise(bounds)] if n else []
 
@@ -103,8 +111,16 @@ class _GrammarWork:
     """What the grammar work of one step (or of one group of its requests) hands back."""
 
     __slots__ = (
-        "bitmask", "device_bitmask", "masked_rows", "forbidden_rows", "offsets", "valid", "errors", "ms",
-        "per_request_ms", "pre_accepted",
+        "bitmask",
+        "device_bitmask",
+        "masked_rows",
+        "forbidden_rows",
+        "offsets",
+        "valid",
+        "errors",
+        "ms",
+        "per_request_ms",
+        "pre_accepted",
     )
 
     def __init__(self) -> None:
@@ -191,15 +207,21 @@ class SpecWorker:
         lazy_grammar: bool | None = None,
     ):
         if grammar_threads is not None and (
-            isinstance(grammar_threads, bool) or not isinstance(grammar_threads, int) or grammar_threads < 1
+            isinstance(grammar_threads, bool)
+            or not isinstance(grammar_threads, int)
+            or grammar_threads < 1
         ):
-            raise ValueError(f"grammar_threads must be None or an int >= 1, got {grammar_threads!r}")
+            raise ValueError(
+                f"grammar_threads must be None or an int >= 1, got {grammar_threads!r}"
+            )
         if lazy_grammar is not None and not isinstance(lazy_grammar, bool):
             raise ValueError(f"lazy_grammar must be None, True or False, got {lazy_grammar!r}")
         self.runner = (
             model
             if isinstance(model, ModelRunner)
-            else ModelRunner(model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward)
+            else ModelRunner(
+                model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward
+            )
         )
         self.tokenizer = tokenizer
         if isinstance(backend, str):
@@ -301,7 +323,7 @@ class SpecWorker:
             self._group_pool.shutdown(wait=True)
             self._group_pool = None
 
-    def __enter__(self) -> "SpecWorker":
+    def __enter__(self) -> SpecWorker:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -325,7 +347,9 @@ class SpecWorker:
             return st
         if req.grammar is not None:
             if self.backend is None:
-                st.finish("error", now, "this request has a grammar but the worker has no grammar backend")
+                st.finish(
+                    "error", now, "this request has a grammar but the worker has no grammar backend"
+                )
                 return st
             try:
                 compiled = self.backend.compile(req.grammar)
@@ -348,7 +372,11 @@ class SpecWorker:
         seen: set[str] = set()
         for st in states:
             if st.rid in seen:
-                st.finish("error", now, f"request id {st.rid!r} is already used by another request of this run")
+                st.finish(
+                    "error",
+                    now,
+                    f"request id {st.rid!r} is already used by another request of this run",
+                )
             seen.add(st.rid)
         states = [st for st in states if not st.finished]
         refused = self.runner.add_batch([(st.rid, st.prompt_ids) for st in states])
@@ -381,7 +409,9 @@ class SpecWorker:
         one row per node of every live grammar request not in ``lazy`` (ids of requests
         verified lazily: advanced only), in request order."""
         t0 = time.perf_counter()
-        entries: list[tuple[RequestState, DraftTree | None, int | None]] = [(st, None, 0) for st in draining]
+        entries: list[tuple[RequestState, DraftTree | None, int | None]] = [
+            (st, None, 0) for st in draining
+        ]
         rows = 0
         for st, tree in zip(live, trees):
             if st.rid in lazy:
@@ -390,7 +420,9 @@ class SpecWorker:
                 entries.append((st, tree, rows))
                 rows += tree.num_nodes
         # a draining request only accepts its last tokens: far cheaper than a tree fill
-        groups = split_balanced([1 if t is None else t.num_nodes for _, t, _ in entries], self.grammar_threads)
+        groups = split_balanced(
+            [1 if t is None else t.num_nodes for _, t, _ in entries], self.grammar_threads
+        )
         parts = [entries[g.start : g.stop] for g in groups]
         if len(parts) <= 1:
             done = [self._group_work(parts[0] if parts else [], bitmask)]
@@ -413,7 +445,9 @@ class SpecWorker:
         return work
 
     def _group_work(
-        self, entries: Sequence[tuple[RequestState, DraftTree | None, int | None]], bitmask: torch.Tensor | None
+        self,
+        entries: Sequence[tuple[RequestState, DraftTree | None, int | None]],
+        bitmask: torch.Tensor | None,
     ) -> _GrammarWork:
         """Advance + fill of one contiguous group of requests: ``(state, tree, first row)``
         with ``tree`` None for a finished request that only takes its last tokens, and first
@@ -438,7 +472,9 @@ class SpecWorker:
                     continue
                 drafted = None if terminated else self._drafted_rows(st, tree)
             except Exception as e:  # a grammar fault ends this request only
-                work.errors[st.rid] = f"the grammar failed while checking its state: {type(e).__name__}: {e}"
+                work.errors[st.rid] = (
+                    f"the grammar failed while checking its state: {type(e).__name__}: {e}"
+                )
                 continue
             if terminated:
                 work.errors[st.rid] = "the grammar terminated without a stop token being committed"
@@ -505,7 +541,9 @@ class SpecWorker:
         try:
             n = st.matcher.accept_tokens(pending)
         except Exception as e:  # a grammar fault ends this request only
-            work.errors[st.rid] = f"the grammar failed while accepting committed tokens: {type(e).__name__}: {e}"
+            work.errors[st.rid] = (
+                f"the grammar failed while accepting committed tokens: {type(e).__name__}: {e}"
+            )
             return False
         if n != len(pending):
             work.errors[st.rid] = (
@@ -522,7 +560,9 @@ class SpecWorker:
         try:
             return matcher.fill_tree_bitmask(tree, work.bitmask, offset)
         except Exception as e:
-            work.errors[st.rid] = f"the grammar failed while filling the tree bitmask: {type(e).__name__}: {e}"
+            work.errors[st.rid] = (
+                f"the grammar failed while filling the tree bitmask: {type(e).__name__}: {e}"
+            )
             return None
 
     def _drafted_rows(self, st: RequestState, tree: DraftTree):
@@ -590,18 +630,27 @@ class SpecWorker:
             self._advance_before_draft([], draining)  # the last tokens of requests that finished
             ms = (time.perf_counter() - t0) * 1e3
             return StepStats(
-                batch_size=0, num_nodes=0, step_ms=ms, draft_ms=ms,
-                verify_forward_ms=0.0, grammar_ms=0.0, grammar_exposed_ms=0.0, sample_ms=0.0,
+                batch_size=0,
+                num_nodes=0,
+                step_ms=ms,
+                draft_ms=ms,
+                verify_forward_ms=0.0,
+                grammar_ms=0.0,
+                grammar_exposed_ms=0.0,
+                sample_ms=0.0,
                 committed_tokens=0,
             )
         trees = [
-            cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1) for s, t in zip(live, trees)
+            cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1)
+            for s, t in zip(live, trees)
         ]
         t1 = time.perf_counter()
         rids = [s.rid for s in live]
         greedy = [batch_greedy_eligible(st.sampling) for st in live]
         lazy = self._lazy_requests(live, trees, greedy)
-        rows = sum(t.num_nodes for s, t in zip(live, trees) if s.matcher is not None and s.rid not in lazy)
+        rows = sum(
+            t.num_nodes for s, t in zip(live, trees) if s.matcher is not None and s.rid not in lazy
+        )
         bitmask = self._bitmasks.acquire(rows) if rows else None
         try:
             return self._verify_step(live, trees, draining, bitmask, rids, greedy, lazy, t0, t1)
@@ -650,7 +699,10 @@ class SpecWorker:
         if not cands:
             return frozenset()
         if self.lazy_grammar is None and not self._lazy.use_lazy(
-            sum(t.num_nodes for _, t in cands), len(cands), self._placement.launch_ms, self._early_mask.forward_ms
+            sum(t.num_nodes for _, t in cands),
+            len(cands),
+            self._placement.launch_ms,
+            self._early_mask.forward_ms,
         ):
             return frozenset()
         return frozenset(st.rid for st, _ in cands)
@@ -680,8 +732,10 @@ class SpecWorker:
             # bucket) it runs inline after the launch while the GPU computes.
             # lazy requests are not counted: their work here (an advance and the first branch
             # pre-accepted) is a few accepts, cheaper inline than a thread's hand-off
-            units = (0 if bitmask is None else bitmask.shape[0]) + len(draining) + sum(
-                st.matcher is not None and st.rid not in lazy for st in live
+            units = (
+                (0 if bitmask is None else bitmask.shape[0])
+                + len(draining)
+                + sum(st.matcher is not None and st.rid not in lazy for st in live)
             )
             # (no pool: the caller closed the worker inside this run, e.g. from on_step)
             want_thread = units > 0 and self._pool is not None and self._placement.use_thread(units)
@@ -691,12 +745,18 @@ class SpecWorker:
             def before_launch() -> None:
                 launched.append(time.perf_counter())
                 if want_thread:
-                    started.append(self._pool.submit(self._grammar_work, live, trees, draining, bitmask, lazy))
+                    started.append(
+                        self._pool.submit(self._grammar_work, live, trees, draining, bitmask, lazy)
+                    )
 
             try:
-                out = self.runner.forward_trees(rids, trees, before_launch=before_launch, with_argmax=with_argmax)
+                out = self.runner.forward_trees(
+                    rids, trees, before_launch=before_launch, with_argmax=with_argmax
+                )
             except BaseException:
-                wait(started)  # the grammar work writes the bitmask: let it end before the buffer is reused
+                wait(
+                    started
+                )  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
             t2 = time.perf_counter()
             in_thread = bool(started)
@@ -715,23 +775,36 @@ class SpecWorker:
             try:
                 out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
             except BaseException:
-                wait([fut])  # the grammar work writes the bitmask: let it end before the buffer is reused
+                wait(
+                    [fut]
+                )  # the grammar work writes the bitmask: let it end before the buffer is reused
                 raise
             t2 = time.perf_counter()
             work = fut.result()
         else:
             out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
-            if self.runner.device.type == "cuda":  # in order: the forward ends before the grammar work starts
+            if (
+                self.runner.device.type == "cuda"
+            ):  # in order: the forward ends before the grammar work starts
                 torch.cuda.current_stream(self.runner.device).synchronize()
             t2 = time.perf_counter()
             work = self._grammar_work(live, trees, draining, bitmask, lazy)
         logits, top = out if with_argmax else (out, None)
         if bitmask is not None:
-            self._device_masks(work, logits, live, trees, greedy, launched[0] if graph_overlap and launched else None)
+            self._device_masks(
+                work,
+                logits,
+                live,
+                trees,
+                greedy,
+                launched[0] if graph_overlap and launched else None,
+            )
         t3 = time.perf_counter()
         # the step's grammar bookkeeping before the verify's wait for the device
         exposed, gpu_ms = (t3 - t2) * 1e3, None
-        if graph_overlap and launched:  # exposed: what the grammar work took beyond the GPU's forward
+        if (
+            graph_overlap and launched
+        ):  # exposed: what the grammar work took beyond the GPU's forward
             gpu_ms = self.runner.last_forward_gpu_ms()
             # None: the forward still runs, so the grammar work ended under it
             exposed = 0.0 if gpu_ms is None else max(0.0, exposed - gpu_ms)
@@ -761,7 +834,9 @@ class SpecWorker:
             except SpecGrammarError as e:  # e.g. a matcher left with no allowed token
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
-        if graph_overlap and launched and (bitmask is not None or lazy):  # the forward has ended by now
+        if (
+            graph_overlap and launched and (bitmask is not None or lazy)
+        ):  # the forward has ended by now
             gpu_ms = gpu_ms if gpu_ms is not None else self.runner.last_forward_gpu_ms()
             # one forward-time average serves both policies; a bad event reading (never seen)
             # must not raise here, after the step's tokens were committed
@@ -805,7 +880,9 @@ class SpecWorker:
         "upload" is the host bitmask itself and no forward time is ever measured.)"""
         if not all(g for st, g in zip(live, greedy) if st.matcher is not None):
             work.device_bitmask = self._bitmasks.upload(work.bitmask, logits.device)
-        elif launched_at is not None and self._early_mask.worth_it((time.perf_counter() - launched_at) * 1e3):
+        elif launched_at is not None and self._early_mask.worth_it(
+            (time.perf_counter() - launched_at) * 1e3
+        ):
             t0 = time.perf_counter()
             work.device_bitmask = self._bitmasks.upload(work.bitmask, logits.device)
             offsets = [work.offsets.get(st.rid) for st in live]
@@ -843,7 +920,8 @@ class SpecWorker:
             offsets=[work.offsets.get(st.rid) for st in live],
             valids=[work.valid.get(st.rid) for st in live],
             stop_token_ids=[
-                () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids for st in live
+                () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids
+                for st in live
             ],
             matchers=[st.matcher if st.rid in lazy else None for st in live],
             pre_accepted=[work.pre_accepted.get(st.rid, ()) for st in live],
@@ -883,9 +961,16 @@ class SpecWorker:
             nodes, bonus = verified
         else:
             processed = process_tree_logits(
-                logits, tree, st.committed_ids, params, bitmask=bitmask, prompt_len=len(st.prompt_ids)
+                logits,
+                tree,
+                st.committed_ids,
+                params,
+                bitmask=bitmask,
+                prompt_len=len(st.prompt_ids),
             )
-            nodes, bonus = verify(processed, tree, params, st.generator, valid, stop_token_ids=stops)
+            nodes, bonus = verify(
+                processed, tree, params, st.generator, valid, stop_token_ids=stops
+            )
         run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
         now = time.perf_counter()
         kept = 0

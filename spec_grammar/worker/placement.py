@@ -107,7 +107,9 @@ class GrammarPlacement:
                 return thread
         thread_ms, inline_ms = self.predict(units, True), self.predict(units, False)
         best = thread_ms < inline_ms
-        due = self._explore.due(abs(thread_ms - inline_ms), self.explore_share * min(thread_ms, inline_ms))
+        due = self._explore.due(
+            abs(thread_ms - inline_ms), self.explore_share * min(thread_ms, inline_ms)
+        )
         return (not best) if due else best
 
     def predict(self, units: int, thread: bool) -> float:
@@ -221,7 +223,14 @@ class LazyGrammar:
     Times are milliseconds. Raises ``ValueError`` on bad arguments or measurements.
     """
 
-    def __init__(self, *, hide: float = 0.75, slack: float = 0.02, explore_every: int = 50, alpha: float = 0.2):
+    def __init__(
+        self,
+        *,
+        hide: float = 0.75,
+        slack: float = 0.02,
+        explore_every: int = 50,
+        alpha: float = 0.2,
+    ):
         if not 0.0 < hide <= 1.0:
             raise ValueError(f"hide must be in (0, 1], got {hide}")
         if not 0.0 <= slack < 1.0:
@@ -233,7 +242,9 @@ class LazyGrammar:
         self.row_ms: float | None = None  # grammar work of a fill step, per tree row
         self.request_ms: float | None = None  # lazy walk of one request
 
-    def use_lazy(self, rows: int, requests: int, launch_ms: float | None, forward_ms: float | None) -> bool:
+    def use_lazy(
+        self, rows: int, requests: int, launch_ms: float | None, forward_ms: float | None
+    ) -> bool:
         """True: verify this step's ``requests`` greedy grammar requests (``rows`` tree rows in
         all) lazily; False: fill their trees under the forward. ``launch_ms``: the replay's
         host time (:attr:`GrammarPlacement.launch_ms`); ``forward_ms``: a forward's GPU time
@@ -242,7 +253,11 @@ class LazyGrammar:
             return False
         if self.request_ms is None:
             return True  # the lazy walk's cost is measured once
-        fill_ms = max(0.0, (launch_ms or 0.0) + self.row_ms * rows - self.hide * forward_ms, self.slack * forward_ms)
+        fill_ms = max(
+            0.0,
+            (launch_ms or 0.0) + self.row_ms * rows - self.hide * forward_ms,
+            self.slack * forward_ms,
+        )
         lazy_ms = self.request_ms * requests
         due = self._explore.due(abs(fill_ms - lazy_ms), self.slack * forward_ms)
         return (lazy_ms >= fill_ms) if due else (lazy_ms < fill_ms)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -18,7 +18,15 @@ from ..errors import SpecGrammarError
 from ..specs import GrammarSpec
 from .sampling import SamplingParams
 
-__all__ = ["Request", "RequestState", "RequestResult", "StepStats", "FinishReason", "RequestError", "check_request"]
+__all__ = [
+    "Request",
+    "RequestState",
+    "RequestResult",
+    "StepStats",
+    "FinishReason",
+    "RequestError",
+    "check_request",
+]
 
 FinishReason = Literal["stop", "length", "grammar", "error", "cancelled"]
 """Why a request ended: ``stop`` = EOS (no grammar) or a stop string; ``length`` =
@@ -41,9 +49,9 @@ class Request:
     """
 
     prompt: str | list[int]
-    grammar: Optional[GrammarSpec] = None
+    grammar: GrammarSpec | None = None
     sampling: Any = None
-    rid: Optional[str] = None
+    rid: str | None = None
 
     def __post_init__(self) -> None:
         if self.rid is None:
@@ -57,7 +65,9 @@ class RequestError(SpecGrammarError, ValueError):
 
 def one_line(e: ValidationError) -> str:
     """A pydantic validation error as one line: ``field: message; ...``."""
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+    return "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors()
+    )
 
 
 def check_request(req: Request) -> SamplingParams:
@@ -69,9 +79,15 @@ def check_request(req: Request) -> SamplingParams:
     if not isinstance(req.rid, str):
         raise RequestError(f"request id must be a string, got {type(req.rid).__name__} {req.rid!r}")
     if not isinstance(req.prompt, (str, list, tuple)):
-        raise RequestError(f"request {req.rid}: prompt must be text or a list of token ids, got {type(req.prompt).__name__}")
+        raise RequestError(
+            f"request {req.rid}: prompt must be text or a list of token ids, got {type(req.prompt).__name__}"
+        )
     if not isinstance(req.prompt, str):
-        bad = [t for t in req.prompt if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]
+        bad = [
+            t
+            for t in req.prompt
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))
+        ]
         if bad:
             raise RequestError(f"request {req.rid}: prompt token ids must be ints, got {bad[0]!r}")
     if req.grammar is not None and not isinstance(req.grammar, GrammarSpec):
@@ -112,8 +128,8 @@ class RequestState:
     matcher: Any = None
     pending: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: Optional[FinishReason] = None
-    error: Optional[str] = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
     steps: int = 0
     generator: Any = None
     start_s: float = 0.0
@@ -121,7 +137,9 @@ class RequestState:
     grammar_ms: float = 0.0
     grammar_exposed_ms: float = 0.0
     warnings: tuple[str, ...] = ()
-    _context: Any = field(default=None, init=False, repr=False)  # committed ids, int64, grown in place
+    _context: Any = field(
+        default=None, init=False, repr=False
+    )  # committed ids, int64, grown in place
     _context_len: int = field(default=0, init=False, repr=False)
 
     @property
@@ -181,7 +199,7 @@ class RequestResult(BaseModel):
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: FinishReason
-    error: Optional[str] = None
+    error: str | None = None
     num_tokens: int
     steps: int
     accept_length: float

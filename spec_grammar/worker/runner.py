@@ -33,7 +33,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import operator
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -105,7 +105,9 @@ def _token_ids(ids: Sequence[int], what: str) -> list[int]:
     try:
         items = list(ids)
     except TypeError:
-        raise RunnerError(f"{what}: token ids must be a sequence of ints, got {type(ids).__name__}") from None
+        raise RunnerError(
+            f"{what}: token ids must be a sequence of ints, got {type(ids).__name__}"
+        ) from None
     out = []
     for t in items:
         try:
@@ -169,7 +171,12 @@ class _KVStore:
         ``(_, kv_heads, _, head_dim)`` gives their shape and dtype when they are created."""
         _, h, _, d = like.shape
         stack = self.stack
-        if stack is not None and idx < self.num_layers and stack.shape[3] == h and stack.shape[5] == d:
+        if (
+            stack is not None
+            and idx < self.num_layers
+            and stack.shape[3] == h
+            and stack.shape[5] == d
+        ):
             return stack[idx, 0], stack[idx, 1]
         if idx not in self.extra:
             if like.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -181,7 +188,8 @@ class _KVStore:
                 # 0 * NaN from uninitialised memory would poison every row.
                 buf = torch.zeros(
                     (self.num_layers if to_stack else 1, 2, self.rows, h, self.capacity, d),
-                    dtype=like.dtype, device=like.device,
+                    dtype=like.dtype,
+                    device=like.device,
                 )
             if to_stack:
                 self.stack = buf
@@ -211,8 +219,14 @@ class _BatchCache:
 
     is_compileable = False
 
-    def __init__(self, store: _KVStore, rows: slice | torch.Tensor, row_idx: torch.Tensor,
-                 write_pos: torch.Tensor, kv_len: int):
+    def __init__(
+        self,
+        store: _KVStore,
+        rows: slice | torch.Tensor,
+        row_idx: torch.Tensor,
+        write_pos: torch.Tensor,
+        kv_len: int,
+    ):
         self.store, self.rows, self.kv_len = store, rows, kv_len
         self.row_idx, self.write_pos = row_idx[:, None], write_pos
 
@@ -268,7 +282,9 @@ class ModelRunner:
             raise RunnerError("the model has no parameters")
         # one KV store and one graph per forward: the whole model must sit on one device
         devices = {t.device for t in model.parameters()}
-        if any(t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())):
+        if any(
+            t.device.type == "meta" for t in itertools.chain(model.parameters(), model.buffers())
+        ):
             raise RunnerError(
                 "some model weights are on the meta device (offloaded or not loaded, e.g. by "
                 "device_map='auto'); load the whole model on one device"
@@ -289,7 +305,9 @@ class ModelRunner:
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise RunnerError(f"{name} must be an int, got {value!r}")
         if int(prefill_chunk) < 1 or int(prefill_tokens) < int(prefill_chunk):
-            raise RunnerError(f"need 1 <= prefill_chunk <= prefill_tokens, got {prefill_chunk}, {prefill_tokens}")
+            raise RunnerError(
+                f"need 1 <= prefill_chunk <= prefill_tokens, got {prefill_chunk}, {prefill_tokens}"
+            )
         self.prefill_chunk = int(prefill_chunk)
         self.prefill_tokens = int(prefill_tokens)
         params = inspect.signature(model.forward).parameters
@@ -301,7 +319,9 @@ class ModelRunner:
         window = getattr(config, "sliding_window", None)
         self._per_layer_type = bool(layer_types)
         self._window: int | None = (
-            int(window) if window and (not layer_types or "sliding_attention" in layer_types) else None
+            int(window)
+            if window and (not layer_types or "sliding_attention" in layer_types)
+            else None
         )
         if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
             raise RunnerError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
@@ -311,7 +331,9 @@ class ModelRunner:
             "sliding-window attention" if self._window is not None else None
         )
         if fused_forward and reason is not None:
-            raise RunnerError(f"fused_forward=True, but the fused decoder cannot run this model: {reason}")
+            raise RunnerError(
+                f"fused_forward=True, but the fused decoder cannot run this model: {reason}"
+            )
         if fused_forward is None:
             fused_forward = reason is None and self.device.type == "cuda" and triton_ops is not None
         self._fused = FusedLlama(model) if fused_forward else None
@@ -319,9 +341,7 @@ class ModelRunner:
         self._store = _KVStore(self.device, getattr(text_config, "num_hidden_layers", 1))
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._graphs = (
-            ForwardGraphs(self.device)
-            if use_graphs and self.device.type == "cuda"
-            else None
+            ForwardGraphs(self.device) if use_graphs and self.device.type == "cuda" else None
         )
         self._graphs_version = self._store.version
         self._rids: list[str] = []  # row -> request id
@@ -394,7 +414,9 @@ class ModelRunner:
                     ids = _token_ids(prompt_ids, f"request {rid!r}")
                     if not ids:
                         raise RunnerError(f"request {rid!r}: the prompt is empty")
-                    self._check_ids(ids)  # the last id is fed later as a tree root: check it here too
+                    self._check_ids(
+                        ids
+                    )  # the last id is fed later as a tree root: check it here too
                 except RunnerError as e:
                     refused[rid] = e
                     continue
@@ -436,7 +458,12 @@ class ModelRunner:
                     parents[j, : len(part)] = torch.arange(-1, len(part) - 1)
                 rows = [row for row, _ in group]
                 lens = torch.tensor([self._len[row] for row in rows])
-                self._forward(rows, dict(tokens=tokens, parents=parents, lens=lens), logits_to_keep=1, graph=False)
+                self._forward(
+                    rows,
+                    dict(tokens=tokens, parents=parents, lens=lens),
+                    logits_to_keep=1,
+                    graph=False,
+                )
                 for row, part in zip(rows, parts):
                     self._len[row] += len(part)
                     done[row] += len(part)
@@ -510,7 +537,11 @@ class ModelRunner:
             raise RunnerError("duplicate request ids in one forward")
         if not rids:
             empty = torch.empty(0, 0, self.vocab_size, device=self.device)
-            return (empty, torch.empty(0, 0, dtype=torch.long, device=self.device)) if with_argmax else empty
+            return (
+                (empty, torch.empty(0, 0, dtype=torch.long, device=self.device))
+                if with_argmax
+                else empty
+            )
         rows = [self._row_of(r) for r in rids]
         order = sorted(range(len(rids)), key=rows.__getitem__)
         n_max = max(t.num_nodes for t in trees)
@@ -534,9 +565,15 @@ class ModelRunner:
         tokens[(tokens < 0) | (tokens >= self.vocab_size)] = 0
         lens = np.zeros(bb, dtype=np.int64)
         lens[:b] = [self._len[rows[i]] for i in order]
-        inputs = dict(tokens=torch.from_numpy(tokens), parents=torch.from_numpy(parents), lens=torch.from_numpy(lens))
+        inputs = dict(
+            tokens=torch.from_numpy(tokens),
+            parents=torch.from_numpy(parents),
+            lens=torch.from_numpy(lens),
+        )
         sorted_rows = [rows[i] for i in order]
-        logits, top = self._forward(sorted_rows, inputs, logits_to_keep=0, graph=graph, before_launch=before_launch)
+        logits, top = self._forward(
+            sorted_rows, inputs, logits_to_keep=0, graph=graph, before_launch=before_launch
+        )
         logits = logits[:b, :n_max]
         if with_argmax:
             top = row_argmax(logits) if top is None else top[:b, :n_max]
@@ -626,7 +663,13 @@ class ModelRunner:
                 # memory reused while the graph still reads it)
                 row_idx = torch.arange(bb, device=tokens.device)
                 logits = self._device_forward(
-                    tokens, parents, lens, row_idx, rows=slice(0, bb), kv_len=kv_len, logits_to_keep=0
+                    tokens,
+                    parents,
+                    lens,
+                    row_idx,
+                    rows=slice(0, bb),
+                    kv_len=kv_len,
+                    logits_to_keep=0,
                 )
                 return logits, row_argmax(logits)
 
@@ -645,8 +688,13 @@ class ModelRunner:
         up = {k: _upload(v, dev) for k, v in inputs.items()}
         row_idx = _upload(torch.tensor(rows, dtype=torch.long), dev)
         logits = self._device_forward(
-            up["tokens"], up["parents"], up["lens"], row_idx,
-            rows=sel, kv_len=kv_len, logits_to_keep=logits_to_keep,
+            up["tokens"],
+            up["parents"],
+            up["lens"],
+            row_idx,
+            rows=sel,
+            kv_len=kv_len,
+            logits_to_keep=logits_to_keep,
         )
         return logits, None
 
@@ -695,8 +743,17 @@ class ModelRunner:
             )
         write_pos = lens[:, None] + torch.arange(n, device=dev)
         if self._fused is not None:
-            return self._fused.forward(tokens, positions, mask, self._store, row_idx, write_pos, rows, kv_len,
-                                       logits_to_keep)
+            return self._fused.forward(
+                tokens,
+                positions,
+                mask,
+                self._store,
+                row_idx,
+                write_pos,
+                rows,
+                kv_len,
+                logits_to_keep,
+            )
         cache = _BatchCache(self._store, rows, row_idx, write_pos, kv_len)
         with torch.inference_mode():
             out = self.model(
@@ -711,5 +768,7 @@ class ModelRunner:
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """``(b, n, kv)`` bool -> ``(b, 1, n, kv)`` additive mask in the model dtype."""
-        mask = torch.zeros(allowed.shape[0], 1, *allowed.shape[1:], dtype=self.dtype, device=self.device)
+        mask = torch.zeros(
+            allowed.shape[0], 1, *allowed.shape[1:], dtype=self.dtype, device=self.device
+        )
         return mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)

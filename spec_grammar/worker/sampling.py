@@ -7,7 +7,7 @@ prefix: spec and no-spec agree by construction.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pydantic
 import torch
@@ -123,7 +123,9 @@ def process_tree_logits(
     """
     n = tree.num_nodes
     if logits.dim() != 2 or logits.shape[0] != n:
-        raise BitmaskError(f"logits must be ({n}, V) for a {n}-node tree, got {tuple(logits.shape)}")
+        raise BitmaskError(
+            f"logits must be ({n}, V) for a {n}-node tree, got {tuple(logits.shape)}"
+        )
     out = logits.to(torch.float32, copy=True)
     vocab, dev = out.shape[1], out.device
     context = list(context_ids)
@@ -136,7 +138,9 @@ def process_tree_logits(
             out = torch.where(seen, torch.where(out < 0, out * rp, out / rp), out)
         if params.frequency_penalty or params.presence_penalty:
             counts = _context_counts(context[prompt_len:], vocab, dev) + path
-            out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+            out -= (
+                params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+            )
 
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
@@ -149,7 +153,9 @@ def process_tree_logits(
 
     if bitmask is not None:
         if bitmask.dim() != 2 or bitmask.shape[0] != n:
-            raise BitmaskError(f"bitmask must have {n} rows (one per node), got {tuple(bitmask.shape)}")
+            raise BitmaskError(
+                f"bitmask must have {n} rows (one per node), got {tuple(bitmask.shape)}"
+            )
         apply_token_bitmask_inplace(out, bitmask.to(dev, non_blocking=True))
 
     if params.greedy:

@@ -17,7 +17,7 @@ Rules shared by both:
 
 from __future__ import annotations
 
-from typing import Collection
+from collections.abc import Collection
 
 import torch
 
@@ -112,7 +112,9 @@ def greedy_walk(
     node = 0
     while True:
         target = best[node]
-        nxt = next((c for c in _candidates(tree, node, ok, vocab) if tree.token_list[c] == target), None)
+        nxt = next(
+            (c for c in _candidates(tree, node, ok, vocab) if tree.token_list[c] == target), None
+        )
         if nxt is None or target in stops or not alive[nxt]:
             return accepted, target
         accepted.append(nxt)

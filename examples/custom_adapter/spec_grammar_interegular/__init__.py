@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar, TokenizerInfo
+from spec_grammar.protocol import (
+    Capabilities,
+    CompiledGrammar,
+    GrammarBackend,
+    SpecGrammar,
+    TokenizerInfo,
+)
 from spec_grammar.specs import GrammarSpec, Regex
 
 try:
@@ -80,7 +86,13 @@ _History = tuple  # (state, previous _History or None): immutable, so forks shar
 class InteregularMatcher(SpecGrammar):
     """:class:`SpecGrammar` over a :class:`RegexGrammar`. State = the newest history entry."""
 
-    def __init__(self, grammar: RegexGrammar, info: TokenizerInfo, max_rollback_tokens: int, history: _History):
+    def __init__(
+        self,
+        grammar: RegexGrammar,
+        info: TokenizerInfo,
+        max_rollback_tokens: int,
+        history: _History,
+    ):
         super().__init__(info, max_rollback_tokens=max_rollback_tokens)
         self._g = grammar
         self._history = history
@@ -108,7 +120,7 @@ class InteregularMatcher(SpecGrammar):
             h = h[1]
         self._history = h
 
-    def _fork(self) -> "InteregularMatcher":
+    def _fork(self) -> InteregularMatcher:
         return InteregularMatcher(self._g, self.info, self._max_rollback_tokens, self._history)
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -180,7 +192,9 @@ class InteregularBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> RegexGrammar:
         if not isinstance(spec, Regex):
-            raise UnsupportedGrammarError(f"{spec.kind} is not supported by interegular (regex only)")
+            raise UnsupportedGrammarError(
+                f"{spec.kind} is not supported by interegular (regex only)"
+            )
         try:
             fsm = interegular.parse_pattern(spec.pattern).to_fsm()
         except interegular.Unsupported as e:
@@ -195,4 +209,6 @@ class InteregularBackend(GrammarBackend):
 
     def _matcher(self, compiled: CompiledGrammar) -> InteregularMatcher:
         grammar: RegexGrammar = compiled.native
-        return InteregularMatcher(grammar, self.tokenizer_info, self.max_rollback_tokens, (grammar.dfa.initial, None))
+        return InteregularMatcher(
+            grammar, self.tokenizer_info, self.max_rollback_tokens, (grammar.dfa.initial, None)
+        )

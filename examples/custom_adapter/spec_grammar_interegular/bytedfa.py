@@ -23,8 +23,8 @@ matches. States that cannot reach a final state are merged into the dead state 0
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
 
 import numpy as np
 from interegular.fsm import FSM, anything_else
@@ -81,7 +81,7 @@ class ByteDFA:
         return state
 
     @classmethod
-    def from_fsm(cls, fsm: FSM) -> "ByteDFA":
+    def from_fsm(cls, fsm: FSM) -> ByteDFA:
         """Expand interegular's character FSM into a byte DFA.
 
         Raises :class:`EmptyLanguageError` when no string matches the pattern.
@@ -157,7 +157,11 @@ class _Builder:
                 )
         else:  # "a": only unnamed characters can follow, all leading to t
             _, t, need, lo, hi = key
-            nxt = self.state_id(("c", t)) if need == 1 else self.state_id(("a", t, need - 1, 0x80, 0xBF))
+            nxt = (
+                self.state_id(("c", t))
+                if need == 1
+                else self.state_id(("a", t, need - 1, 0x80, 0xBF))
+            )
             for b in range(lo, hi + 1):
                 row[b] = nxt
         return row

@@ -43,11 +43,18 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 # merged weights per first module of a merge (q_proj, gate_proj), shared by every FusedLlama
 # over the same layers: weak references, so that dropping the runners (then moving the model)
 # frees them
-_MERGED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref, weakref.ref | None]]" = (
+_MERGED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[weakref.ref, weakref.ref | None]] = (
     weakref.WeakKeyDictionary()
 )
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -103,8 +110,10 @@ def _merged(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     cached = _MERGED.get(first)
     if cached is not None:
         weight, bias = cached[0](), cached[1]() if cached[1] is not None else None
-        if weight is not None and weight.data_ptr() == first.weight.data_ptr() and (
-            (bias is None) == (first.bias is None)
+        if (
+            weight is not None
+            and weight.data_ptr() == first.weight.data_ptr()
+            and ((bias is None) == (first.bias is None))
         ):
             return weight, bias
     with torch.no_grad():
@@ -122,15 +131,29 @@ def _merged(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
 
 
 class _Layer:
-    __slots__ = ("qkv_w", "qkv_b", "o", "gate_up_w", "gate_up_b", "down", "in_norm", "post_norm", "eps",
-                 "post_eps", "scaling")
+    __slots__ = (
+        "qkv_w",
+        "qkv_b",
+        "o",
+        "gate_up_w",
+        "gate_up_b",
+        "down",
+        "in_norm",
+        "post_norm",
+        "eps",
+        "post_eps",
+        "scaling",
+    )
 
     def __init__(self, layer: Any):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv_w, self.qkv_b = _merged([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up_w, self.gate_up_b = _merged([mlp.gate_proj, mlp.up_proj])
         self.o, self.down = attn.o_proj, mlp.down_proj
-        self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.in_norm, self.post_norm = (
+            layer.input_layernorm.weight,
+            layer.post_attention_layernorm.weight,
+        )
         self.eps = float(layer.input_layernorm.variance_epsilon)
         self.post_eps = float(layer.post_attention_layernorm.variance_epsilon)
         self.scaling = float(attn.scaling)
@@ -162,7 +185,9 @@ class FusedLlama:
         self.lm_head = model.lm_head
         self.inv_freq = inner.rotary_emb.inv_freq.float()
         self.rope_scaling = float(inner.rotary_emb.attention_scaling)
-        self._kv_like = torch.empty(1, self.kv_heads, 1, self.head_dim, dtype=self.embed.dtype, device=self.embed.device)
+        self._kv_like = torch.empty(
+            1, self.kv_heads, 1, self.head_dim, dtype=self.embed.dtype, device=self.embed.device
+        )
 
     @torch.inference_mode()
     def forward(
@@ -193,7 +218,9 @@ class FusedLlama:
         b, n = tokens.shape
         t = b * n
         h = F.embedding(tokens.reshape(t), self.embed)  # the residual stream, updated in place
-        cos, sin = ops.rotary_cos_sin(positions.reshape(t), self.inv_freq, self.rope_scaling, self.embed.dtype)
+        cos, sin = ops.rotary_cos_sin(
+            positions.reshape(t), self.inv_freq, self.rope_scaling, self.embed.dtype
+        )
         if self.group > 1:
             mask = mask.repeat(1, 1, self.group, 1)  # row g * n + i is query i of group member g
         x = ops.rms_norm(h, self.layers[0].in_norm, self.layers[0].eps)
@@ -201,12 +228,25 @@ class FusedLlama:
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
             k_buf, v_buf = store.layer(i, self._kv_like)
             q = ops.rope_and_cache(
-                qkv, cos, sin, k_buf, v_buf, row_idx, write_pos, b, n, self.heads, self.kv_heads, self.head_dim
+                qkv,
+                cos,
+                sin,
+                k_buf,
+                v_buf,
+                row_idx,
+                write_pos,
+                b,
+                n,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
             )
             attn = F.scaled_dot_product_attention(
                 q.view(b, self.kv_heads, self.group * n, self.head_dim),
-                k_buf[rows, :, :kv_len], v_buf[rows, :, :kv_len],
-                attn_mask=mask, scale=layer.scaling,
+                k_buf[rows, :, :kv_len],
+                v_buf[rows, :, :kv_len],
+                attn_mask=mask,
+                scale=layer.scaling,
             )
             # (memory-efficient attention may return a non-contiguous output: reshape, not view)
             attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2).reshape(t, -1)
@@ -214,7 +254,10 @@ class FusedLlama:
             mlp = layer.down(ops.silu_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b)))
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x = ops.rms_norm(
-                mlp, nxt.in_norm if nxt else self.norm, nxt.eps if nxt else self.norm_eps, residual=h
+                mlp,
+                nxt.in_norm if nxt else self.norm,
+                nxt.eps if nxt else self.norm_eps,
+                residual=h,
             )
         x = x.view(b, n, -1)
         if logits_to_keep:

@@ -21,10 +21,16 @@ def use_triton(t: torch.Tensor) -> bool:
     """True when ``t``'s operations run as Triton kernels: a CUDA tensor of a half or single
     precision dtype, and Triton present (the kernels compute in float32, so float64 models run
     the torch versions and keep their precision)."""
-    return t.is_cuda and triton_ops is not None and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return (
+        t.is_cuda
+        and triton_ops is not None
+        and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """RMSNorm of ``x``, or of ``residual + x`` when ``residual`` is given.
 
     Args:
@@ -46,7 +52,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+):
     """cos and sin ``(T, D / 2)`` in ``dtype`` of ``positions (T,)`` long: the angles in float32
     (``position * inv_freq``, ``inv_freq (D / 2,)`` float32), times the rotary attention
     ``scaling``, rounded to ``dtype``, exactly as HF's rotary embedding computes them."""
@@ -83,7 +91,18 @@ def rope_and_cache(
     """
     if use_triton(qkv):
         return triton_ops.rope_and_cache(
-            qkv, cos, sin, k_buf, v_buf, row_idx, write_pos.reshape(-1), b, n, heads, kv_heads, head_dim
+            qkv,
+            cos,
+            sin,
+            k_buf,
+            v_buf,
+            row_idx,
+            write_pos.reshape(-1),
+            b,
+            n,
+            heads,
+            kv_heads,
+            head_dim,
         )
     x = qkv.view(b * n, heads + 2 * kv_heads, head_dim)
     rot = x[:, : heads + kv_heads]

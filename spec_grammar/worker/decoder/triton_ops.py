@@ -18,40 +18,70 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, hidden, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, hidden, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < hidden
     x = tl.load(x_ptr + row * hidden + cols, mask=ok, other=0.0)
     if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * hidden + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * hidden + cols, mask=ok, other=0.0).to(
+            tl.float32
+        )
         x = x.to(out_ptr.dtype.element_ty)
         tl.store(res_ptr + row * hidden + cols, x, mask=ok)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / hidden
     y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + row * hidden + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    tl.store(
+        out_ptr + row * hidden + cols,
+        (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
+        mask=ok,
+    )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """See :func:`spec_grammar.worker.decoder.ops.rms_norm` (contiguous ``(T, H)`` CUDA tensors)."""
     t, hidden = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(t,)](
-        x, residual if residual is not None else x, weight, out, hidden, eps,
-        HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        hidden,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
     )
     return out
 
 
 @triton.jit
 def _rope_cache_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, row_ptr, wpos_ptr,
-    n, heads, kv_heads,
-    k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    row_ptr,
+    wpos_ptr,
+    n,
+    heads,
+    kv_heads,
+    k_s0,
+    k_s1,
+    k_s2,
+    v_s0,
+    v_s1,
+    v_s2,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -89,14 +119,32 @@ def _rope_cache_kernel(
         tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d, mask=ok), mask=ok)
 
 
-def rope_and_cache(qkv, cos, sin, k_buf, v_buf, row_idx, write_pos, b, n, heads, kv_heads, head_dim):
+def rope_and_cache(
+    qkv, cos, sin, k_buf, v_buf, row_idx, write_pos, b, n, heads, kv_heads, head_dim
+):
     """See :func:`spec_grammar.worker.decoder.ops.rope_and_cache`."""
     q = torch.empty(b, heads, n, head_dim, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(b * n, heads + kv_heads)](
-        qkv, cos, sin, q, k_buf, v_buf, row_idx, write_pos,
-        n, heads, kv_heads,
-        k_buf.stride(0), k_buf.stride(1), k_buf.stride(2), v_buf.stride(0), v_buf.stride(1), v_buf.stride(2),
-        HALF=head_dim // 2, BLOCK=triton.next_power_of_2(head_dim // 2), num_warps=1,
+        qkv,
+        cos,
+        sin,
+        q,
+        k_buf,
+        v_buf,
+        row_idx,
+        write_pos,
+        n,
+        heads,
+        kv_heads,
+        k_buf.stride(0),
+        k_buf.stride(1),
+        k_buf.stride(2),
+        v_buf.stride(0),
+        v_buf.stride(1),
+        v_buf.stride(2),
+        HALF=head_dim // 2,
+        BLOCK=triton.next_power_of_2(head_dim // 2),
+        num_warps=1,
     )
     return q
 

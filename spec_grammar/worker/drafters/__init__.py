@@ -14,7 +14,16 @@ from .base import Drafter, NoDrafter
 from .model import ModelDrafter, truncated_model
 from .ngram import NgramDrafter, ngram_tree
 
-__all__ = ["Drafter", "NoDrafter", "NgramDrafter", "ModelDrafter", "make_drafter", "ngram_tree", "truncated_model", "DEFAULT_DRAFT"]
+__all__ = [
+    "Drafter",
+    "NoDrafter",
+    "NgramDrafter",
+    "ModelDrafter",
+    "make_drafter",
+    "ngram_tree",
+    "truncated_model",
+    "DEFAULT_DRAFT",
+]
 
 DEFAULT_DRAFT = "ngram"
 
@@ -48,7 +57,9 @@ def make_drafter(
         return NgramDrafter(num_draft_tokens=num_draft_tokens)
     kind, _, arg = draft.partition(":")
     if kind not in ("self", "model") or not arg:
-        raise ValueError(f"unknown drafter {draft!r}: use ngram, self:L, model:PATH, grammar or none")
+        raise ValueError(
+            f"unknown drafter {draft!r}: use ngram, self:L, model:PATH, grammar or none"
+        )
     from ..runner import ModelRunner
 
     if kind == "self":
@@ -66,7 +77,9 @@ def make_drafter(
         draft_model = load_model(arg, dtype=dtype)
     vocab_limit = target_model.config.vocab_size if target_model is not None else None
     return ModelDrafter(
-        ModelRunner(draft_model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward),
+        ModelRunner(
+            draft_model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward
+        ),
         topk=topk,
         num_steps=num_steps,
         num_draft_tokens=num_draft_tokens,

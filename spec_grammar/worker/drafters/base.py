@@ -7,7 +7,8 @@ output.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ...errors import SpecGrammarError
 from ...tree import DraftTree
@@ -32,13 +33,15 @@ class Drafter:
 
     def __init__(self, *, num_draft_tokens: int = 8):
         if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1 (the root counts), got {num_draft_tokens}")
+            raise ValueError(
+                f"num_draft_tokens must be >= 1 (the root counts), got {num_draft_tokens}"
+            )
         self.num_draft_tokens = int(num_draft_tokens)
 
-    def add(self, state: "RequestState") -> None:
+    def add(self, state: RequestState) -> None:
         """A request joins the batch (its prompt is known, nothing generated yet)."""
 
-    def add_batch(self, states: Sequence["RequestState"]) -> dict[str, SpecGrammarError]:
+    def add_batch(self, states: Sequence[RequestState]) -> dict[str, SpecGrammarError]:
         """Several requests join at once (the worker's way at the start of a run); returns the
         ones refused, by id (:meth:`add` raised a :class:`SpecGrammarError` for them)."""
         refused: dict[str, SpecGrammarError] = {}
@@ -52,7 +55,7 @@ class Drafter:
     def remove(self, rid: str) -> None:
         """A request left the batch; drop its state."""
 
-    def propose(self, batch: Sequence["RequestState"]) -> list[DraftTree]:  # pragma: no cover
+    def propose(self, batch: Sequence[RequestState]) -> list[DraftTree]:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -64,5 +67,5 @@ class NoDrafter(Drafter):
     def __init__(self) -> None:
         super().__init__(num_draft_tokens=1)
 
-    def propose(self, batch: Sequence["RequestState"]) -> list[DraftTree]:
+    def propose(self, batch: Sequence[RequestState]) -> list[DraftTree]:
         return [DraftTree.chain(s.root_token, []) for s in batch]

@@ -22,7 +22,8 @@ model drafting follows SGLang's grammar-constrained EAGLE draft discussion
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -33,7 +34,12 @@ from .model import ModelDrafter, best_candidates, tree_from_candidates
 from .ngram import NgramDrafter, ngram_tree
 from .vocab_map import check_draft_vocab, draft_to_target_ids, draft_vocab_bitmask
 
-__all__ = ["GrammarAwareDrafter", "make_grammar_drafter", "current_matcher", "DEFAULT_FORCED_TOKENS"]
+__all__ = [
+    "GrammarAwareDrafter",
+    "make_grammar_drafter",
+    "current_matcher",
+    "DEFAULT_FORCED_TOKENS",
+]
 
 DEFAULT_FORCED_TOKENS = True
 """Default of ``forced_tokens`` in ``generate`` / ``build_worker`` / ``spec-grammar generate``,
@@ -145,7 +151,11 @@ class GrammarAwareDrafter(Drafter):
                 self.forced_added += extend_with_forced(d, leaf_matcher, budget)
             tree = d.tree()
             if self.constrain:
-                self._rows[s.rid] = (tree, d.bitmask(), torch.ones(tree.num_nodes, dtype=torch.bool))
+                self._rows[s.rid] = (
+                    tree,
+                    d.bitmask(),
+                    torch.ones(tree.num_nodes, dtype=torch.bool),
+                )
             out.append(tree)
         return out
 
@@ -158,7 +168,9 @@ class GrammarAwareDrafter(Drafter):
                     big if m is not None else self.inner.num_draft_tokens,
                     max_match=self.inner.max_match,
                     min_match=self.inner.min_match,
-                    max_depth=self.inner.max_depth if self.inner.max_depth is not None else self.num_draft_tokens - 1,
+                    max_depth=self.inner.max_depth
+                    if self.inner.max_depth is not None
+                    else self.num_draft_tokens - 1,
                 )
                 for s, m in zip(batch, matchers)
             ]

@@ -17,8 +17,9 @@ kept: those rows are exactly the verification rows of the final tree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,7 +57,9 @@ class GrammarDraft:
     def num_nodes(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int, row: torch.Tensor | None, terminated: bool = False) -> int:
+    def add(
+        self, token: int, parent: int, row: torch.Tensor | None, terminated: bool = False
+    ) -> int:
         """Append a child of ``parent``; returns its index."""
         self.tokens.append(int(token))
         self.parents.append(int(parent))
@@ -92,7 +95,7 @@ class GrammarDraft:
 
 
 def walk_tree(
-    matcher: "SpecGrammar", tree: DraftTree, budget: int, *, fill_rows: bool
+    matcher: SpecGrammar, tree: DraftTree, budget: int, *, fill_rows: bool
 ) -> GrammarDraft:
     """The valid part of ``tree`` under ``matcher`` (at the root's state), cut to ``budget``
     draft nodes in node order (the drafter's priority order; parents precede children).
@@ -144,7 +147,7 @@ def walk_tree(
 
 
 def extend_with_forced(
-    draft: GrammarDraft, leaf_matcher: Callable[[int], "SpecGrammar"], budget: int
+    draft: GrammarDraft, leaf_matcher: Callable[[int], SpecGrammar], budget: int
 ) -> int:
     """Append the grammar-forced continuation under the leaves of ``draft``, deepest leaf
     first, until the tree holds ``budget`` draft nodes (root excluded). Rows of the new nodes

@@ -42,7 +42,8 @@ trees); bf16 logits tie often (a random-weight bf16 SmolLM2-shaped drafter on an
 from __future__ import annotations
 
 import copy
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -122,10 +123,14 @@ def truncated_model(model: Any, num_layers: int) -> Any:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"self-drafting needs a decoder with model.model.layers; got {type(model).__name__}")
+        raise ValueError(
+            f"self-drafting needs a decoder with model.model.layers; got {type(model).__name__}"
+        )
     total = len(layers)
     if not 1 <= num_layers <= total:
-        raise ValueError(f"self:L needs 1 <= L <= {total} (the target's layers), got L={num_layers}")
+        raise ValueError(
+            f"self:L needs 1 <= L <= {total} (the target's layers), got L={num_layers}"
+        )
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None) is not None:
@@ -196,7 +201,9 @@ class ModelDrafter(Drafter):
     ):
         super().__init__(num_draft_tokens=num_draft_tokens)
         if topk < 1 or num_steps < 1:
-            raise ValueError(f"topk and num_steps must be >= 1, got topk={topk}, num_steps={num_steps}")
+            raise ValueError(
+                f"topk and num_steps must be >= 1, got topk={topk}, num_steps={num_steps}"
+            )
         self.runner = runner
         self.topk = int(topk)
         self.num_steps = int(num_steps)
@@ -227,7 +234,11 @@ class ModelDrafter(Drafter):
         b, n, v = logits.shape
         width = v if self.vocab_limit is None else min(v, self.vocab_limit)
         flat = torch.tensor([i * n + node for i, node in nodes], dtype=torch.long)
-        return logits.reshape(b * n, v)[:, :width].index_select(0, self._staging.upload("rows", flat)).float()
+        return (
+            logits.reshape(b * n, v)[:, :width]
+            .index_select(0, self._staging.upload("rows", flat))
+            .float()
+        )
 
     def top_log_probs(
         self,
@@ -255,7 +266,11 @@ class ModelDrafter(Drafter):
         staging = self._staging
         lp = torch.log_softmax(rows, dim=-1)
         if bitmask is not None and bitmask.shape[0]:
-            idx = None if masked is None else staging.upload("masked", torch.tensor(list(masked), dtype=torch.long))
+            idx = (
+                None
+                if masked is None
+                else staging.upload("masked", torch.tensor(list(masked), dtype=torch.long))
+            )
             apply_token_bitmask_inplace(lp, staging.upload("mask", bitmask), indices=idx)
         top = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
         values, indices = staging.download(top.values, top.indices)
@@ -270,7 +285,9 @@ class ModelDrafter(Drafter):
             pending = s.committed_ids[self.runner.cache_len(s.rid) :]
             chains.append(DraftTree.chain(pending[0], pending[1:]))
         logits = self.runner.forward_trees(rids, chains)
-        rows = self.gather_rows(logits, [(i, chain.num_nodes - 1) for i, chain in enumerate(chains)])
+        rows = self.gather_rows(
+            logits, [(i, chain.num_nodes - 1) for i, chain in enumerate(chains)]
+        )
         for s, chain in zip(batch, chains):
             if chain.num_nodes > 1:
                 # Keep every committed token but the last: it is the next tree's root.
@@ -324,7 +341,9 @@ class ModelDrafter(Drafter):
                 while f != -1 and f not in keep:
                     keep.add(f)
                     f = c[f][1]
-            tree, index = tree_from_candidates(s.root_token, c, sorted(keep, key=lambda j: (c[j][3], j)))
+            tree, index = tree_from_candidates(
+                s.root_token, c, sorted(keep, key=lambda j: (c[j][3], j))
+            )
             trees.append(tree)
             index_of.append(index)
         return self.runner.forward_trees(rids, trees), index_of

@@ -19,7 +19,7 @@ frequent. See the worker benchmark in the report for the measured numbers.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -110,7 +110,14 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, *, num_draft_tokens: int = 8, max_match: int = 8, min_match: int = 1, max_depth: int | None = None):
+    def __init__(
+        self,
+        *,
+        num_draft_tokens: int = 8,
+        max_match: int = 8,
+        min_match: int = 1,
+        max_depth: int | None = None,
+    ):
         super().__init__(num_draft_tokens=num_draft_tokens)
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")

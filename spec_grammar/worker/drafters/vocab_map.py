@@ -23,7 +23,9 @@ class DraftVocabError(SpecGrammarError, ValueError):
     given (or the map has the wrong length / points outside the target vocabulary)."""
 
 
-def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int, d2t: torch.Tensor | None) -> None:
+def check_draft_vocab(
+    draft_vocab_size: int, target_vocab_size: int, d2t: torch.Tensor | None
+) -> None:
     """Raise :class:`DraftVocabError` unless draft ids can be read as target ids: equal widths
     and no map, or a ``(draft_vocab_size,)`` integer ``d2t`` whose targets lie in
     ``[0, target_vocab_size)``."""
@@ -40,7 +42,9 @@ def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int, d2t: torch.
         )
     target = draft_to_target_ids(torch.arange(draft_vocab_size), d2t)
     if draft_vocab_size and not (0 <= int(target.min()) and int(target.max()) < target_vocab_size):
-        raise DraftVocabError(f"d2t maps draft ids outside the target vocabulary [0, {target_vocab_size})")
+        raise DraftVocabError(
+            f"d2t maps draft ids outside the target vocabulary [0, {target_vocab_size})"
+        )
 
 
 def draft_to_target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +52,9 @@ def draft_to_target_ids(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Ten
     return draft_ids + d2t.to(draft_ids.device)[draft_ids]
 
 
-def draft_vocab_bitmask(target_rows: torch.Tensor, d2t: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+def draft_vocab_bitmask(
+    target_rows: torch.Tensor, d2t: torch.Tensor, target_vocab_size: int
+) -> torch.Tensor:
     """Translate grammar rows from target to draft vocabulary space.
 
     Args:
