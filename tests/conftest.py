@@ -1,5 +1,11 @@
-"""Shared pytest options for the whole suite: ``--run-slow`` un-skips ``@pytest.mark.slow``;
-``@pytest.mark.gpu`` tests are skipped without CUDA."""
+"""Options, markers and fixtures shared by the whole suite.
+
+- ``--run-slow`` un-skips ``@pytest.mark.slow``; ``@pytest.mark.gpu`` tests skip without CUDA.
+- ``tok`` / ``model``: the default model's tokenizer and float32 model, loaded once per session.
+  Tests that need float64 outputs (spec vs no-spec greedy parity) use
+  ``real_model.model_and_tokenizer()`` from ``tests/support/``.
+- Fast lane: ``pytest -m "not model"`` leaves out the tests that run the real model.
+"""
 
 from __future__ import annotations
 
@@ -25,3 +31,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 cuda = torch.cuda.is_available()
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason="gpu: no CUDA device"))
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The default model's (SmolLM2-135M-Instruct) Hugging Face tokenizer, vocab 49,152."""
+    from spec_grammar.models import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The default model in float32 on the CPU (tests that change its config restore it)."""
+    from spec_grammar.models import load_model
+
+    return load_model("smollm2")

@@ -1,7 +1,7 @@
 """A deliberately broken backend: the xgrammar adapter with switchable bugs.
 
 Each bug is one failure kind seen in real grammar integrations (SGLang's tree traversal,
-vLLM's rollback history, ...). ``tests/test_conformance.py`` checks that the conformance suite
+vLLM's rollback history, ...). ``tests/conformance/test_conformance.py`` checks that the conformance suite
 catches every one of them and names the right property. Usable from the CLI as well, e.g.
 ``spec-grammar conformance --backend broken_adapter:ForkSharesState`` with ``tests`` on
 ``PYTHONPATH``.

@@ -48,13 +48,6 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
-@pytest.fixture(scope="module")
-def model():
-    from spec_grammar.models import load_model
-
-    return load_model("smollm2")
-
-
 def prompts_of(lengths: list[int], seed: int = 0, prefix: str = "r") -> dict[str, list[int]]:
     rng = random.Random(seed)
     return {

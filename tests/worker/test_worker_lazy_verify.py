@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from oracles import oracle_verify, state_error
 
 from spec_grammar import JsonSchema, get_backend
 from spec_grammar.bitmask import allocate_token_bitmask
@@ -99,43 +100,9 @@ def _oracle(logits, tree, pos, stops):
     return oracle_verify(_matcher_at(pos), logits, tree, stops)
 
 
-def oracle_verify(m, logits, tree, stops):
-    """``(nodes, bonus)`` of the per-request path from matcher ``m``'s state (left as it was),
-    or its error type."""
-    if m.is_terminated():
-        return GrammarStateError
-    rows = allocate_token_bitmask(tree.num_nodes, logits.shape[-1])
-    valid = m.fill_tree_bitmask(tree, rows)
-    processed = process_tree_logits(
-        logits, tree, [tree.token_list[0]], SamplingParams(), bitmask=rows
-    )
-    try:
-        return verify_greedy(processed, tree, valid, stop_token_ids=stops)
-    except GrammarStateError:
-        return GrammarStateError
-
-
 def _same_state(m, pos: int, run: list[int]) -> bool:
     """``m`` is where a fresh matcher fed the document prefix and ``run`` is."""
     return state_error(m, _matcher_at(pos), run) is None
-
-
-def state_error(m, ref, run: list[int]) -> str | None:
-    """None when ``m`` is where ``ref`` (a fresh matcher at the same prefix) is once fed
-    ``run``; else what differs. ``ref`` is advanced."""
-    if ref.accept_tokens(run) != len(run):
-        return "a fresh matcher refuses the committed run"
-    if m.num_accepted != ref.num_accepted:
-        return f"num_accepted {m.num_accepted} != {ref.num_accepted}"
-    if ref.is_terminated() or m.is_terminated():
-        return None if ref.is_terminated() == m.is_terminated() else "termination differs"
-    a, b = (
-        allocate_token_bitmask(1, m.info.vocab_size),
-        allocate_token_bitmask(1, m.info.vocab_size),
-    )
-    m.fill_next_token_bitmask(a)
-    ref.fill_next_token_bitmask(b)
-    return None if torch.equal(a, b) else "next-token masks differ"
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -146,7 +146,7 @@ def test_batched_greedy_verify_on_cuda_equals_per_request(seed):
 # Model drafters on CUDA (issue #6): per depth, the batch's log-softmax / grammar mask / top-k
 # run on the device and only the (rows, k) top-k comes back (one pinned copy, one event wait).
 # Oracle: the same drafter on the CPU, whose path is bit-for-bit the old per-row host path
-# (tests/test_drafting.py). A float64 random-weight Llama with a wide initialisation gives
+# (tests/worker/test_drafting.py). A float64 random-weight Llama with a wide initialisation gives
 # peaked, well-separated draft log-probs; an exact float32 tie (CUDA's top-k may order ties
 # differently) would show up as a tree difference and is not expected with these seeds.
 

@@ -21,13 +21,6 @@ from spec_grammar.tree import DraftTree
 pytestmark = pytest.mark.model
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from spec_grammar.models import load_tokenizer
-
-    return load_tokenizer("smollm2")
-
-
 def _same_masks(tok, a_backend, b_backend) -> None:
     """``b``'s rows equal ``a``'s on ``a``'s width and are zero past it."""
     width = allocate_token_bitmask(1, a_backend.vocab_size).shape[1]

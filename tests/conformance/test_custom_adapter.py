@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("interegular", reason="the example adapter needs `pip install interegular`")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_adapter"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_adapter"
 if str(EXAMPLE) not in sys.path:
     sys.path.insert(0, str(EXAMPLE))
 
@@ -32,7 +32,6 @@ from spec_grammar_interegular import InteregularBackend  # noqa: E402
 
 from spec_grammar.bitmask import allocate_token_bitmask, allowed_token_ids  # noqa: E402
 from spec_grammar.errors import GrammarCompileError, GrammarStateError, UnsupportedGrammarError  # noqa: E402
-from spec_grammar.models import load_tokenizer  # noqa: E402
 from spec_grammar.registry import load_backend_class  # noqa: E402
 from spec_grammar.specs import Ebnf, JsonSchema, Regex, ToolCalls  # noqa: E402
 from spec_grammar.tree import DraftTree  # noqa: E402
@@ -56,11 +55,6 @@ TEXTS = [
     "maybe",
     "",
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ from spec_grammar.testing.json_suite import (
 )
 from spec_grammar.vocab import token_bytes_table
 
-TESTS = Path(__file__).parent
+SUPPORT = Path(__file__).parents[1] / "support"
 AVAILABLE = [b.name for b in list_backends() if b.error is None]
 UNAVAILABLE = [b for b in list_backends() if b.error is not None]
 ALL_PROPERTIES = [p.name for p in select_properties()]
@@ -175,7 +175,7 @@ def test_cli_reports_failure_with_sets_and_text(capsys):
 
 def test_pytest_plugin_generates_one_test_per_property(tmp_path):
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+        os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])
     )
     cmd = [
         sys.executable,
@@ -208,7 +208,7 @@ def test_pytest_plugin_marker_selects_only_the_properties(tmp_path):
         "def test_my_conformance_helper():\n    raise AssertionError('ran')\n"
     )
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+        os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])
     )
     base = [
         sys.executable,

@@ -17,9 +17,9 @@ import random
 
 import pytest
 import torch
+from faults import FaultyMatcher
+from oracles import oracle_verify, state_error
 from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
-from test_reliability_worker import FaultyMatcher
-from test_worker_lazy_verify import oracle_verify, state_error
 
 from spec_grammar import JsonSchema, Regex, get_backend
 from spec_grammar.bitmask import allocate_token_bitmask, allowed_token_ids

@@ -20,17 +20,11 @@ from spec_grammar import (
     list_backends,
 )
 from spec_grammar.errors import GrammarSpecError
-from spec_grammar.models import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("smollm2")
-
-
-@pytest.fixture(scope="module")
-def xgr(tokenizer):
-    return get_backend("xgrammar", tokenizer)
+def xgr(tok):
+    return get_backend("xgrammar", tok)
 
 
 def test_specs_normalize():
@@ -67,8 +61,8 @@ def test_tool_calls_schema_validates_example():
             jsonschema.validate(case["example_output"], schema)
 
 
-def test_concurrent_compiles_run_once(tokenizer):
-    backend = get_backend("xgrammar", tokenizer)
+def test_concurrent_compiles_run_once(tok):
+    backend = get_backend("xgrammar", tok)
     specs = [
         JsonSchema({"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
         for i in range(3)
@@ -91,8 +85,8 @@ def test_concurrent_compiles_run_once(tokenizer):
             assert results[i][j] is results[0][j]
 
 
-def test_compile_cache_evicts(tokenizer):
-    backend = get_backend("xgrammar", tokenizer, compile_cache_size=2)
+def test_compile_cache_evicts(tok):
+    backend = get_backend("xgrammar", tok, compile_cache_size=2)
     for i in range(4):
         backend.compile(Regex(f"a{{{i + 1}}}"))
     assert len(backend._cache) == 2
@@ -108,50 +102,50 @@ def test_compile_errors_are_typed_and_cached(xgr):
     assert xgr.num_compiles == before + 1
 
 
-def test_registry_errors(tokenizer):
+def test_registry_errors(tok):
     with pytest.raises(BackendNotFoundError, match="unknown grammar backend 'nope'.*xgrammar"):
-        get_backend("nope", tokenizer)
+        get_backend("nope", tok)
     with pytest.raises(BackendNotFoundError, match="cannot load"):
-        get_backend("no_such_module:Backend", tokenizer)
+        get_backend("no_such_module:Backend", tok)
     with pytest.raises(BackendNotFoundError, match="GrammarBackend subclass"):
-        get_backend("json:dumps", tokenizer)
+        get_backend("json:dumps", tok)
     names = {b.name for b in list_backends()}
     assert {"xgrammar", "llguidance", "outlines"} <= names
 
 
-def test_protocol_guards(xgr, tokenizer):
+def test_protocol_guards(xgr, tok):
     m = xgr.matcher(xgr.compile(Regex("ab")))
     with pytest.raises(InvalidTokenError, match="outside the logits width"):
         m.accept_token(-1)
     with pytest.raises(InvalidTokenError):
-        m.accept_tokens([tokenizer.encode("a")[0], len(tokenizer)])
+        m.accept_tokens([tok.encode("a")[0], len(tok)])
     assert m.num_accepted == 0
     assert m.validate_tokens([-1]) == 0
     with pytest.raises(GrammarStateError, match="exceeds the 0 tokens"):
         m.rollback(1)
     with pytest.raises(GrammarStateError, match=">= 0"):
         m.rollback(-1)
-    ids = tokenizer.encode("ab")
+    ids = tok.encode("ab")
     assert m.accept_tokens(ids) == len(ids)
-    assert m.accept_token(tokenizer.eos_token_id) and m.is_terminated()
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
     bm = allocate_token_bitmask(1, xgr.vocab_size)
     with pytest.raises(GrammarStateError, match="terminated"):
         m.fill_next_token_bitmask(bm, 0)
     assert m.accept_token(ids[0]) is False and m.forced_tokens() == []
     m.rollback(1)
     assert not m.is_terminated()
-    other = get_backend("xgrammar", tokenizer)
+    other = get_backend("xgrammar", tok)
     with pytest.raises(GrammarStateError, match="not compiled by this backend"):
         other.matcher(xgr.compile(Regex("ab")))
-    small = get_backend("xgrammar", tokenizer, max_rollback_tokens=2)
+    small = get_backend("xgrammar", tok, max_rollback_tokens=2)
     m2 = small.matcher(small.compile(Regex("a+")))
-    a = tokenizer.encode("a")[0]
+    a = tok.encode("a")[0]
     assert m2.accept_tokens([a, a, a]) == 3
     with pytest.raises(GrammarStateError, match="max_rollback_tokens=2"):
         m2.rollback(3)
 
 
-def test_unsupported_kind_is_typed(tokenizer):
+def test_unsupported_kind_is_typed(tok):
     from spec_grammar_xgrammar import XGrammarBackend
 
     from spec_grammar.protocol import Capabilities
@@ -159,25 +153,25 @@ def test_unsupported_kind_is_typed(tokenizer):
     class RegexOnly(XGrammarBackend):
         capabilities = Capabilities(json_schema=False, regex=True, tool_calls=False)
 
-    b = RegexOnly(tokenizer)
+    b = RegexOnly(tok)
     with pytest.raises(UnsupportedGrammarError, match="json_schema grammars are not supported"):
         b.compile(JsonSchema({"type": "object"}))
 
 
-def test_padding_columns_never_allowed(tokenizer):
-    wide = get_backend("xgrammar", tokenizer, vocab_size=len(tokenizer) + 100)
+def test_padding_columns_never_allowed(tok):
+    wide = get_backend("xgrammar", tok, vocab_size=len(tok) + 100)
     m = wide.matcher(wide.compile(JsonSchema({"type": "object"})))
     bm = allocate_token_bitmask(1, wide.vocab_size)
     m.fill_next_token_bitmask(bm, 0)
     from spec_grammar import unpack_bitmask
 
-    assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tokenizer) :].any()
-    assert m.accept_token(len(tokenizer) + 5) is False
+    assert not unpack_bitmask(bm, wide.vocab_size)[0, len(tok) :].any()
+    assert m.accept_token(len(tok) + 5) is False
     # a run holding a padding id stops there: the adapter's hook never sees the id
     seen, hook = [], m._accept_tokens
     m._accept_tokens = lambda ts: seen.extend(ts) or hook(ts)
-    brace = tokenizer.encode("{", add_special_tokens=False)
-    assert m.accept_tokens(brace + [len(tokenizer) + 5] + brace) == len(brace) == m.num_accepted
+    brace = tok.encode("{", add_special_tokens=False)
+    assert m.accept_tokens(brace + [len(tok) + 5] + brace) == len(brace) == m.num_accepted
     assert seen == brace
 
 
@@ -188,7 +182,7 @@ def test_invalid_schema_named(xgr):
         xgr.compile(JsonSchema({"type": "string", "minLength": -1}))
 
 
-def test_compile_limits(tokenizer):
+def test_compile_limits(tok):
     import time
 
     from spec_grammar_xgrammar import XGrammarBackend
@@ -198,11 +192,11 @@ def test_compile_limits(tokenizer):
             time.sleep(2.0)
             return super()._compile(spec)
 
-    slow = Slow(tokenizer, compile_timeout_s=0.2)
+    slow = Slow(tok, compile_timeout_s=0.2)
     t0 = time.perf_counter()
     with pytest.raises(GrammarCompileError, match="did not finish within compile_timeout_s=0.2"):
         slow.compile(Regex("a"))
     assert time.perf_counter() - t0 < 1.5
-    small = get_backend("xgrammar", tokenizer, max_grammar_bytes=200)
+    small = get_backend("xgrammar", tok, max_grammar_bytes=200)
     with pytest.raises(GrammarCompileError, match="over max_grammar_bytes=200"):
         small.compile(JsonSchema({"enum": ["x" * 300]}))

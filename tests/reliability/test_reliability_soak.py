@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 
 def test_soak_memory_is_flat(tmp_path):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
     spec = importlib.util.spec_from_file_location("soak", path)
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)

@@ -154,15 +154,9 @@ def test_fault_ends_only_its_request_with_threads(threads):
     """The fault-injecting xgrammar of the worker's reliability tests: a request whose fill
     raises (from its 2nd fill on) and one whose matcher raises on a committed token end alone
     with the one-thread errors; the good requests give exactly the tokens of a clean run."""
-    from test_reliability_worker import (
-        ACCEPT_FAULT,
-        FILL_FAULT,
-        FaultyBackend,
-        good_requests,
-        request,
-    )
-    from test_reliability_worker import model_and_tokenizer as faulty_model
-    from test_reliability_worker import reference as clean
+    from faults import ACCEPT_FAULT, FILL_FAULT, FaultyBackend, good_requests, request
+    from faults import model_and_tokenizer as faulty_model
+    from faults import reference as clean
 
     model, tok = faulty_model()
     reqs = good_requests()

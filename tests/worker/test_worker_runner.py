@@ -15,13 +15,6 @@ pytestmark = pytest.mark.model
 ATOL = 5e-4  # fp32; a wrong mask or position shifts logits by O(1)
 
 
-@pytest.fixture(scope="module")
-def model():
-    from spec_grammar.models import load_model
-
-    return load_model("smollm2")
-
-
 @pytest.fixture(params=["sdpa", "eager"])
 def attn_model(request, model):
     before = model.config._attn_implementation

@@ -32,7 +32,6 @@ from spec_grammar.errors import (  # noqa: E402
     GrammarStateError,
     UnsupportedGrammarError,
 )
-from spec_grammar.models import load_tokenizer  # noqa: E402
 from spec_grammar.registry import get_backend  # noqa: E402
 from spec_grammar.specs import Ebnf, JsonSchema, Lark, Regex, ToolCalls  # noqa: E402
 from spec_grammar.traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask  # noqa: E402
@@ -54,11 +53,6 @@ INVOICE_DOC = {
     "order_total": 5.5,
 }
 SHORT_REGEX = r"[a-c]{1,4}( [0-9]{1,2})?"
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from spec_grammar.errors import (
     InvalidTokenError,
     UnsupportedGrammarError,
 )
-from spec_grammar.models import load_tokenizer
 from spec_grammar.registry import get_backend
 from spec_grammar.specs import Ebnf, JsonSchema, Lark, Regex, ToolCalls
 from spec_grammar.traverse import fill_tree_bitmask_dfs
@@ -40,11 +39,6 @@ INSTANCE = {
     "is_test": 0,
     "cid": "abc",
 }
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")
