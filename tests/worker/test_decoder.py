@@ -87,6 +87,7 @@ def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     )
 
 
+@pytest.mark.model
 def test_fused_worker_outputs_equal_hf_on_real_smollm2():
     """The speculative worker on the real SmolLM2 (float64) writes the same tokens with the
     fused forward as with HF's, and every output replays on a fresh matcher."""
