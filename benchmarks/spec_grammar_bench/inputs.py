@@ -16,9 +16,9 @@ from typing import Any
 import jsonschema
 import numpy as np
 
-from ..datasets import bfcl_cases, jsonschemabench_sample
-from ..protocol import GrammarBackend
-from ..specs import GrammarSpec, JsonSchema, ToolCalls
+from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
+from spec_grammar.protocol import GrammarBackend
+from spec_grammar.specs import GrammarSpec, JsonSchema, ToolCalls
 
 __all__ = ["Case", "load_cases", "sample_instance"]
 

@@ -48,12 +48,12 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
-from ..bitmask import allocate_token_bitmask, clear_padding_bits
-from ..errors import SpecGrammarError
-from ..models import ModelNotFoundError, load_tokenizer
-from ..protocol import GrammarBackend
-from ..registry import get_backend, list_backends
-from ..specs import JsonSchema
+from spec_grammar.bitmask import allocate_token_bitmask, clear_padding_bits
+from spec_grammar.errors import SpecGrammarError
+from spec_grammar.models import ModelNotFoundError, load_tokenizer
+from spec_grammar.protocol import GrammarBackend
+from spec_grammar.registry import get_backend, list_backends
+from spec_grammar.specs import JsonSchema
 from .instances import Case, load_cases, sample_instance
 from .naive import naive_walker
 from .trees import TreeRoot, grow_tree

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..bitmask import allocate_token_bitmask
-from ..protocol import CompiledGrammar, GrammarBackend
-from ..tree import DraftTree
+from spec_grammar.bitmask import allocate_token_bitmask
+from spec_grammar.protocol import CompiledGrammar, GrammarBackend
+from spec_grammar.tree import DraftTree
 
 __all__ = ["NaiveWalker", "naive_walker"]
 

@@ -51,8 +51,8 @@ import jsonschema
 import torch
 from pydantic import BaseModel, Field
 
-from ..datasets import bfcl_cases
-from ..specs import GrammarSpec, JsonSchema, ToolCalls
+from spec_grammar.datasets import bfcl_cases
+from spec_grammar.specs import GrammarSpec, JsonSchema, ToolCalls
 from .instances import load_cases
 
 __all__ = [
@@ -159,7 +159,7 @@ def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
     over subsets) and the first ``bfcl_cases`` BFCL cases with their user question, the two
     sources alternating; with ``shortest_prompts``, each source's shortest prompts instead
     (for smoke runs)."""
-    from ..worker import build_prompt, schema_prompt
+    from spec_grammar.worker import build_prompt, schema_prompt
 
     cases = load_cases(None if cfg.shortest_prompts else max(cfg.jsb_cases, cfg.bfcl_cases, 1))
     questions = {f"bfcl/{c['id']}": c["messages"][0][-1]["content"] for c in bfcl_cases()}
@@ -317,7 +317,7 @@ class _HFRow:
         self.compiled: dict[str, Any] = {}
         self.assistant = None
         if row.speculation == "assistant":
-            from ..worker.drafters import truncated_model
+            from spec_grammar.worker.drafters import truncated_model
 
             self.assistant = truncated_model(model, cfg.assistant_layers)
         if row.lib == "xgrammar":
@@ -431,7 +431,7 @@ class _OursRow:
     """Runs one of our rows through the public worker API (``build_worker`` + ``run``)."""
 
     def __init__(self, row: RowSpec, cfg: E2EBenchConfig):
-        from ..worker import build_worker
+        from spec_grammar.worker import build_worker
 
         self.row, self.cfg = row, cfg
         self.worker = build_worker(
@@ -444,7 +444,7 @@ class _OursRow:
         )
         self._fresh = None
         if row.lib is not None:
-            from ..registry import get_backend
+            from spec_grammar.registry import get_backend
 
             # timed compiles go to a backend without compile cache; the worker's own backend
             # then compiles once, untimed, so generation never includes a compile
@@ -465,8 +465,8 @@ class _OursRow:
         return ms
 
     def generate(self, p: E2EPrompt, max_new_tokens: int) -> dict[str, Any]:
-        from ..worker import Request
-        from ..worker.sampling import SamplingParams
+        from spec_grammar.worker import Request
+        from spec_grammar.worker.sampling import SamplingParams
 
         req = Request(
             prompt=list(p.prompt_ids),
@@ -577,7 +577,7 @@ def explain_divergence(
 
 
 def _select_backends(cfg: E2EBenchConfig) -> tuple[list[str], list[dict[str, Any]]]:
-    from ..registry import list_backends
+    from spec_grammar.registry import list_backends
 
     infos = list_backends()
     available = [i.name for i in infos if i.error is None]
@@ -601,7 +601,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
 
     import transformers
 
-    from ..models import load_tokenizer
+    from spec_grammar.models import load_tokenizer
 
     warnings.simplefilter("ignore")
     if cfg.torch_threads:

@@ -66,9 +66,9 @@ from typing import Annotated, Any
 import pydantic
 import torch
 
-from ..tree import DraftTree
-from ..worker.drafters import Drafter
-from ..worker.runner import ModelRunner, ancestors
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker.drafters import Drafter
+from spec_grammar.worker.runner import ModelRunner, ancestors
 
 __all__ = [
     "GpuBenchConfig",
@@ -206,7 +206,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     @pydantic.field_validator("tokenizers")
     @classmethod
     def _tokenizer_sources(cls, v: list[str]) -> list[str]:
-        from ..models import KNOWN_MODELS
+        from spec_grammar.models import KNOWN_MODELS
 
         for spec in v:
             name, eq, path = spec.partition("=")
@@ -431,7 +431,7 @@ def _load_tokenizer(spec: str) -> tuple[str, Any]:
     """``NAME=DIR`` / ``DIR`` / known name -> (label, Hugging Face tokenizer)."""
     from transformers import AutoTokenizer
 
-    from ..models import load_tokenizer
+    from spec_grammar.models import load_tokenizer
 
     name, _, path = spec.partition("=")
     if path:
@@ -528,8 +528,8 @@ def _run_mode(worker: Any, doc: dict, batch: int, prompt: list[int]) -> tuple[li
     """One run of ``worker`` over ``batch`` requests writing ``doc`` (constrained when the
     worker has a backend): its step stats and the ids of the requests whose output is not the
     document."""
-    from ..worker.request import Request
-    from ..worker.sampling import SamplingParams
+    from spec_grammar.worker.request import Request
+    from spec_grammar.worker.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=len(doc["ids"]) + 8)
     spec = doc["spec"] if worker.backend is not None else None
@@ -580,7 +580,7 @@ class _Setup:
         cfg: GpuBenchConfig,
         device: torch.device,
     ):
-        from ..registry import get_backend
+        from spec_grammar.registry import get_backend
 
         self.name, self.tok_name, self.tokenizer, self.model = name, tok_name, tokenizer, model
         # the flag only means something on CUDA (the runner never captures graphs elsewhere)
@@ -649,7 +649,7 @@ def _build_setups(
     progress: Callable[[str], None],
 ) -> list[_Setup]:
     """Every compatible (model, tokenizer) pair; random shapes are built once per vocabulary."""
-    from ..models import load_model
+    from spec_grammar.models import load_model
 
     models: dict[tuple[str, int], Any] = {}
     setups = []
@@ -796,7 +796,7 @@ def _run_config(
     keeps its worker (its reused host buffers, e.g. the pinned bitmask ring, are allocated
     once), and runs once untimed first: new shapes allocate device and pinned host blocks and
     capture graphs, new grammar positions build their masks (seen 2-4x slower steps)."""
-    from ..worker.engine import SpecWorker
+    from spec_grammar.worker.engine import SpecWorker
 
     plan = [(m, s.runner, m == "overlap", m != "plain") for m in MODES]
     if batch in cfg.eager_batches and s.eager is not None:
