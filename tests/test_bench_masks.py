@@ -107,7 +107,7 @@ def test_tree_numbers_consistent(result):
 
 
 def test_markdown_and_docs_show_the_json_numbers(run_dir, result, tmp_path):
-    from spec_grammar.bench.report import _f, speedups
+    from spec_grammar_bench.masks_report import _f, speedups
 
     md = (run_dir / "masks.md").read_text()
     ours8 = next(
@@ -138,7 +138,8 @@ def test_report_needs_results(tmp_path):
 def test_default_backends_are_those_that_compile_json_schemas():
     """The bench compiles JSON schemas: a regex-only backend (the example adapter CI installs)
     is listed with the reason instead of giving empty tables."""
-    from spec_grammar.bench.masks import MaskBenchConfig, _select_backends
+    from spec_grammar_bench.masks import MaskBenchConfig, _select_backends
+
     from spec_grammar.registry import list_backends
 
     chosen, listing = _select_backends(MaskBenchConfig())

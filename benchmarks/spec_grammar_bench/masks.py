@@ -12,7 +12,7 @@ Method (``shared/notes/backend-libraries.md`` section 5 and appendix, reproduced
   trees for every backend of a tokenizer. For each tree up to four fills are timed on matchers
   advanced to the root: ``ours`` (``GrammarBackend.fill_tree_bitmasks``, the public path, in a
   thread pool of T threads for T > 1), ``hook`` (the adapter's ``_fill_tree_bitmask`` alone,
-  to separate protocol overhead), ``naive`` (:mod:`.naive`: SGLang's ``traverse_tree`` against
+  to separate protocol overhead), ``naive`` (:mod:`.peers`: SGLang's ``traverse_tree`` against
   the library API, one request after the other) and, where the library has one, ``native``
   (its own one-call tree fill, without our normalization). The first fill on freshly built
   matchers is the *cold* time (the methods share the compiled grammar, so its lazy caches go
@@ -54,8 +54,9 @@ from spec_grammar.models import ModelNotFoundError, load_tokenizer
 from spec_grammar.protocol import GrammarBackend
 from spec_grammar.registry import get_backend, list_backends
 from spec_grammar.specs import JsonSchema
-from .instances import Case, load_cases, sample_instance
-from .naive import naive_walker
+
+from .inputs import Case, load_cases, sample_instance
+from .peers import naive_walker
 from .trees import TreeRoot, grow_tree
 
 __all__ = ["MaskBenchConfig", "run_masks", "Progress", "RESULT_KIND"]
