@@ -360,7 +360,13 @@ class _FirstToken:
 
 
 class HFRow:
-    """Runs one HF row: compiles the grammar with the library's own API, then ``generate``."""
+    """Runs one HF row of ``bench e2e``: compiles the grammar with the library's own API, then
+    ``generate`` with its logits processor.
+
+    ``row``: the e2e ``RowSpec`` (``lib``: ``xgrammar`` / ``llguidance``; ``speculation``:
+    ``none``, ``prompt_lookup``, ``assistant``); ``cfg``: the ``E2EBenchConfig``
+    (``prompt_lookup_num_tokens``, ``assistant_layers``); the prompts given to :meth:`compile`
+    and :meth:`generate` are ``E2EPrompt`` objects (``name``, ``spec``, ``prompt_ids``)."""
 
     def __init__(self, row: Any, cfg: Any, model: Any, tokenizer: Any, stop_ids: list[int]):
         self.row, self.cfg, self.model, self.tok = row, cfg, model, tokenizer
