@@ -8,7 +8,8 @@ Setup:
   ``.gguf`` file / model directory given as ``weights``), ``llama-3.1-8b`` (a
   Llama-3.1-8B-shaped ``LlamaForCausalLM`` with random weights: timings do not depend on the
   values) and ``smollm2-135m`` (random weights, SmolLM2 shape), built on the device in
-  ``dtype``. A random-weight shape takes the vocabulary of the tokenizer when that is larger
+  ``dtype`` (shapes: :mod:`spec_grammar.testing.model_shapes`). A random-weight shape takes
+  the vocabulary of the tokenizer when that is larger
   (the 8B shape with the Gemma-3 tokenizer has 262,144 rows); a real model runs only with
   tokenizers that fit its vocabulary (other pairs are listed as skipped);
 * tokenizers: ``smollm2``, ``gemma3`` or ``NAME=DIR`` (a directory with its ``tokenizer.json``,
