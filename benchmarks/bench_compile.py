@@ -31,7 +31,6 @@ import json
 import random
 import statistics
 import time
-import warnings
 
 import torch
 from spec_grammar_xgrammar import XGrammarBackend
@@ -146,13 +145,9 @@ def run_modes(tok, whitespace: str, n_schemas: int, walk_len: int) -> list[str]:
 
 
 def run_options(tok, n_cases: int) -> None:
-    import xgrammar as xgr
+    from spec_grammar_bench.peers import XGrammarRawCompile
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        info = xgr.TokenizerInfo.from_huggingface(
-            tok, vocab_size=len(tok), stop_token_ids=[tok.eos_token_id]
-        )
+    raw = XGrammarRawCompile(tok)
     schemas = [ToolCalls(c["tools"]).to_json_schema().schema_json() for c in bfcl_cases()[:n_cases]]
     print(
         f"\nraw xgrammar compile_json_schema, first {n_cases} BFCL cases, max_threads=1, cache off "
@@ -165,15 +160,10 @@ def run_options(tok, n_cases: int) -> None:
         for strict in (True, False):
             kw = {"any_whitespace": aw, "separators": sep, "strict_mode": strict}
             times = {False: [], True: []}
-            sizes = [len(str(xgr.Grammar.from_json_schema(s, **kw))) for s in schemas]
+            sizes = [raw.ebnf_chars(s, **kw) for s in schemas]
             for s in schemas:
                 for dyn in (False, True):
-                    c = xgr.GrammarCompiler(
-                        info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=dyn
-                    )
-                    t0 = time.perf_counter()
-                    c.compile_json_schema(s, **kw)
-                    times[dyn].append((time.perf_counter() - t0) * 1e3)
+                    times[dyn].append(raw.compile_ms(s, dynamic=dyn, **kw))
             print(
                 f"| {aw} | {sep!r} | {strict} | {statistics.median(times[False]):.1f} | "
                 f"{statistics.median(times[True]):.1f} | {statistics.median(sizes):.0f} |"

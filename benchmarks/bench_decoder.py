@@ -3,8 +3,8 @@ graphs, our fused decoder (``spec_grammar.worker.decoder``) under CUDA graphs, a
 decoder eagerly, against the time to read the weights once (issue #6: the Llama-3.1-8B shape at
 batch 1 within 1.5x of it).
 
-Random bf16 weights of a :data:`spec_grammar.bench.gpu.MODEL_SHAPES` shape (timings do not
-depend on values); each request has a ``--prompt``-token prefix and verifies a tree of
+Random bf16 weights of a :data:`spec_grammar.testing.model_shapes.MODEL_SHAPES` shape (timings
+do not depend on values); each request has a ``--prompt``-token prefix and verifies a tree of
 ``--nodes`` nodes (a chain); median of ``--reps`` synchronized ``forward_trees`` after 3 warm-up
 forwards (graph capture). With ``--profile`` the kernel count and GPU time split of one fused
 and one HF graph replay are printed (torch.profiler). Needs CUDA.
@@ -18,8 +18,9 @@ import argparse
 import collections
 
 import torch
+from spec_grammar_bench.gpu import _copy_bandwidth, _forward_ms
 
-from spec_grammar.bench.gpu import _copy_bandwidth, _forward_ms, build_model
+from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.runner import ModelRunner
 

@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 
 import torch
+from spec_grammar_bench.inputs import bfcl_tool_cases, jsonschemabench_cases
+from spec_grammar_bench.inputs import real_requests as case_requests
+from spec_grammar_bench.report import write_report
 
-from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
-from spec_grammar.specs import JsonSchema, ToolCalls
-from spec_grammar.worker import Request, SpecWorker, build_prompt, schema_prompt
+from spec_grammar.worker import Request, SpecWorker
 from spec_grammar.worker.sampling import SamplingParams
 
 MODES = {
@@ -48,34 +49,23 @@ def real_requests(
 ) -> list[tuple[str, Request]]:
     """``(group, request)``: the smallest compilable schema of each JSONSchemaBench subset in
     turn, then the first BFCL cases."""
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    by_subset: dict[str, list] = {}
-    for r in sorted(jsonschemabench_sample(), key=lambda r: len(json.dumps(r["schema"]))):
-        by_subset.setdefault(r["subset"], []).append(r)
-    out: list[tuple[str, Request]] = []
-    i = 0
-    while sum(g == "schemas" for g, _ in out) < n_schemas and any(by_subset.values()):
-        subset = sorted(by_subset)[i % len(by_subset)]
-        i += 1
-        if not by_subset[subset]:
-            continue
-        r = by_subset[subset].pop(0)
-        spec = JsonSchema(r["schema"])
+    schemas = []
+    for case in jsonschemabench_cases(subset_order="sorted", smallest_first=True):
+        if len(schemas) >= n_schemas:
+            break
         try:
-            backend.compile(spec)
+            backend.compile(case.spec)
         except Exception:  # not every backend supports every schema: take the next one
             continue
-        prompt = build_prompt(tokenizer, schema_prompt(spec, "Give a short, realistic example."))
-        out.append(("schemas", Request(prompt, spec, params, rid=r["id"])))
-    for case in bfcl_cases()[:n_bfcl]:
-        spec = ToolCalls(case["tools"])
-        question = " ".join(m["content"] for m in case["messages"][0] if m.get("role") == "user")
-        prompt = build_prompt(tokenizer, schema_prompt(spec, question))
-        out.append(("bfcl", Request(prompt, spec, params, rid=case["id"])))
-    return out
+        schemas.append(case)
+    cases = schemas + bfcl_tool_cases()[:n_bfcl]
+    reqs = case_requests(tokenizer, cases, SamplingParams(max_new_tokens=max_new_tokens))
+    return [
+        ("schemas" if c.source == "jsonschemabench" else "bfcl", r) for c, r in zip(cases, reqs)
+    ]
 
 
-def write_markdown(rows: list[dict], path: Path) -> None:
+def render_markdown(rows: list[dict]) -> str:
     lines = [
         "# Grammar-aware drafting (SmolLM2-135M, CPU, greedy)",
         "",
@@ -97,7 +87,7 @@ def write_markdown(rows: list[dict], path: Path) -> None:
             f"{r['output_tokens']} | {r['accept_length']:.2f} | {xa} | {r['tokens_per_s']:.2f} | {xt} | "
             f"{'yes' if r['same'] else 'NO'} |"
         )
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -125,7 +115,7 @@ def main() -> None:
     groups = [g for g, _ in items]
     reqs = [r for _, r in items]
     modes = args.modes.split(",")
-    out_path = Path(args.out)
+    out_path = Path(args.out).with_suffix(".json")  # the Markdown table goes next to it
     rows = json.loads(out_path.read_text()) if out_path.exists() else []
     reference = None
     print(
@@ -179,9 +169,7 @@ def main() -> None:
                     f"tok/s {row['tokens_per_s']:.2f} same {row['same']} errors {row['errors']}",
                     flush=True,
                 )
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(rows, indent=1))
-            write_markdown(rows, out_path.with_suffix(".md"))
+            write_report(rows, out_path.parent, out_path.stem, render_markdown(rows))
 
 
 if __name__ == "__main__":

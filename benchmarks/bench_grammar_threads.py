@@ -142,8 +142,10 @@ def main() -> None:
             work = fut.result()
         return (time.perf_counter() - t0) * 1e3, work
 
-    from spec_grammar.bench.gpu import _load_tokenizer, build_model
+    from spec_grammar_bench.gpu import _load_tokenizer
+
     from spec_grammar.registry import get_backend
+    from spec_grammar.testing.model_shapes import build_model
 
     name, tok = _load_tokenizer(args.tokenizer)
     # the model never runs (only the grammar work is timed): a tiny one with the tokenizer's ids

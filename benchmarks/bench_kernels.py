@@ -40,9 +40,10 @@ import platform
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
+from spec_grammar_bench.peers import library_version, mask_apply_functions
+from spec_grammar_bench.report import write_report
 
 from spec_grammar.kernels import apply_token_bitmask_inplace, masked_argmax, masked_softmax
 from spec_grammar.kernels.cpu import apply_token_bitmask_inplace_torch
@@ -66,27 +67,6 @@ def make_mask(kind: str, rows: int, vocab: int, device: str, gen: torch.Generato
     m = torch.where(single, torch.ones_like(bit) << bit, torch.zeros_like(bit))
     m = torch.where(full, torch.full_like(m, -1), m)
     return m.to(device)
-
-
-def load_others(device: str) -> dict:
-    """The other libraries' apply functions that import here, by name."""
-    others = {}
-    try:
-        import xgrammar
-
-        backend = "triton" if device == "cuda" else "cpu"
-        others["xgrammar"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(
-            l, m, backend=backend
-        )
-    except Exception as e:  # noqa: BLE001 - report, and benchmark without it
-        print(f"xgrammar unavailable: {type(e).__name__}: {e}")
-    try:
-        import llguidance.torch as llg
-
-        others["llguidance"] = llg.apply_token_bitmask_inplace
-    except Exception as e:  # noqa: BLE001
-        print(f"llguidance unavailable: {type(e).__name__}: {e}")
-    return others
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -265,7 +245,7 @@ def sweep(gen) -> list[dict]:
 
 def run_gpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
-    others = load_others("cuda")
+    others = mask_apply_functions("cuda")
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
     result = {
@@ -276,8 +256,7 @@ def run_gpu(args) -> dict:
         "cells": [],
     }
     for name in others:
-        mod = __import__(name)
-        result[f"{name}_version"] = getattr(mod, "__version__", "?")
+        result[f"{name}_version"] = library_version(name)
     if args.sweep:
         result["sweep"] = sweep(gen)
     for kind in args.masks:
@@ -305,7 +284,7 @@ def cpu_time_ms(fn, reps: int) -> float:
 
 def run_cpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
-    others = load_others("cpu")
+    others = mask_apply_functions("cpu")
     result = {
         "device": f"{platform.machine()} CPU, {os.cpu_count()} cores",
         "threads": torch.get_num_threads(),
@@ -446,11 +425,8 @@ def main() -> None:
     gpu = args.device == "cuda"
     result = run_gpu(args) if gpu else run_cpu(args)
     tag = args.tag or ("h200" if gpu else "cpu")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"kernels-{tag}.json").write_text(json.dumps(result, indent=1))
     md = markdown(result, gpu)
-    (out / f"kernels-{tag}.md").write_text(md)
+    write_report(result, args.out, f"kernels-{tag}", md)
     print(md)
 
 

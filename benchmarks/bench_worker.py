@@ -45,52 +45,22 @@ import time
 
 import jsonschema
 import torch
+from spec_grammar_bench.inputs import bfcl_tool_cases, jsonschemabench_cases
+from spec_grammar_bench.inputs import real_requests as case_requests
 
-from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
-from spec_grammar.specs import JsonSchema, ToolCalls
-from spec_grammar.worker import Request, SpecWorker, build_prompt, schema_prompt
+from spec_grammar.worker import SpecWorker
 from spec_grammar.worker.api import summarize
 from spec_grammar.worker.sampling import SamplingParams
 
 
 def real_requests(tokenizer, n: int, max_new_tokens: int, max_schema_chars: int):
-    """``n`` requests: 3/4 schemas round-robin over the JSONSchemaBench subsets, 1/4 BFCL."""
-    by_subset: dict[str, list] = {}
-    for r in jsonschemabench_sample():
-        if len(json.dumps(r["schema"])) <= max_schema_chars:
-            by_subset.setdefault(r["subset"], []).append(r)
-    schemas, i = [], 0
+    """``n`` requests: 3/4 schemas of at most ``max_schema_chars`` characters, round-robin over
+    the JSONSchemaBench subsets (sorted by name), 1/4 BFCL; and their oracle schemas."""
     n_bfcl = n // 4
-    while len(schemas) < n - n_bfcl and any(by_subset.values()):
-        subset = sorted(by_subset)[i % len(by_subset)]
-        if by_subset[subset]:
-            schemas.append(by_subset[subset].pop(0))
-        i += 1
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    reqs, oracles = [], []
-    for r in schemas:
-        spec = JsonSchema(r["schema"])
-        reqs.append(
-            Request(
-                build_prompt(tokenizer, schema_prompt(spec, "Give a short, realistic example.")),
-                spec,
-                params,
-                rid=r["id"],
-            )
-        )
-        oracles.append(r["schema"])
-    for case in bfcl_cases()[:n_bfcl]:
-        spec = ToolCalls(case["tools"])
-        msgs = case["messages"]
-        turn = msgs[0] if msgs and isinstance(msgs[0], list) else msgs
-        question = " ".join(m["content"] for m in turn if m.get("role") == "user")
-        reqs.append(
-            Request(
-                build_prompt(tokenizer, schema_prompt(spec, question)), spec, params, rid=case["id"]
-            )
-        )
-        oracles.append(case.get("required_schema") or spec.to_json_schema().json_schema)
-    return reqs, oracles
+    cases = jsonschemabench_cases(subset_order="sorted", max_schema_chars=max_schema_chars)
+    cases = cases[: n - n_bfcl] + bfcl_tool_cases()[:n_bfcl]
+    reqs = case_requests(tokenizer, cases, SamplingParams(max_new_tokens=max_new_tokens))
+    return reqs, [c.schema for c in cases]
 
 
 def valid_count(results, oracles) -> tuple[int, int]:

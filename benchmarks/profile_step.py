@@ -29,8 +29,7 @@ import statistics
 from pathlib import Path
 
 import torch
-
-from spec_grammar.bench.gpu import (
+from spec_grammar_bench.gpu import (
     GpuBenchConfig,
     ReplayDrafter,
     _build_setups,
@@ -40,6 +39,7 @@ from spec_grammar.bench.gpu import (
     _run_mode,
     _wrong_tokens,
 )
+
 from spec_grammar.worker.engine import SpecWorker
 
 

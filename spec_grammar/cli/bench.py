@@ -1,10 +1,49 @@
-"""``spec-grammar bench``: benchmarks, one subcommand each (``masks``, ``report``; later
-``e2e``, ``kernels``, ``gpu`` register the same way through :data:`BENCHMARKS`)."""
+"""``spec-grammar bench``: benchmarks, one subcommand each (``masks``, ``e2e``, ``gpu``,
+``report``, registered through :data:`BENCHMARKS`).
+
+The benchmarks are not part of the core library: they live in the ``spec_grammar_bench``
+package (``benchmarks/spec_grammar_bench/`` in the source tree, installed with the
+distribution), imported only when a subcommand runs (:func:`bench_module`), so ``spec-grammar
+--help`` and the parsers never load it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
+from types import ModuleType
+
+from ..errors import SpecGrammarError
+
+
+class BenchUnavailableError(SpecGrammarError):
+    """The benchmark package, or a library its reports need (matplotlib), is not installed."""
+
+
+def bench_module(name: str, *, plots: bool = True) -> ModuleType:
+    """``spec_grammar_bench.<name>``, imported on use. Raises :class:`BenchUnavailableError`
+    naming what to install when the package is missing, or (``plots``: the command writes PNG
+    plots) when matplotlib is, before any work starts."""
+    try:
+        module = importlib.import_module(f"spec_grammar_bench.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("spec_grammar_bench", f"spec_grammar_bench.{name}"):
+            raise  # something the benchmark itself imports: its own message names it
+        raise BenchUnavailableError(
+            "the benchmark package spec_grammar_bench is not installed: it ships with "
+            "spec-grammar's source tree (benchmarks/spec_grammar_bench); install spec-grammar "
+            "from a checkout with the bench extra (pip install -e '.[bench]'), or put the "
+            "checkout's benchmarks/ folder on PYTHONPATH"
+        ) from None
+    if plots:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError as e:
+            raise BenchUnavailableError(
+                f"the benchmark reports need matplotlib for their plots ({e}): pip install "
+                "'spec-grammar[bench]' (or pip install matplotlib)"
+            ) from None
+    return module
 
 
 def _csv(text: str) -> list[str]:
@@ -71,8 +110,10 @@ def _run_masks(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..bench.masks import MaskBenchConfig, run_masks
-    from ..bench.report import write_docs, write_masks_report
+    masks = bench_module("masks")
+    MaskBenchConfig, run_masks = masks.MaskBenchConfig, masks.run_masks
+    write_masks_report = bench_module("masks_report").write_masks_report
+    write_docs = bench_module("report").write_docs
 
     overrides = dict(
         tokenizers=args.tokenizers,
@@ -120,7 +161,7 @@ def _run_masks(args) -> int:
 def _print_summary(console, res) -> None:
     from rich.table import Table
 
-    from ..bench.report import summary_rows
+    summary_rows = bench_module("masks_report").summary_rows
 
     sizes = sorted({r["nodes"] for r in res["trees"]})
     table = Table(title="tree-mask cost (ours, 1 request, 1 thread)")
@@ -160,9 +201,7 @@ def _register_report(sub) -> None:
 
 
 def _run_report(args) -> int:
-    from ..bench.report import write_docs
-
-    path = write_docs(args.from_dirs, args.docs)
+    path = bench_module("report").write_docs(args.from_dirs, args.docs)
     print(f"wrote {path}")
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench import _csv
+from .bench import _csv, bench_module
 
 
 def _positive(text: str) -> int:
@@ -87,9 +87,10 @@ def _run_e2e(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..bench.e2e import E2EBenchConfig, run_e2e
-    from ..bench.e2e_report import goal_ratios, write_e2e_report
-    from ..bench.report import write_docs
+    e2e, e2e_report = bench_module("e2e"), bench_module("e2e_report")
+    E2EBenchConfig, run_e2e = e2e.E2EBenchConfig, e2e.run_e2e
+    goal_ratios, write_e2e_report = e2e_report.goal_ratios, e2e_report.write_e2e_report
+    write_docs = bench_module("report").write_docs
 
     overrides = dict(
         backends=args.backends,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench import _csv, _ints
+from .bench import _csv, _ints, bench_module
 
 
 def _on_off(text: str) -> bool:
@@ -136,7 +136,7 @@ def _config(args):
     import pydantic
     import torch
 
-    from ..bench.gpu import GpuBenchConfig
+    GpuBenchConfig = bench_module("gpu", plots=False).GpuBenchConfig
 
     overrides = dict(
         models=args.models,
@@ -190,9 +190,9 @@ def _config(args):
 
 
 def _run_gpu(args) -> int:
-    from ..bench.gpu import run_gpu_bench, write_gpu_report
-
     cfg = _config(args)
+    run_gpu_bench = bench_module("gpu").run_gpu_bench
+    write_gpu_report = bench_module("gpu_report").write_gpu_report
     cuda = "cuda" in cfg.device
     if args.name:
         name = args.name

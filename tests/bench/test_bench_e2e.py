@@ -109,8 +109,8 @@ def test_summary_matches_samples(result):
 def test_constrained_outputs_pass_the_oracles(result):
     """Fresh-matcher replay of every constrained output, and jsonschema on completed ones."""
     import jsonschema
+    from spec_grammar_bench.e2e import E2EBenchConfig, load_prompts
 
-    from spec_grammar.bench.e2e import E2EBenchConfig, load_prompts
     from spec_grammar.models import load_model, load_tokenizer
 
     tok = load_tokenizer("smollm2")

@@ -2,23 +2,26 @@
 tokenizer, real xgrammar): every mode of every configuration commits exactly the valid document
 (a fresh matcher accepted it) in the same number of steps, and the report files are written;
 the replay drafter's wrong drafts are never the document's token and the replay runner's
-greedy rows follow the document."""
+greedy rows follow the document; its on-device document edit (eager and under emulated CUDA
+graphs) changes only the document's rows and refuses what it cannot edit."""
 
+import functools
 import json
 
 import pydantic
 import pytest
 import torch
-
-from spec_grammar.bench import gpu
-from spec_grammar.bench.gpu import (
+from emulated_graphs import ReplayEagerly
+from spec_grammar_bench import gpu
+from spec_grammar_bench.gpu import (
     GpuBenchConfig,
     ReplayDrafter,
     _ReplayRunner,
     _wrong_tokens,
-    build_model,
 )
+
 from spec_grammar.cli import main
+from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.tree import DraftTree
 
 
@@ -209,3 +212,66 @@ def test_default_result_names_follow_the_gpu_model():
     assert default_name("NVIDIA GeForce RTX 4090") == "gpu-rtx-4090"
     assert default_name("Tesla V100-SXM2-16GB") == "gpu-v100-sxm2-16gb"
     assert default_name("") == "gpu-cuda"
+
+
+# -- the bench runner's document edit -----------------------------------------------------------
+@functools.cache
+def _tiny_float64():
+    """A tiny random Llama in float64 (SmolLM2's vocabulary size)."""
+    torch.manual_seed(0)
+    return build_model("tiny", "cpu", torch.float64)
+
+
+def _replay_runner(graphs: bool):
+    runner = _ReplayRunner(_tiny_float64())
+    if graphs:
+        runner._graphs = ReplayEagerly()
+    return runner
+
+
+def _tree_logits(runner, prompt, tree):
+    runner.add("r", prompt)
+    try:
+        return runner.forward_trees(["r"], [tree])[0].clone()
+    finally:
+        runner.remove("r")
+
+
+PROMPT = [5, 6, 7, 8]
+TREE = DraftTree([8, 100, 101, 200], [-1, 0, 1, 0])
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_agree_with_edits_only_document_rows(graphs):
+    plain = _tree_logits(_replay_runner(graphs), PROMPT, TREE)
+    runner = _replay_runner(graphs)
+    document = [100, 101, 102]
+    runner.agree_with(len(PROMPT), document)
+    edited = _tree_logits(runner, PROMPT, TREE)
+    # node depth d predicts document[d]: nodes 0 (d0), 1 (d1), 3 (d1), 2 (d2)
+    assert edited.argmax(-1).tolist() == [100, 101, 102, 101]
+    runner.agree_with(len(PROMPT), [])  # an empty document edits nothing
+    assert torch.equal(_tree_logits(runner, PROMPT, TREE), plain)
+    runner.agree_with(None)
+    assert torch.equal(_tree_logits(runner, PROMPT, TREE), plain)
+
+
+@pytest.mark.parametrize(
+    "prompt_len, document",
+    [(0, [1, 2]), (-3, [1, 2]), (4, [49152]), (1 << 15, [1]), (1, [1] * (1 << 15))],
+    ids=[
+        "zero-prompt",
+        "negative-prompt",
+        "token-past-vocab",
+        "prompt-past-table",
+        "doc-past-table",
+    ],
+)
+def test_agree_with_rejects_what_it_cannot_edit(prompt_len, document):
+    """Bad inputs get a ValueError at ``agree_with`` (never an index error inside a forward, a
+    device-side assert inside a CUDA graph on a GPU) and leave the runner unedited."""
+    runner = _replay_runner(False)
+    plain = _tree_logits(_replay_runner(False), PROMPT, TREE)
+    with pytest.raises(ValueError):
+        runner.agree_with(prompt_len, document)
+    assert torch.equal(_tree_logits(runner, PROMPT, TREE), plain)

@@ -107,7 +107,7 @@ def test_tree_numbers_consistent(result):
 
 
 def test_markdown_and_docs_show_the_json_numbers(run_dir, result, tmp_path):
-    from spec_grammar.bench.report import _f, speedups
+    from spec_grammar_bench.masks_report import _f, speedups
 
     md = (run_dir / "masks.md").read_text()
     ours8 = next(
@@ -138,7 +138,8 @@ def test_report_needs_results(tmp_path):
 def test_default_backends_are_those_that_compile_json_schemas():
     """The bench compiles JSON schemas: a regex-only backend (the example adapter CI installs)
     is listed with the reason instead of giving empty tables."""
-    from spec_grammar.bench.masks import MaskBenchConfig, _select_backends
+    from spec_grammar_bench.masks import MaskBenchConfig, _select_backends
+
     from spec_grammar.registry import list_backends
 
     chosen, listing = _select_backends(MaskBenchConfig())
@@ -149,3 +150,41 @@ def test_default_backends_are_those_that_compile_json_schemas():
             if not info.capabilities.json_schema:
                 assert by_name[info.name]["error"] == "no JSON-schema support"
     assert "xgrammar" in chosen
+
+
+def test_cli_help_does_not_import_the_bench_package():
+    """The benchmarks live outside the core library: building the CLI (``--help``) leaves them
+    unloaded; they load when a bench subcommand runs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from spec_grammar.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in sys.modules if m.startswith('spec_grammar_bench')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("missing", ["spec_grammar_bench", "matplotlib"])
+def test_bench_without_its_package_or_matplotlib_is_one_clear_line(
+    monkeypatch, capsys, tmp_path, missing
+):
+    import sys
+
+    class NotInstalled:  # finds nothing under ``missing``, as where it is not installed
+        @staticmethod
+        def find_spec(fullname, path=None, target=None):
+            if fullname == missing or fullname.startswith(f"{missing}."):
+                raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+            return None
+
+    for name in list(sys.modules):
+        if name == missing or name.startswith(f"{missing}."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [NotInstalled, *sys.meta_path])
+    rc = main(["bench", "report", "--from", str(tmp_path), "--docs", str(tmp_path / "b.md")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith("spec-grammar bench: error: ") and missing in err
+    assert "pip install" in err

@@ -1,6 +1,7 @@
 """Breaking tests for the measured grammar placement of CUDA-graph steps (inline after the
 replay or in the grammar thread started right before it), the all-grammar full-tree fast path
-of batched greedy verification, and the bench runner's on-device document edit.
+of batched greedy verification. (The bench runner's on-device document edit is tested in
+``test_bench_gpu.py``.)
 
 Oracles: the same worker without overlap and plain constrained decoding (``no_spec``) on a
 float64 model (temperature 0 outputs must be token-identical whatever the placement), the
@@ -40,8 +41,8 @@ MAX_NEW = 14
 def tiny():
     """A tiny random Llama in float64 (no near-tie argmax flips between batch shapes) and the
     SmolLM2 tokenizer whose vocabulary it shares."""
-    from spec_grammar.bench.gpu import build_model
     from spec_grammar.models import load_tokenizer
+    from spec_grammar.testing.model_shapes import build_model
 
     torch.manual_seed(0)
     return build_model("tiny", "cpu", torch.float64), load_tokenizer("smollm2")
@@ -493,62 +494,3 @@ def test_close_inside_on_step_with_graphs():
         worker._placement = FixedPlacement(True)
         got = outcome(worker.run(reqs, on_step=lambda stats, states: worker.close()))
     assert got == run_worker(mixed_requests(sampled=False), graphs=False, overlap=False)[0]
-
-
-# -- the bench runner's document edit -----------------------------------------------------------
-def _replay_runner(graphs: bool):
-    from spec_grammar.bench.gpu import _ReplayRunner
-
-    model, _ = tiny()
-    runner = _ReplayRunner(model)
-    if graphs:
-        runner._graphs = ReplayEagerly()
-    return runner
-
-
-def _tree_logits(runner, prompt, tree):
-    runner.add("r", prompt)
-    try:
-        return runner.forward_trees(["r"], [tree])[0].clone()
-    finally:
-        runner.remove("r")
-
-
-PROMPT = [5, 6, 7, 8]
-TREE = DraftTree([8, 100, 101, 200], [-1, 0, 1, 0])
-
-
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
-def test_agree_with_edits_only_document_rows(graphs):
-    plain = _tree_logits(_replay_runner(graphs), PROMPT, TREE)
-    runner = _replay_runner(graphs)
-    document = [100, 101, 102]
-    runner.agree_with(len(PROMPT), document)
-    edited = _tree_logits(runner, PROMPT, TREE)
-    # node depth d predicts document[d]: nodes 0 (d0), 1 (d1), 3 (d1), 2 (d2)
-    assert edited.argmax(-1).tolist() == [100, 101, 102, 101]
-    runner.agree_with(len(PROMPT), [])  # an empty document edits nothing
-    assert torch.equal(_tree_logits(runner, PROMPT, TREE), plain)
-    runner.agree_with(None)
-    assert torch.equal(_tree_logits(runner, PROMPT, TREE), plain)
-
-
-@pytest.mark.parametrize(
-    "prompt_len, document",
-    [(0, [1, 2]), (-3, [1, 2]), (4, [49152]), (1 << 15, [1]), (1, [1] * (1 << 15))],
-    ids=[
-        "zero-prompt",
-        "negative-prompt",
-        "token-past-vocab",
-        "prompt-past-table",
-        "doc-past-table",
-    ],
-)
-def test_agree_with_rejects_what_it_cannot_edit(prompt_len, document):
-    """Bad inputs get a ValueError at ``agree_with`` (never an index error inside a forward, a
-    device-side assert inside a CUDA graph on a GPU) and leave the runner unedited."""
-    runner = _replay_runner(False)
-    plain = _tree_logits(_replay_runner(False), PROMPT, TREE)
-    with pytest.raises(ValueError):
-        runner.agree_with(prompt_len, document)
-    assert torch.equal(_tree_logits(runner, PROMPT, TREE), plain)

@@ -295,9 +295,9 @@ def test_row_argmax_is_the_first_maximum_on_wide_tied_rows(dtype):
 # -- the runner and the worker on the real tiny model ------------------------------------------
 @functools.cache
 def setup():
-    from spec_grammar.bench.gpu import build_model
     from spec_grammar.datasets import jsonschemabench_sample
     from spec_grammar.models import load_tokenizer
+    from spec_grammar.testing.model_shapes import build_model
 
     torch.manual_seed(0)
     model = build_model("tiny", "cpu", torch.float32)
@@ -398,8 +398,8 @@ def test_worker_nan_logits_batched_path_equals_per_request_path():
     """A model whose logit of one token is NaN in every row. Per-request path (a zero logit
     bias routes requests there): both requests end with "the processed row of node 0 allows no
     token". Batched path: the NaN token is committed, then tokens from all-NaN rows."""
-    from spec_grammar.bench.gpu import build_model
     from spec_grammar.specs import Regex
+    from spec_grammar.testing.model_shapes import build_model
     from spec_grammar.worker.request import Request
 
     _, tok, _ = setup()

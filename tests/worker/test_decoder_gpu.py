@@ -8,7 +8,7 @@ import pytest
 import torch
 from runner_churn import compare_under_churn
 
-from spec_grammar.bench.gpu import build_model
+from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.worker.decoder import ops
 from spec_grammar.worker.runner import ModelRunner
 

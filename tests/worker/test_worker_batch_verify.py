@@ -177,10 +177,10 @@ def test_eligibility():
 
 @pytest.fixture(scope="module")
 def tiny_worker_setup():
-    from spec_grammar.bench.gpu import build_model
     from spec_grammar.datasets import jsonschemabench_sample
     from spec_grammar.models import load_tokenizer
     from spec_grammar.registry import get_backend
+    from spec_grammar.testing.model_shapes import build_model
 
     torch.manual_seed(0)
     model = build_model("tiny", "cpu", torch.float32)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from real_model import draft_steps
 
-from spec_grammar.bench.gpu import build_model
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.errors import GrammarStateError
 from spec_grammar.specs import JsonSchema
+from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.batch_verify import verify_greedy_batch
 from spec_grammar.worker.engine import SpecWorker

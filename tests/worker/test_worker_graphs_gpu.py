@@ -15,9 +15,9 @@ import pytest
 import torch
 from runner_churn import random_tree
 
-from spec_grammar.bench.gpu import build_model
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.specs import JsonSchema
+from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.worker.engine import SpecWorker
 from spec_grammar.worker.request import Request
 from spec_grammar.worker.runner import ModelRunner

@@ -408,7 +408,7 @@ def test_device_ancestors_equal_the_trees_own():
 def test_models_not_on_one_device_are_refused():
     """Offloaded (meta) weights or a model split over devices: a RunnerError naming the problem
     at construction, not a device mismatch inside a forward."""
-    from spec_grammar.bench.gpu import build_model
+    from spec_grammar.testing.model_shapes import build_model
 
     torch.manual_seed(0)
     offloaded = build_model("tiny", "cpu", torch.float32)

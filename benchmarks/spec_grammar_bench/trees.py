@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bitmask import allocate_token_bitmask
-from ..protocol import SpecGrammar
-from ..tree import DraftTree
+from spec_grammar.bitmask import allocate_token_bitmask
+from spec_grammar.protocol import SpecGrammar
+from spec_grammar.tree import DraftTree
 
 __all__ = ["BRANCHING", "P_VALID", "TreeRoot", "allowed_ids", "grow_tree"]
 

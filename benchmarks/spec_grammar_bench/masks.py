@@ -12,7 +12,7 @@ Method (``shared/notes/backend-libraries.md`` section 5 and appendix, reproduced
   trees for every backend of a tokenizer. For each tree up to four fills are timed on matchers
   advanced to the root: ``ours`` (``GrammarBackend.fill_tree_bitmasks``, the public path, in a
   thread pool of T threads for T > 1), ``hook`` (the adapter's ``_fill_tree_bitmask`` alone,
-  to separate protocol overhead), ``naive`` (:mod:`.naive`: SGLang's ``traverse_tree`` against
+  to separate protocol overhead), ``naive`` (:mod:`.peers`: SGLang's ``traverse_tree`` against
   the library API, one request after the other) and, where the library has one, ``native``
   (its own one-call tree fill, without our normalization). The first fill on freshly built
   matchers is the *cold* time (the methods share the compiled grammar, so its lazy caches go
@@ -48,14 +48,15 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
-from ..bitmask import allocate_token_bitmask, clear_padding_bits
-from ..errors import SpecGrammarError
-from ..models import ModelNotFoundError, load_tokenizer
-from ..protocol import GrammarBackend
-from ..registry import get_backend, list_backends
-from ..specs import JsonSchema
-from .instances import Case, load_cases, sample_instance
-from .naive import naive_walker
+from spec_grammar.bitmask import allocate_token_bitmask, clear_padding_bits
+from spec_grammar.errors import SpecGrammarError
+from spec_grammar.models import ModelNotFoundError, load_tokenizer
+from spec_grammar.protocol import GrammarBackend
+from spec_grammar.registry import get_backend, list_backends
+from spec_grammar.specs import JsonSchema
+
+from .inputs import Case, load_cases, sample_instance
+from .peers import naive_walker
 from .trees import TreeRoot, grow_tree
 
 __all__ = ["MaskBenchConfig", "run_masks", "Progress", "RESULT_KIND"]

@@ -1,6 +1,6 @@
 """Reports of the end-to-end benchmark (:mod:`.e2e`): Markdown, PNG plots and the headline
 table of ``docs/benchmarks.md``. Every number is read from the ``e2e`` result JSON; the
-renderer is registered in :data:`spec_grammar.bench.report.RENDERERS`."""
+renderer is registered in :data:`spec_grammar_bench.report.RENDERERS`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .e2e import REFERENCE_ROW
-from .report import _f, _table
+from .report import _f, _table, write_report
 
 __all__ = [
     "render_e2e_markdown",
@@ -165,7 +165,7 @@ def render_e2e_markdown(res: dict[str, Any], image_dir: str | None = None) -> st
         f"row. Ours: drafter `{cfg['draft']}` ({cfg['num_draft_tokens']} nodes per tree). HF: prompt lookup "
         f"`prompt_lookup_num_tokens={cfg['prompt_lookup_num_tokens']}`; assistant = the target's first "
         f"{cfg['assistant_layers']} layers (shared weights), HF's default schedule. Method: "
-        "`spec_grammar/bench/e2e.py` (module docstring)."
+        "`benchmarks/spec_grammar_bench/e2e.py` (module docstring)."
         + (
             f" Rows left out of this run (time): {', '.join(f'`{r}`' for r in cfg['skip_rows'])}."
             if cfg.get("skip_rows")
@@ -449,17 +449,15 @@ def plot_e2e(res: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def write_e2e_report(res: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write ``e2e.json``, ``e2e.md`` and the PNGs into ``out_dir``; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "e2e.json", "markdown": out / "e2e.md"}
-    paths["json"].write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
-    for p in plot_e2e(res, out):
-        paths[p.stem] = p
-    paths["markdown"].write_text(
-        "# spec-grammar benchmark: end to end\n\n"
-        + "\n".join(headline_e2e(res))
-        + "\n\n"
-        + render_e2e_markdown(res, "."),
-        encoding="utf-8",
+    return write_report(
+        res,
+        out_dir,
+        "e2e",
+        lambda _plots: (
+            "# spec-grammar benchmark: end to end\n\n"
+            + "\n".join(headline_e2e(res))
+            + "\n\n"
+            + render_e2e_markdown(res, ".")
+        ),
+        plots=lambda out: plot_e2e(res, out),
     )
-    return paths

@@ -1,25 +1,22 @@
-"""Benchmark reports: JSON result files -> Markdown tables, PNG plots and ``docs/benchmarks.md``.
-
-Every number in a report is read from a result file written by a benchmark (``"kind"`` says
-which); nothing is typed by hand. Each kind has one renderer; :data:`RENDERERS` is where a new
-benchmark (``e2e``, ``kernels``, ``gpu``) adds its own.
-"""
+"""Reports of the tree-mask benchmark (:mod:`.masks`): Markdown, PNG plots and its section of
+``docs/benchmarks.md``. Every number is read from the ``masks`` result JSON; the renderer is
+registered in :data:`spec_grammar_bench.report.RENDERERS`."""
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .report import _f, _table, write_report
 
 __all__ = [
     "write_masks_report",
     "render_masks_markdown",
     "plot_masks",
-    "write_docs",
-    "load_results",
-    "RENDERERS",
+    "speedups",
+    "summary_rows",
+    "GOAL_SPEEDUP",
 ]
 
 GOAL_SPEEDUP = 3.0
@@ -31,20 +28,6 @@ _METHOD_TEXT = {
     "naive": "naive: SGLang-style DFS on the library API",
     "native": "library's own one-call tree fill",
 }
-
-
-def _f(x: float | None, digits: int = 1) -> str:
-    if x is None:
-        return "–"
-    if abs(x) >= 100:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out
 
 
 def _rec(res: dict[str, Any], **key: Any) -> dict[str, Any] | None:
@@ -116,7 +99,7 @@ def render_masks_markdown(res: dict[str, Any], image_dir: str | None = None) -> 
         f"{cfg['tree_cases_per_source']} grammar(s) per source x {cfg['positions']} root positions; "
         f"{cfg['reps']} warm repetitions (fewer for batches); compile timeout {cfg['compile_timeout_s']:.0f} s, "
         f"budget {cfg['compile_budget_s']:.0f} s per source. Method: "
-        "`spec_grammar/bench/masks.py` (module docstring). Units: µs; *per node* divides by all N nodes, "
+        "`benchmarks/spec_grammar_bench/masks.py` (module docstring). Units: µs; *per node* divides by all N nodes, "
         "*per visited* by the valid ones (root included).",
         "",
     ]
@@ -467,103 +450,15 @@ def plot_masks(res: dict[str, Any], out_dir: Path) -> list[Path]:
 
 def write_masks_report(res: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Path]:
     """Write ``masks.json``, ``masks.md`` and the PNGs into ``out_dir``; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "masks.json", "markdown": out / "masks.md"}
-    paths["json"].write_text(json.dumps(res, indent=1, sort_keys=False) + "\n", encoding="utf-8")
-    for p in plot_masks(res, out):
-        paths[p.stem] = p
-    paths["markdown"].write_text(
-        "# spec-grammar benchmark: tree-mask cost\n\n" + render_masks_markdown(res, "."),
-        encoding="utf-8",
+    return write_report(
+        res,
+        out_dir,
+        "masks",
+        lambda _plots: (
+            "# spec-grammar benchmark: tree-mask cost\n\n" + render_masks_markdown(res, ".")
+        ),
+        plots=lambda out: plot_masks(res, out),
     )
-    return paths
-
-
-def _render_e2e(res: dict[str, Any], image_dir: str | None = None) -> str:
-    from .e2e_report import render_e2e_markdown  # imports this module: load it on use
-
-    return render_e2e_markdown(res, image_dir)
-
-
-def _write_e2e(res: dict[str, Any], out_dir: Path) -> None:
-    from .e2e_report import write_e2e_report
-
-    write_e2e_report(res, out_dir)
-
-
-def _headline_e2e(res: dict[str, Any]) -> list[str]:
-    from .e2e_report import headline_e2e
-
-    return headline_e2e(res)
-
-
-RENDERERS: dict[str, Callable[[dict[str, Any], str | None], str]] = {
-    "masks": render_masks_markdown,
-    "e2e": _render_e2e,
-}
-"""Result kind -> Markdown renderer ``(result, image_dir) -> str``."""
-WRITERS: dict[str, Callable[[dict[str, Any], Path], Any]] = {
-    "masks": write_masks_report,
-    "e2e": _write_e2e,
-}
-"""Result kind -> writer of its own report and plots ``(result, directory)`` (``replot``)."""
-HEADLINES: dict[str, Callable[[dict[str, Any]], list[str]]] = {"e2e": _headline_e2e}
-"""Result kind -> Markdown lines of a headline table for the top of the docs page."""
-
-
-def load_results(dirs: list[str | os.PathLike]) -> list[tuple[Path, dict[str, Any]]]:
-    """Every ``*.json`` result file (with a known ``"kind"``) in ``dirs``.
-
-    Raises ``FileNotFoundError`` when a directory is missing or holds no result.
-    """
-    found = []
-    for d in dirs:
-        d = Path(d)
-        if not d.is_dir():
-            raise FileNotFoundError(f"no results directory {d}")
-        for p in sorted(d.glob("*.json")):
-            try:
-                res = json.loads(p.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(res, dict) and res.get("kind") in RENDERERS:
-                found.append((p, res))
-    if not found:
-        raise FileNotFoundError(f"no benchmark result files in {', '.join(map(str, dirs))}")
-    return found
-
-
-def write_docs(
-    dirs: list[str | os.PathLike], docs_path: str | os.PathLike, *, replot: bool = True
-) -> Path:
-    """Regenerate ``docs_path`` (e.g. ``docs/benchmarks.md``) from the result files in ``dirs``;
-    also rewrites each directory's own report and plots when ``replot``."""
-    docs = Path(docs_path)
-    docs.parent.mkdir(parents=True, exist_ok=True)
-    cmd = "spec-grammar bench report " + " ".join(f"--from {d}" for d in dirs) + f" --docs {docs}"
-    parts = [
-        "# Benchmarks",
-        "",
-        f"<!-- generated by `{cmd}` from the JSON result files; do not edit by hand -->",
-        "",
-        "Every number on this page is read from the benchmark result files next to the plots; "
-        "rerun the benchmark and this command to update it.",
-        "",
-    ]
-    results = load_results(dirs)
-    for _, res in results:
-        if res["kind"] in HEADLINES:
-            parts += HEADLINES[res["kind"]](res) + [""]
-    for path, res in results:
-        if replot and res["kind"] in WRITERS:
-            WRITERS[res["kind"]](res, path.parent)
-        image_dir = os.path.relpath(path.parent, docs.parent)
-        parts.append(f"Source: `{os.path.relpath(path, docs.parent)}`")
-        parts.append("")
-        parts.append(RENDERERS[res["kind"]](res, image_dir))
-    docs.write_text("\n".join(parts), encoding="utf-8")
-    return docs
 
 
 def summary_rows(res: dict[str, Any]) -> list[list[str]]:
