@@ -23,6 +23,9 @@ ROWS = {
     "hf/xgrammar+pld",
 }
 
+# every test reads one quick e2e run of the real model
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
