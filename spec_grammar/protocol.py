@@ -35,9 +35,9 @@ from .errors import (
     SpecGrammarError,
     UnsupportedGrammarError,
 )
-from .schema_check import check_json_schema
+from .json_schema.check import check_json_schema
+from .json_schema.strict import KeywordSupport, unenforced_keywords
 from .specs import GrammarSpec, JsonSchema, ToolCalls
-from .strict import KeywordSupport, unenforced_keywords
 from .tree import DraftTree
 
 __all__ = [
@@ -169,7 +169,7 @@ class CompiledGrammar:
         native: the library's compiled object (opaque to callers).
         compile_time_s: wall time of the compile in seconds (0 for a cache hit's original).
         warnings: one line per JSON-Schema keyword the backend compiled but does not enforce
-            (see :mod:`spec_grammar.strict`); empty when the grammar is enforced in full.
+            (see :mod:`spec_grammar.json_schema.strict`); empty when the grammar is enforced in full.
     """
 
     spec: GrammarSpec

@@ -44,9 +44,9 @@ from spec_grammar.errors import (
     GrammarStateError,
     UnsupportedGrammarError,
 )
+from spec_grammar.json_schema.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
-from spec_grammar.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:

@@ -19,10 +19,10 @@ import torch
 
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
-from spec_grammar.schema_rewrite import enum_within_type, map_subschemas
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
-from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:
