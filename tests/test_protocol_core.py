@@ -206,3 +206,27 @@ def test_compile_limits(tokenizer):
     small = get_backend("xgrammar", tokenizer, max_grammar_bytes=200)
     with pytest.raises(GrammarCompileError, match="over max_grammar_bytes=200"):
         small.compile(JsonSchema({"enum": ["x" * 300]}))
+
+
+def test_missing_hook_refused_at_construction():
+    """Required hooks are abstract: a class lacking one fails when built, naming the hook, not
+    at the hook's first call."""
+    from spec_grammar.protocol import GrammarBackend, SpecGrammar, TokenizerInfo
+
+    info = TokenizerInfo(None, vocab_size=8, tokenizer_vocab_size=8, stop_token_ids=(0,))
+
+    class NoMatcher(GrammarBackend):
+        def _compile(self, spec):
+            return spec
+
+    with pytest.raises(TypeError, match="NoMatcher.*_matcher"):
+        NoMatcher(info)
+
+    hooks = ("_accept_token", "_rollback", "_fork", "_fill_next_token_bitmask", "_is_terminated")
+    for missing in hooks:
+        body = {h: (lambda self, *args: None) for h in hooks if h != missing}
+        cls = type(f"No{missing.title().replace('_', '')}", (SpecGrammar,), body)
+        with pytest.raises(TypeError, match=missing):
+            cls(info)
+    complete = type("Complete", (SpecGrammar,), {h: (lambda self, *args: None) for h in hooks})
+    assert complete(info).num_accepted == 0

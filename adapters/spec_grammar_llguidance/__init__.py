@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from spec_grammar.bitmask import check_bitmask, clear_padding_bits
+from spec_grammar.bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
 from spec_grammar.errors import (
-    BitmaskError,
     GrammarCompileError,
     GrammarStateError,
     UnsupportedGrammarError,
@@ -474,10 +473,7 @@ class LLGuidanceBackend(GrammarBackend):
         par: list[int] = []
         seen: set[int] = set()
         for i, (m, tree, off) in enumerate(jobs):
-            if not 0 <= off <= bitmask.shape[0] - tree.num_nodes:
-                raise BitmaskError(
-                    f"rows [{off}, {off + tree.num_nodes}) do not fit a bitmask with {bitmask.shape[0]} rows"
-                )
+            check_bitmask_rows(bitmask, off, tree.num_nodes)
             if m.is_terminated():
                 raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
             if isinstance(m, LLGuidanceMatcher) and m._backend is self and id(m) not in seen:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import threading
 import warnings
 from typing import Any
@@ -33,6 +34,9 @@ except ImportError as e:  # pragma: no cover - exercised when the extra is missi
 __all__ = ["XGrammarBackend", "XGrammarMatcher"]
 
 _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+"""xgrammar's C++ errors start with its log prefix ``[hh:mm:ss] /path/file.cc:94: ``."""
 
 
 def _draft2020(schema: Any) -> Any:
@@ -279,6 +283,11 @@ class XGrammarBackend(GrammarBackend):
     @classmethod
     def library_version(cls) -> str:
         return importlib.metadata.version("xgrammar")
+
+    @classmethod
+    def _library_error_reason(cls, error: Exception) -> str:
+        # the log prefix names a build path, not the grammar; the message ends with blank lines
+        return _LOG_PREFIX.sub("", str(error)).strip()
 
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler
