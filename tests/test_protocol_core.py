@@ -230,3 +230,30 @@ def test_missing_hook_refused_at_construction():
             cls(info)
     complete = type("Complete", (SpecGrammar,), {h: (lambda self, *args: None) for h in hooks})
     assert complete(info).num_accepted == 0
+
+
+def test_capabilities_are_grammar_kinds_and_tolerate_removed_flags():
+    """Every flag is read by compile; an adapter written for earlier versions that still passes
+    the removed fast-path flags loads, and the flags are dropped."""
+    from spec_grammar.protocol import Capabilities
+
+    assert set(Capabilities.model_fields) == {"json_schema", "regex", "ebnf", "lark", "tool_calls"}
+    old_style = Capabilities(
+        json_schema=False,
+        regex=True,
+        native_rollback=True,
+        native_fork=True,
+        native_validate=False,
+        native_tree_fill=False,
+        native_forced_tokens=True,
+        parallel_fill=True,
+        releases_gil=True,
+    )
+    assert old_style.model_dump() == {
+        "json_schema": False,
+        "regex": True,
+        "ebnf": False,
+        "lark": False,
+        "tool_calls": True,
+    }
+    assert not hasattr(old_style, "native_rollback")

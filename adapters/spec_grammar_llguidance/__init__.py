@@ -307,13 +307,6 @@ class LLGuidanceBackend(GrammarBackend):
         ebnf=True,
         lark=True,
         tool_calls=True,
-        native_rollback=True,
-        native_fork=True,
-        native_validate=False,  # llguidance's validate_tokens only bounds the row-checked walk
-        native_tree_fill=False,
-        native_forced_tokens=True,
-        parallel_fill=True,
-        releases_gil=True,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(

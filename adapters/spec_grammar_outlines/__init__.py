@@ -440,13 +440,6 @@ class OutlinesBackend(GrammarBackend):
         ebnf=False,
         lark=False,
         tool_calls=True,
-        native_rollback=False,
-        native_fork=False,
-        native_validate=False,
-        native_tree_fill=False,
-        native_forced_tokens=False,
-        parallel_fill=False,
-        releases_gil=False,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(

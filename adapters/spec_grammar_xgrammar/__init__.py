@@ -195,13 +195,6 @@ class XGrammarBackend(GrammarBackend):
         ebnf=True,
         lark=True,
         tool_calls=True,
-        native_rollback=True,
-        native_fork=True,
-        native_validate=False,
-        native_tree_fill=True,
-        native_forced_tokens=True,
-        parallel_fill=False,  # one job after the other; the worker's grammar threads run jobs side by side
-        releases_gil=True,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
