@@ -8,6 +8,7 @@ from functools import cached_property
 from typing import Any
 
 from .bitmask import bitmask_width
+from .vocab import added_tokens, is_rust_tokenizer, token_bytes_table, tokenizer_len
 
 __all__ = ["TokenizerInfo"]
 
@@ -17,10 +18,11 @@ class TokenizerInfo:
     """What a backend needs to know about the tokenizer and the logits.
 
     Attributes:
-        hf_tokenizer: the Hugging Face tokenizer.
+        hf_tokenizer: the Hugging Face tokenizer: a ``transformers`` tokenizer or a plain
+            ``tokenizers.Tokenizer`` (:mod:`spec_grammar.vocab` reads both).
         vocab_size: logits width ``V`` (columns of the model's logits; may exceed the tokenizer).
-        tokenizer_vocab_size: ``len(tokenizer)``; ids in ``[tokenizer_vocab_size, V)`` are never
-            allowed in a constrained row.
+        tokenizer_vocab_size: the tokenizer's number of ids (``len(tokenizer)``) capped at ``V``;
+            ids in ``[tokenizer_vocab_size, V)`` are never allowed in a constrained row.
         stop_token_ids: tokens that end generation (EOS); allowed exactly where the grammar can end.
         special_token_ids: added/special tokens (never produced by a grammar, stop tokens aside).
     """
@@ -39,17 +41,21 @@ class TokenizerInfo:
         vocab_size: int | None = None,
         stop_token_ids: Sequence[int] | None = None,
     ) -> TokenizerInfo:
-        """Build from a Hugging Face tokenizer. ``vocab_size`` = logits width (default
-        ``len(tokenizer)``); ``stop_token_ids`` default to the tokenizer's EOS id.
+        """Build from a Hugging Face tokenizer: a ``transformers`` tokenizer, or a plain
+        ``tokenizers.Tokenizer`` (which has no EOS of its own: pass ``stop_token_ids``).
+        ``vocab_size`` = logits width (default: the tokenizer's number of ids, ``len(tokenizer)``);
+        ``stop_token_ids`` default to the tokenizer's EOS id.
 
-        Raises ``ValueError`` when no stop token can be found or an id is out of range.
+        Raises ``TypeError`` for an object that is not a tokenizer and ``ValueError`` when no stop
+        token can be found or an id is out of range.
         """
-        if not (hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "__len__")):
+        rust = is_rust_tokenizer(tokenizer)
+        if not rust and not (hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "__len__")):
             raise TypeError(
                 f"expected a Hugging Face tokenizer, got {type(tokenizer).__name__}"
                 " (spec_grammar.models.load_tokenizer(name) loads one)"
             )
-        n_tok = len(tokenizer)
+        n_tok = tokenizer_len(tokenizer)
         width = n_tok if vocab_size is None else int(vocab_size)
         if width <= 0:
             raise ValueError(f"vocab_size must be positive, got {width}")
@@ -65,7 +71,7 @@ class TokenizerInfo:
                     f"stop token id {t} is outside the vocabulary [0, {min(n_tok, width)})"
                 )
         specials = set(getattr(tokenizer, "all_special_ids", []) or [])
-        for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        for i, tok in added_tokens(tokenizer).items():
             if getattr(tok, "special", False):
                 specials.add(int(i))
         return cls(
@@ -78,13 +84,12 @@ class TokenizerInfo:
 
     @property
     def bitmask_width(self) -> int:
+        """Int32 words per bitmask row: ``ceil(vocab_size / 32)``."""
         return bitmask_width(self.vocab_size)
 
     @cached_property
     def token_bytes(self) -> list[bytes]:
         """``token_bytes[i]``: the bytes of token ``i`` for ``i < tokenizer_vocab_size``."""
-        from .vocab import token_bytes_table
-
         return token_bytes_table(self.hf_tokenizer, self.tokenizer_vocab_size)
 
     def decode(self, token_ids: Sequence[int]) -> str:

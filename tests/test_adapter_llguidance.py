@@ -116,6 +116,30 @@ def test_registered_with_honest_capabilities(backend):
     assert backend.library_version().startswith("1.")
 
 
+def test_plain_tokenizers_tokenizer_gives_the_same_backend(tok, backend, schema, ids, eos):
+    """A ``tokenizers.Tokenizer`` (what a user without transformers has) with explicit stop ids
+    builds the same backend as the transformers tokenizer around it: same tokenizer info,
+    same rows along a document, same termination."""
+    plain = get_backend(
+        "llguidance", tok.backend_tokenizer, vocab_size=len(tok) + PAD, stop_token_ids=[eos]
+    )
+    a, b = backend.tokenizer_info, plain.tokenizer_info
+    assert (b.vocab_size, b.tokenizer_vocab_size, b.stop_token_ids, b.special_token_ids) == (
+        a.vocab_size,
+        a.tokenizer_vocab_size,
+        a.stop_token_ids,
+        a.special_token_ids,
+    )
+    assert b.token_bytes == a.token_bytes
+    ma = backend.matcher(backend.compile(JsonSchema(schema)))
+    mb = plain.matcher(plain.compile(JsonSchema(schema)))
+    for t in ids:
+        assert torch.equal(row_of(ma), row_of(mb))
+        assert ma.accept_token(t) and mb.accept_token(t)
+    assert torch.equal(row_of(ma), row_of(mb))
+    assert mb.accept_token(eos) and mb.is_terminated()
+
+
 def test_accept_rollback_fork_exact_across_eos(backend, compiled, ids, eos):
     m = backend.matcher(compiled)
     assert m.accept_tokens(ids + [eos, ids[0]]) == len(ids) + 1

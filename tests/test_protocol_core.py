@@ -257,3 +257,25 @@ def test_capabilities_are_grammar_kinds_and_tolerate_removed_flags():
         "tool_calls": True,
     }
     assert not hasattr(old_style, "native_rollback")
+
+
+def test_tokenizer_info_from_plain_tokenizers_tokenizer(tokenizer):
+    """``TokenizerInfo.from_huggingface`` takes the Rust ``tokenizers.Tokenizer`` behind a
+    transformers tokenizer and gives the same info once told the stop tokens (it has no EOS)."""
+    from spec_grammar.protocol import TokenizerInfo
+
+    hf = TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer) + 7)
+    plain = TokenizerInfo.from_huggingface(
+        tokenizer.backend_tokenizer,
+        vocab_size=len(tokenizer) + 7,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
+    assert plain.hf_tokenizer is tokenizer.backend_tokenizer
+    for field in ("vocab_size", "tokenizer_vocab_size", "stop_token_ids", "special_token_ids"):
+        assert getattr(plain, field) == getattr(hf, field), field
+    assert plain.token_bytes == hf.token_bytes
+    assert plain.decode(tokenizer.encode('{"a": "é"}')) == '{"a": "é"}'
+    with pytest.raises(ValueError, match="no eos_token_id; pass stop_token_ids"):
+        TokenizerInfo.from_huggingface(tokenizer.backend_tokenizer)
+    with pytest.raises(TypeError, match="expected a Hugging Face tokenizer, got dict"):
+        TokenizerInfo.from_huggingface({})

@@ -47,6 +47,7 @@ from spec_grammar.json_schema.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
+from spec_grammar.vocab import tokenizer_len
 
 try:
     import llguidance
@@ -346,9 +347,10 @@ class LLGuidanceBackend(GrammarBackend):
     ):
         super().__init__(tokenizer, **kwargs)
         info = self.tokenizer_info
-        if info.tokenizer_vocab_size < len(info.hf_tokenizer):
+        n_tok = tokenizer_len(info.hf_tokenizer)
+        if info.tokenizer_vocab_size < n_tok:
             raise ValueError(
-                f"llguidance needs a logits width >= the tokenizer's {len(info.hf_tokenizer)} tokens, "
+                f"llguidance needs a logits width >= the tokenizer's {n_tok} tokens, "
                 f"got vocab_size={info.vocab_size}"
             )
         self._llg_tokenizer = llg_tokenizer(info, None if slices is None else list(slices))
