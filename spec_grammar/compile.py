@@ -114,11 +114,6 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._done)
 
-    def clear(self) -> None:
-        """Drop every finished result (compiles in flight still complete)."""
-        with self._lock:
-            self._done.clear()
-
 
 def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
     """``backend.compile(spec)``: see :meth:`GrammarBackend.compile
