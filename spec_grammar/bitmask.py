@@ -17,6 +17,7 @@ __all__ = [
     "clear_padding_bits",
     "bitmask_width",
     "check_bitmask",
+    "check_bitmask_rows",
     "unpack_bitmask",
     "pack_bool_mask",
     "allowed_token_ids",
@@ -67,6 +68,15 @@ def check_bitmask(bitmask: torch.Tensor, vocab_size: int, row: int | None = None
         raise BitmaskError("bitmask must be contiguous")
     if row is not None and not 0 <= row < bitmask.shape[0]:
         raise BitmaskError(f"row {row} is out of range for a bitmask with {bitmask.shape[0]} rows")
+
+
+def check_bitmask_rows(bitmask: torch.Tensor, start: int, count: int) -> None:
+    """Raise :class:`BitmaskError` unless rows ``[start, start + count)`` lie in ``bitmask``
+    (``(rows, W)``, already checked by :func:`check_bitmask`)."""
+    if not 0 <= start <= bitmask.shape[0] - count:
+        raise BitmaskError(
+            f"rows [{start}, {start + count}) do not fit a bitmask with {bitmask.shape[0]} rows"
+        )
 
 
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)

@@ -1,43 +1,33 @@
 """The contract between speculative workers and grammar engines.
 
-Two classes: :class:`SpecGrammar` (one request's matcher state) and :class:`GrammarBackend`
-(one per tokenizer: compiles specs, makes matchers). Adapters subclass both and implement the
-underscored hooks; the public methods here check their inputs, keep the bookkeeping every
-backend needs (accepted-token count, termination, rollback bound) and supply generic
-fallbacks, so an adapter that only implements the required hooks is already complete.
+:class:`SpecGrammar` (one request's matcher state) and :class:`GrammarBackend` (one per
+tokenizer: compiles specs, makes matchers) are abstract: adapters implement the abstract
+underscored hooks, and a class missing one cannot be instantiated. The public methods check
+their inputs, keep the bookkeeping every backend needs (accepted-token count, termination,
+rollback bound) and supply generic fallbacks for the optional hooks.
 
-Token bitmask layout: see :mod:`spec_grammar.bitmask`. Tree semantics: see
-:mod:`spec_grammar.tree` and :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`.
+Defined in their own modules: :mod:`.tokenizer_info`, :mod:`.capabilities`, :mod:`.compile`
+(the compile pipeline and :class:`CompiledGrammar`), :mod:`.bitmask` (the token bitmask
+layout), :mod:`.tree` and :mod:`.traverse` (tree semantics, the generic tree fill).
 """
 
 from __future__ import annotations
 
 import operator
-import re
-import threading
-import time
-from collections import OrderedDict
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
-from .bitmask import bitmask_width, check_bitmask, clear_padding_bits
-from .errors import (
-    BitmaskError,
-    GrammarCompileError,
-    GrammarStateError,
-    InvalidTokenError,
-    SpecGrammarError,
-    UnsupportedGrammarError,
-)
-from .schema_check import check_json_schema
-from .specs import GrammarSpec, JsonSchema, ToolCalls
-from .strict import KeywordSupport, unenforced_keywords
+from .bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
+from .capabilities import Capabilities
+from .compile import CompileCache, CompiledGrammar, compile_spec
+from .errors import BitmaskError, GrammarStateError, InvalidTokenError
+from .json_schema.strict import KeywordSupport
+from .specs import GrammarSpec
+from .tokenizer_info import TokenizerInfo
+from .traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
 from .tree import DraftTree
 
 __all__ = [
@@ -54,132 +44,6 @@ DEFAULT_MAX_ROLLBACK_TOKENS = 256
 advance may need to undo, with ample margin."""
 
 
-@dataclass(eq=False)
-class TokenizerInfo:
-    """What a backend needs to know about the tokenizer and the logits.
-
-    Attributes:
-        hf_tokenizer: the Hugging Face tokenizer.
-        vocab_size: logits width ``V`` (columns of the model's logits; may exceed the tokenizer).
-        tokenizer_vocab_size: ``len(tokenizer)``; ids in ``[tokenizer_vocab_size, V)`` are never
-            allowed in a constrained row.
-        stop_token_ids: tokens that end generation (EOS); allowed exactly where the grammar can end.
-        special_token_ids: added/special tokens (never produced by a grammar, stop tokens aside).
-    """
-
-    hf_tokenizer: Any
-    vocab_size: int
-    tokenizer_vocab_size: int
-    stop_token_ids: tuple[int, ...]
-    special_token_ids: frozenset[int] = field(default_factory=frozenset)
-
-    @classmethod
-    def from_huggingface(
-        cls,
-        tokenizer: Any,
-        *,
-        vocab_size: int | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-    ) -> TokenizerInfo:
-        """Build from a Hugging Face tokenizer. ``vocab_size`` = logits width (default
-        ``len(tokenizer)``); ``stop_token_ids`` default to the tokenizer's EOS id.
-
-        Raises ``ValueError`` when no stop token can be found or an id is out of range.
-        """
-        if not (hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "__len__")):
-            raise TypeError(
-                f"expected a Hugging Face tokenizer, got {type(tokenizer).__name__}"
-                " (spec_grammar.models.load_tokenizer(name) loads one)"
-            )
-        n_tok = len(tokenizer)
-        width = n_tok if vocab_size is None else int(vocab_size)
-        if width <= 0:
-            raise ValueError(f"vocab_size must be positive, got {width}")
-        if stop_token_ids is None:
-            eos = getattr(tokenizer, "eos_token_id", None)
-            if eos is None:
-                raise ValueError("the tokenizer has no eos_token_id; pass stop_token_ids")
-            stop_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        stops = tuple(int(t) for t in stop_token_ids)
-        for t in stops:
-            if not 0 <= t < min(n_tok, width):
-                raise ValueError(
-                    f"stop token id {t} is outside the vocabulary [0, {min(n_tok, width)})"
-                )
-        specials = set(getattr(tokenizer, "all_special_ids", []) or [])
-        for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items():
-            if getattr(tok, "special", False):
-                specials.add(int(i))
-        return cls(
-            hf_tokenizer=tokenizer,
-            vocab_size=width,
-            tokenizer_vocab_size=min(n_tok, width),
-            stop_token_ids=stops,
-            special_token_ids=frozenset(specials),
-        )
-
-    @property
-    def bitmask_width(self) -> int:
-        return bitmask_width(self.vocab_size)
-
-    @cached_property
-    def token_bytes(self) -> list[bytes]:
-        """``token_bytes[i]``: the bytes of token ``i`` for ``i < tokenizer_vocab_size``."""
-        from .vocab import token_bytes_table
-
-        return token_bytes_table(self.hf_tokenizer, self.tokenizer_vocab_size)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of the ids (invalid UTF-8 replaced); for error messages and reports."""
-        return b"".join(
-            self.token_bytes[t] if 0 <= t < self.tokenizer_vocab_size else b"" for t in token_ids
-        ).decode("utf-8", errors="replace")
-
-
-class Capabilities(BaseModel):
-    """What a backend supports and which fast paths it has natively.
-
-    The ``native_*`` flags say whether the library does the work itself; when False the adapter
-    or the core emulates it (correct, maybe slower).
-    """
-
-    model_config = ConfigDict(frozen=True)
-
-    json_schema: bool = True
-    regex: bool = True
-    ebnf: bool = False
-    lark: bool = False
-    tool_calls: bool = True
-    native_rollback: bool = False
-    native_fork: bool = False
-    native_validate: bool = False
-    native_tree_fill: bool = False
-    native_forced_tokens: bool = False
-    parallel_fill: bool = False
-    releases_gil: bool = False
-
-
-@dataclass(eq=False)
-class CompiledGrammar:
-    """A compiled grammar: the backend's own object plus where it came from.
-
-    Attributes:
-        spec: the spec it was compiled from.
-        backend_name: name of the backend that compiled it (matchers check it).
-        native: the library's compiled object (opaque to callers).
-        compile_time_s: wall time of the compile in seconds (0 for a cache hit's original).
-        warnings: one line per JSON-Schema keyword the backend compiled but does not enforce
-            (see :mod:`spec_grammar.strict`); empty when the grammar is enforced in full.
-    """
-
-    spec: GrammarSpec
-    backend_name: str
-    native: Any
-    compile_time_s: float
-    backend_id: int = 0
-    warnings: tuple[str, ...] = ()
-
-
 def _as_index(value: Any, what: str, error: type[Exception]) -> int:
     """``value`` as an exact int (Python or numpy/torch integer scalar); floats, strings and
     bools are refused with ``error`` rather than silently truncated."""
@@ -193,7 +57,7 @@ def _as_index(value: Any, what: str, error: type[Exception]) -> int:
         ) from None
 
 
-class SpecGrammar:
+class SpecGrammar(ABC):
     """One request's grammar state, built for draft trees.
 
     Public methods check arguments and state, then call the adapter's hooks:
@@ -218,7 +82,6 @@ class SpecGrammar:
         self._num_accepted = 0
         self._stop_ids = frozenset(info.stop_token_ids)
 
-    # -- bookkeeping --------------------------------------------------------------------------
     @property
     def max_rollback_tokens(self) -> int:
         """Deepest ``rollback(k)`` allowed: ``k`` above this (or above the number of accepted
@@ -337,18 +200,15 @@ class SpecGrammar:
 
         Rows of invalid nodes, of nodes below them and of nodes whose token terminated the
         grammar (a stop token) are all zero: nothing can be sampled from them. The matcher is
-        exactly as before afterwards. Raises :class:`GrammarStateError` on a terminated
-        matcher and :class:`BitmaskError` on a bad buffer.
+        exactly as before afterwards. Raises ``TypeError`` when ``tree`` is not a
+        :class:`DraftTree`, :class:`GrammarStateError` on a terminated matcher and
+        :class:`BitmaskError` on a bad buffer.
         """
         if not isinstance(tree, DraftTree):
             raise TypeError(f"fill_tree_bitmask takes a DraftTree, got {type(tree).__name__}")
         row_offset = _as_index(row_offset, "row_offset", BitmaskError)
         check_bitmask(bitmask, self.info.vocab_size)
-        if not 0 <= row_offset <= bitmask.shape[0] - tree.num_nodes:
-            raise BitmaskError(
-                f"rows [{row_offset}, {row_offset + tree.num_nodes}) do not fit a bitmask with "
-                f"{bitmask.shape[0]} rows"
-            )
+        check_bitmask_rows(bitmask, row_offset, tree.num_nodes)
         if self.is_terminated():
             raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
         before = self._num_accepted
@@ -364,6 +224,7 @@ class SpecGrammar:
         return bool(self._is_terminated())
 
     def is_stop_token(self, token: int) -> bool:
+        """True for the tokenizer info's stop tokens."""
         return int(token) in self._stop_ids
 
     def forced_tokens(self) -> list[int]:
@@ -373,7 +234,23 @@ class SpecGrammar:
             return []
         return list(self._forced_tokens())
 
-    # -- generic fallbacks (adapters may override) ------------------------------------------
+    # -- required hooks -----------------------------------------------------------------------
+    @abstractmethod
+    def _accept_token(self, token: int) -> bool: ...
+
+    @abstractmethod
+    def _rollback(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def _fork(self) -> SpecGrammar: ...
+
+    @abstractmethod
+    def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+
+    @abstractmethod
+    def _is_terminated(self) -> bool: ...
+
+    # -- optional hooks: generic fallbacks ----------------------------------------------------
     def _accept_tokens(self, tokens: list[int]) -> int:
         n = 0
         for t in tokens:
@@ -391,99 +268,23 @@ class SpecGrammar:
     def _fill_tree_bitmask(
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
     ) -> torch.Tensor:
-        from .traverse import fill_tree_bitmask_dfs
-
         return fill_tree_bitmask_dfs(self, tree, bitmask, row_offset)
 
     def _forced_tokens(self) -> list[int]:
-        from .traverse import forced_tokens_by_mask
-
         return forced_tokens_by_mask(self)
 
-    # -- required hooks -----------------------------------------------------------------------
-    def _accept_token(self, token: int) -> bool:  # pragma: no cover - abstract
-        raise NotImplementedError
 
-    def _rollback(self, num_tokens: int) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _fork(self) -> SpecGrammar:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:  # pragma: no cover
-        raise NotImplementedError
-
-    def _is_terminated(self) -> bool:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-
-class _CompileCache:
-    """LRU cache of compile results (grammars and errors) with in-flight deduplication: the
-    first thread compiles, concurrent callers of the same key wait for its result."""
-
-    def __init__(self, max_entries: int):
-        self.max_entries = max_entries
-        self._lock = threading.Lock()
-        self._done: OrderedDict[str, CompiledGrammar | SpecGrammarError] = OrderedDict()
-        self._pending: dict[str, Future] = {}
-        self.compiles = 0
-
-    def get_or_compile(self, key: str, compile_fn) -> CompiledGrammar:
-        with self._lock:
-            hit = self._done.get(key)
-            if hit is not None:
-                self._done.move_to_end(key)
-                owner = False
-                fut = None
-            else:
-                fut = self._pending.get(key)
-                owner = fut is None
-                if owner:
-                    fut = self._pending[key] = Future()
-        if hit is not None:
-            if isinstance(hit, BaseException):
-                raise hit
-            return hit
-        if not owner:
-            return fut.result()
-        try:
-            result: CompiledGrammar | SpecGrammarError = compile_fn()
-        except SpecGrammarError as e:
-            result = e
-        except BaseException as e:  # never leave waiters hanging
-            with self._lock:
-                self._pending.pop(key, None)
-            fut.set_exception(e)
-            raise
-        with self._lock:
-            self.compiles += 1
-            self._pending.pop(key, None)
-            self._done[key] = result
-            while len(self._done) > self.max_entries:
-                self._done.popitem(last=False)
-        if isinstance(result, BaseException):
-            fut.set_exception(result)
-            raise result
-        fut.set_result(result)
-        return result
-
-    def __len__(self) -> int:
-        return len(self._done)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._done.clear()
-
-
-class GrammarBackend:
+class GrammarBackend(ABC):
     """A grammar engine bound to one tokenizer.
 
-    Subclasses set ``name`` and ``capabilities``, implement ``_compile(spec) -> native`` (raise
-    :class:`GrammarCompileError` / :class:`UnsupportedGrammarError` with the reason) and
-    ``_matcher(compiled) -> SpecGrammar``, and may override :meth:`library_version`.
+    Subclasses set ``name``, ``capabilities`` and ``json_schema_support``, implement
+    ``_compile(spec) -> native`` (raise :class:`GrammarCompileError` /
+    :class:`UnsupportedGrammarError` with the reason) and ``_matcher(compiled) -> SpecGrammar``,
+    and may override :meth:`library_version`, :meth:`fill_tree_bitmasks` and
+    :meth:`_library_error_reason`.
 
     Args:
-        tokenizer: a Hugging Face tokenizer.
+        tokenizer: a Hugging Face tokenizer (or a :class:`TokenizerInfo`).
         vocab_size: logits width when it differs from ``len(tokenizer)``.
         stop_token_ids: stop tokens (default: the tokenizer's EOS).
         max_rollback_tokens: rollback depth of every matcher this backend makes.
@@ -493,6 +294,9 @@ class GrammarBackend:
             (the library call cannot be interrupted: it finishes in a daemon thread and its
             result is dropped). ``None`` waits forever.
         max_grammar_bytes: specs whose serialized form is larger are refused before compiling.
+
+    Raises ``ValueError`` for a negative ``max_rollback_tokens`` or ``compile_cache_size`` and
+    for tokenizer arguments :meth:`TokenizerInfo.from_huggingface` refuses.
     """
 
     name: ClassVar[str] = "base"
@@ -525,7 +329,7 @@ class GrammarBackend:
             raise ValueError(
                 f"compile_cache_size must be >= 0 (0 = no caching), got {compile_cache_size}"
             )
-        self._cache = _CompileCache(int(compile_cache_size))
+        self._cache = CompileCache(int(compile_cache_size))
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = int(max_grammar_bytes)
 
@@ -536,6 +340,7 @@ class GrammarBackend:
 
     @property
     def vocab_size(self) -> int:
+        """Logits width ``V``."""
         return self.tokenizer_info.vocab_size
 
     @property
@@ -546,79 +351,16 @@ class GrammarBackend:
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile ``spec`` (cached, thread-safe; concurrent compiles of one spec run once).
 
-        Raises :class:`UnsupportedGrammarError` when this backend cannot represent the spec and
+        Raises ``TypeError`` when ``spec`` is not a grammar spec,
+        :class:`UnsupportedGrammarError` when this backend cannot represent the spec and
         :class:`GrammarCompileError` when the spec is invalid; library exceptions are wrapped.
+        Steps: :func:`spec_grammar.compile.compile_spec`.
         """
-        if not isinstance(spec, GrammarSpec):
-            raise TypeError(
-                f"compile() takes a grammar spec (JsonSchema, Regex, ...), got {type(spec).__name__}"
-            )
-        if not getattr(self.capabilities, spec.kind, False):
-            raise UnsupportedGrammarError(
-                f"{spec.kind} grammars are not supported", backend=self.name
-            )
-
-        key = spec.cache_key()
-        if len(key) > self.max_grammar_bytes:
-            raise GrammarCompileError(
-                f"the {spec.kind} spec is {len(key)} bytes, over max_grammar_bytes={self.max_grammar_bytes}",
-                backend=self.name,
-            )
-
-        def run() -> CompiledGrammar:
-            t0 = time.perf_counter()
-            target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
-            ignored: list[str] = []
-            try:
-                if isinstance(target, JsonSchema):
-                    check_json_schema(target.json_schema)
-                    ignored = unenforced_keywords(target.json_schema, self.json_schema_support)
-                    if ignored and target.strict:
-                        raise UnsupportedGrammarError(
-                            f"strict mode: {len(ignored)} keyword use(s) would not be enforced: "
-                            + "; ".join(ignored[:5])
-                            + ("; ..." if len(ignored) > 5 else "")
-                        )
-                native = self._compile_with_timeout(target)
-            except SpecGrammarError as e:
-                if isinstance(e, GrammarCompileError) and e.backend is None:
-                    raise type(e)(str(e), backend=self.name, reason=e.reason) from e
-                raise
-            except Exception as e:  # library errors: RuntimeError, ValueError, ...
-                # xgrammar prefixes "[hh:mm:ss] /path/file.cc:94: " and ends with blank lines
-                reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()
-                raise GrammarCompileError(
-                    f"{spec.kind} failed to compile: {type(e).__name__}: {reason}",
-                    backend=self.name,
-                    reason=reason,
-                ) from e
-            return CompiledGrammar(
-                spec, self.name, native, time.perf_counter() - t0, id(self), tuple(ignored)
-            )
-
-        return self._cache.get_or_compile(key, run)
-
-    def _compile_with_timeout(self, spec: GrammarSpec) -> Any:
-        if self.compile_timeout_s is None:
-            return self._compile(spec)
-        box: Future = Future()
-
-        def target() -> None:
-            try:
-                box.set_result(self._compile(spec))
-            except BaseException as e:
-                box.set_exception(e)
-
-        threading.Thread(target=target, name=f"{self.name}-compile", daemon=True).start()
-        try:
-            return box.result(timeout=self.compile_timeout_s)
-        except TimeoutError:
-            raise GrammarCompileError(
-                f"{spec.kind} compile did not finish within compile_timeout_s={self.compile_timeout_s}"
-            ) from None
+        return compile_spec(self, spec)
 
     def matcher(self, compiled: CompiledGrammar) -> SpecGrammar:
-        """A fresh matcher at the grammar's start state."""
+        """A fresh matcher at the grammar's start state. Raises :class:`GrammarStateError` for
+        a grammar another backend instance compiled."""
         if not isinstance(compiled, CompiledGrammar) or compiled.backend_id != id(self):
             raise GrammarStateError(
                 "this CompiledGrammar was not compiled by this backend instance"
@@ -633,8 +375,15 @@ class GrammarBackend:
         return [m.fill_tree_bitmask(tree, bitmask, off) for m, tree, off in jobs]
 
     # -- hooks ------------------------------------------------------------------------------
-    def _compile(self, spec: GrammarSpec) -> Any:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _compile(self, spec: GrammarSpec) -> Any: ...
 
-    def _matcher(self, compiled: CompiledGrammar) -> SpecGrammar:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def _matcher(self, compiled: CompiledGrammar) -> SpecGrammar: ...
+
+    @classmethod
+    def _library_error_reason(cls, error: Exception) -> str:
+        """The reason to report for an exception the library raised while compiling (the
+        ``reason`` of the :class:`GrammarCompileError` wrapping it). Adapters whose library
+        decorates its messages (log prefixes) override this to strip the decoration."""
+        return str(error).strip()

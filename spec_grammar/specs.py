@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import GrammarSpecError
-from .schema_rewrite import map_subschemas
+from .json_schema.rewrite import map_subschemas
 
 Whitespace = Literal["spaced", "compact", "flexible"]
 """JSON whitespace policy.

@@ -1,4 +1,6 @@
-"""Token-id -> bytes tables for Hugging Face tokenizers.
+"""Token-id -> bytes tables for Hugging Face tokenizers, and uniform access to the two kinds:
+a ``transformers`` tokenizer or a plain ``tokenizers.Tokenizer`` (the Rust library, all a user
+without ``transformers`` has).
 
 Backends whose libraries take a raw byte vocabulary (outlines-core, third-party engines) build
 it here. Two encodings cover the tokenizers in use:
@@ -15,6 +17,53 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from typing import Any
+
+__all__ = [
+    "is_rust_tokenizer",
+    "rust_tokenizer",
+    "tokenizer_len",
+    "added_tokens",
+    "encode_ids",
+    "token_bytes_table",
+]
+
+
+def is_rust_tokenizer(tokenizer: Any) -> bool:
+    """True for a plain ``tokenizers.Tokenizer`` (False when that library is not installed)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return False
+    return isinstance(tokenizer, Tokenizer)
+
+
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer``: itself, a fast ``transformers``
+    tokenizer's ``backend_tokenizer``, or None (a slow tokenizer)."""
+    if is_rust_tokenizer(tokenizer):
+        return tokenizer
+    return getattr(tokenizer, "backend_tokenizer", None)
+
+
+def tokenizer_len(tokenizer: Any) -> int:
+    """Number of token ids, added tokens included (``len(tokenizer)`` for ``transformers``)."""
+    if is_rust_tokenizer(tokenizer):
+        return tokenizer.get_vocab_size(with_added_tokens=True)
+    return len(tokenizer)
+
+
+def added_tokens(tokenizer: Any) -> dict[int, Any]:
+    """Added tokens by id, each with ``.content`` (its text) and ``.special``."""
+    if is_rust_tokenizer(tokenizer):
+        return tokenizer.get_added_tokens_decoder()
+    return getattr(tokenizer, "added_tokens_decoder", {})
+
+
+def encode_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (no BOS)."""
+    if is_rust_tokenizer(tokenizer):
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 @lru_cache(maxsize=1)
@@ -36,7 +85,7 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def _decoder_kind(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = rust_tokenizer(tokenizer)
     if backend is None:
         return "slow"
     decoder = json.loads(backend.to_str()).get("decoder") or {}
@@ -66,13 +115,14 @@ def _decode_sentencepiece(piece: str) -> bytes:
 
 
 def token_bytes_table(tokenizer: Any, size: int | None = None) -> list[bytes]:
-    """``table[i]`` = the bytes token ``i`` stands for; ``size`` defaults to ``len(tokenizer)``.
+    """``table[i]`` = the bytes token ``i`` stands for; ``size`` defaults to the number of ids
+    (:func:`tokenizer_len`). ``tokenizer``: a ``transformers`` tokenizer or a ``tokenizers.Tokenizer``.
 
     Ids with no token (holes in the vocabulary) map to ``b""``.
     """
-    n = len(tokenizer) if size is None else size
+    n = tokenizer_len(tokenizer) if size is None else size
     kind = _decoder_kind(tokenizer)
-    added = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    added = {int(i): t.content for i, t in added_tokens(tokenizer).items()}
     table = [b""] * n
     for piece, i in tokenizer.get_vocab().items():
         if not 0 <= i < n:
@@ -84,5 +134,13 @@ def token_bytes_table(tokenizer: Any, size: int | None = None) -> list[bytes]:
         elif kind == "sentencepiece":
             table[i] = _decode_sentencepiece(piece)
         else:
-            table[i] = tokenizer.convert_tokens_to_string([piece]).encode("utf-8")
+            table[i] = _piece_text(tokenizer, piece).encode("utf-8")
     return table
+
+
+def _piece_text(tokenizer: Any, piece: str) -> str:
+    if not is_rust_tokenizer(tokenizer):
+        return tokenizer.convert_tokens_to_string([piece])
+    # what a fast transformers tokenizer's convert_tokens_to_string does
+    decoder = tokenizer.decoder
+    return piece if decoder is None else decoder.decode([piece])

@@ -37,17 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from spec_grammar.bitmask import check_bitmask, clear_padding_bits
+from spec_grammar.bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
 from spec_grammar.errors import (
-    BitmaskError,
     GrammarCompileError,
     GrammarStateError,
     UnsupportedGrammarError,
 )
+from spec_grammar.json_schema.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
-from spec_grammar.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.tree import DraftTree
+from spec_grammar.vocab import tokenizer_len
 
 try:
     import llguidance
@@ -308,13 +308,6 @@ class LLGuidanceBackend(GrammarBackend):
         ebnf=True,
         lark=True,
         tool_calls=True,
-        native_rollback=True,
-        native_fork=True,
-        native_validate=False,  # llguidance's validate_tokens only bounds the row-checked walk
-        native_tree_fill=False,
-        native_forced_tokens=True,
-        parallel_fill=True,
-        releases_gil=True,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
@@ -354,9 +347,10 @@ class LLGuidanceBackend(GrammarBackend):
     ):
         super().__init__(tokenizer, **kwargs)
         info = self.tokenizer_info
-        if info.tokenizer_vocab_size < len(info.hf_tokenizer):
+        n_tok = tokenizer_len(info.hf_tokenizer)
+        if info.tokenizer_vocab_size < n_tok:
             raise ValueError(
-                f"llguidance needs a logits width >= the tokenizer's {len(info.hf_tokenizer)} tokens, "
+                f"llguidance needs a logits width >= the tokenizer's {n_tok} tokens, "
                 f"got vocab_size={info.vocab_size}"
             )
         self._llg_tokenizer = llg_tokenizer(info, None if slices is None else list(slices))
@@ -474,10 +468,7 @@ class LLGuidanceBackend(GrammarBackend):
         par: list[int] = []
         seen: set[int] = set()
         for i, (m, tree, off) in enumerate(jobs):
-            if not 0 <= off <= bitmask.shape[0] - tree.num_nodes:
-                raise BitmaskError(
-                    f"rows [{off}, {off + tree.num_nodes}) do not fit a bitmask with {bitmask.shape[0]} rows"
-                )
+            check_bitmask_rows(bitmask, off, tree.num_nodes)
             if m.is_terminated():
                 raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
             if isinstance(m, LLGuidanceMatcher) and m._backend is self and id(m) not in seen:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
+from copy import copy
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
-from spec_grammar.protocol import TokenizerInfo
+from spec_grammar.tokenizer_info import TokenizerInfo
+from spec_grammar.vocab import encode_ids, rust_tokenizer
 
 __all__ = ["GreedyEncoder", "VocabIndex", "llg_tokenizer"]
 
@@ -25,7 +26,7 @@ _ROUND_TRIP_SAMPLE = 512
 class GreedyEncoder:
     """Tokenizer for ``llguidance.TokenizerWrapper``: the Hugging Face encoding when it spells
     the input back exactly, else a greedy longest match over the vocabulary's bytes (a byte no
-    token spells is skipped)."""
+    token spells is skipped). Called with ``bytes``, returns token ids."""
 
     def __init__(self, info: TokenizerInfo):
         self._hf = info.hf_tokenizer
@@ -41,7 +42,7 @@ class GreedyEncoder:
         self._longest = max((len(b) for b in self._ids), default=1)
 
     def __call__(self, text: bytes) -> list[int]:
-        ids = self._hf.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False)
+        ids = encode_ids(self._hf, text.decode("utf-8", errors="replace"))
         if b"".join(self.tokens[i] for i in ids if i < len(self.tokens)) == text:
             return ids
         out, i = [], 0
@@ -57,16 +58,34 @@ class GreedyEncoder:
         return out
 
 
+def tokenizer_json(tokenizer: Any) -> str:
+    """The Rust tokenizer behind ``tokenizer`` (a fast ``transformers`` tokenizer or a
+    ``tokenizers.Tokenizer``) serialized as ``tokenizer.json`` text, with padding and truncation
+    off, exactly as ``llguidance.hf.from_tokenizer`` builds it (that module imports
+    ``transformers``, which a base install does not have).
+
+    Raises ``ValueError`` for a slow tokenizer (no Rust tokenizer behind it).
+    """
+    rust = rust_tokenizer(tokenizer)
+    if rust is None:
+        raise ValueError("Only fast tokenizers are supported")
+    rust = copy(rust)  # the switches below would otherwise change the caller's tokenizer
+    rust.no_padding()
+    rust.no_truncation()
+    return rust.to_str()
+
+
 def llg_tokenizer(info: TokenizerInfo, slices: list[str] | None) -> Any:
     """``llguidance.LLTokenizer`` for ``info`` (stop tokens = llguidance's EOS tokens, width =
-    ``info.vocab_size``): llguidance's own Hugging Face path, or the same vocabulary through
-    :class:`GreedyEncoder` when encoding a sample of token texts does not spell them back.
+    ``info.vocab_size``) from the tokenizer's JSON (:func:`tokenizer_json`), or the same
+    vocabulary through :class:`GreedyEncoder` when encoding a sample of token texts does not
+    spell them back.
 
     Raises ``ValueError`` for a tokenizer that is not a fast Hugging Face tokenizer.
     """
     stops = list(info.stop_token_ids)
-    lt = llguidance.hf.from_tokenizer(
-        info.hf_tokenizer, n_vocab=info.vocab_size, eos_token=stops, slices=slices
+    lt = llguidance.LLTokenizer(
+        tokenizer_json(info.hf_tokenizer), n_vocab=info.vocab_size, eos_token=stops, slices=slices
     )
     n = info.tokenizer_vocab_size
     sample = [

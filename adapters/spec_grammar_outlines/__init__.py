@@ -43,6 +43,8 @@ import numpy as np
 import torch
 
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import (
     Capabilities,
     CompiledGrammar,
@@ -50,9 +52,7 @@ from spec_grammar.protocol import (
     SpecGrammar,
     TokenizerInfo,
 )
-from spec_grammar.schema_rewrite import enum_within_type, map_subschemas
 from spec_grammar.specs import GrammarSpec, JsonSchema, Regex
-from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:
@@ -440,13 +440,6 @@ class OutlinesBackend(GrammarBackend):
         ebnf=False,
         lark=False,
         tool_calls=True,
-        native_rollback=False,
-        native_fork=False,
-        native_validate=False,
-        native_tree_fill=False,
-        native_forced_tokens=False,
-        parallel_fill=False,
-        releases_gil=False,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(

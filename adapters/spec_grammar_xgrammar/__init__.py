@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import threading
 import warnings
 from typing import Any
@@ -19,10 +20,10 @@ import torch
 
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
-from spec_grammar.schema_rewrite import enum_within_type, map_subschemas
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
-from spec_grammar.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.tree import DraftTree
 
 try:
@@ -33,6 +34,9 @@ except ImportError as e:  # pragma: no cover - exercised when the extra is missi
 __all__ = ["XGrammarBackend", "XGrammarMatcher"]
 
 _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+"""xgrammar's C++ errors start with its log prefix ``[hh:mm:ss] /path/file.cc:94: ``."""
 
 
 def _draft2020(schema: Any) -> Any:
@@ -191,13 +195,6 @@ class XGrammarBackend(GrammarBackend):
         ebnf=True,
         lark=True,
         tool_calls=True,
-        native_rollback=True,
-        native_fork=True,
-        native_validate=False,
-        native_tree_fill=True,
-        native_forced_tokens=True,
-        parallel_fill=False,  # one job after the other; the worker's grammar threads run jobs side by side
-        releases_gil=True,
     )
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
@@ -279,6 +276,11 @@ class XGrammarBackend(GrammarBackend):
     @classmethod
     def library_version(cls) -> str:
         return importlib.metadata.version("xgrammar")
+
+    @classmethod
+    def _library_error_reason(cls, error: Exception) -> str:
+        # the log prefix names a build path, not the grammar; the message ends with blank lines
+        return _LOG_PREFIX.sub("", str(error)).strip()
 
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler

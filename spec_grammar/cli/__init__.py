@@ -11,6 +11,15 @@ from ..errors import SpecGrammarError
 
 SUBCOMMANDS = ["backends", "conformance", "generate", "bench"]
 
+_EXTRA_OF = {
+    **dict.fromkeys(
+        ("rich", "hypothesis", "transformers", "tokenizers", "gguf", "accelerate", "safetensors"),
+        "cli",
+    ),
+    "matplotlib": "bench",
+}
+"""Top-level module -> the install extra that brings it (the base install has none of them)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -36,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (SpecGrammarError, FileNotFoundError, ValueError) as e:
         print(f"spec-grammar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = _EXTRA_OF.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"spec-grammar {args.command}: error: {e}; install it with: pip install 'spec-grammar[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         return 130

@@ -22,16 +22,14 @@ def run(args) -> int:
         print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return 0
     table = Table(title="spec-grammar backends")
-    for col in ("name", "target", "version", "grammars", "native paths"):
+    for col in ("name", "target", "version", "grammars"):
         # fold, not "…": a cut entry-point target cannot be copied into --backend
         table.add_column(col, overflow="fold")
     for i in infos:
         if i.error:
-            table.add_row(i.name, i.target, "-", f"[red]{i.error}[/red]", "")
+            table.add_row(i.name, i.target, "-", f"[red]{i.error}[/red]")
             continue
-        caps = i.capabilities.model_dump()
-        grammars = [k for k in ("json_schema", "regex", "ebnf", "lark", "tool_calls") if caps[k]]
-        native = [k.removeprefix("native_") for k, v in caps.items() if v and k not in grammars]
-        table.add_row(i.name, i.target, i.version or "?", ", ".join(grammars), ", ".join(native))
+        grammars = [k for k, v in i.capabilities.model_dump().items() if v]
+        table.add_row(i.name, i.target, i.version or "?", ", ".join(grammars))
     Console().print(table)
     return 0

@@ -24,6 +24,7 @@ from spec_grammar.errors import (
     InvalidTokenError,
     UnsupportedGrammarError,
 )
+from spec_grammar.protocol import GrammarBackend
 from spec_grammar.registry import get_backend
 from spec_grammar.specs import Ebnf, JsonSchema, Lark, Regex, ToolCalls
 from spec_grammar.traverse import fill_tree_bitmask_dfs
@@ -103,10 +104,34 @@ def test_registered_with_honest_capabilities(backend):
     assert isinstance(backend, LLGuidanceBackend)
     assert isinstance(backend.matcher(backend.compile(Regex("a+"))), LLGuidanceMatcher)
     caps = backend.capabilities
-    assert (
-        caps.ebnf and caps.lark and caps.native_rollback and caps.native_fork and caps.parallel_fill
-    )
+    assert caps.json_schema and caps.regex and caps.ebnf and caps.lark and caps.tool_calls
+    # many requests' trees are filled together through llguidance's LLExecutor
+    assert type(backend).fill_tree_bitmasks is not GrammarBackend.fill_tree_bitmasks
     assert backend.library_version().startswith("1.")
+
+
+def test_plain_tokenizers_tokenizer_gives_the_same_backend(tok, backend, schema, ids, eos):
+    """A ``tokenizers.Tokenizer`` (what a user without transformers has) with explicit stop ids
+    builds the same backend as the transformers tokenizer around it: same tokenizer info,
+    same rows along a document, same termination."""
+    plain = get_backend(
+        "llguidance", tok.backend_tokenizer, vocab_size=len(tok) + PAD, stop_token_ids=[eos]
+    )
+    a, b = backend.tokenizer_info, plain.tokenizer_info
+    assert (b.vocab_size, b.tokenizer_vocab_size, b.stop_token_ids, b.special_token_ids) == (
+        a.vocab_size,
+        a.tokenizer_vocab_size,
+        a.stop_token_ids,
+        a.special_token_ids,
+    )
+    assert b.token_bytes == a.token_bytes
+    ma = backend.matcher(backend.compile(JsonSchema(schema)))
+    mb = plain.matcher(plain.compile(JsonSchema(schema)))
+    for t in ids:
+        assert torch.equal(row_of(ma), row_of(mb))
+        assert ma.accept_token(t) and mb.accept_token(t)
+    assert torch.equal(row_of(ma), row_of(mb))
+    assert mb.accept_token(eos) and mb.is_terminated()
 
 
 def test_accept_rollback_fork_exact_across_eos(backend, compiled, ids, eos):

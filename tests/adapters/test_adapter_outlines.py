@@ -145,7 +145,7 @@ def test_registered_and_capabilities_honest(backend):
     caps = backend.capabilities
     assert backend.name == "outlines" and isinstance(backend, OutlinesBackend)
     assert caps.json_schema and caps.regex and caps.tool_calls
-    assert not (caps.ebnf or caps.lark or caps.native_rollback or caps.native_fork)
+    assert not (caps.ebnf or caps.lark)
 
 
 @pytest.mark.parametrize(

@@ -223,3 +223,26 @@ def test_precompile_is_reused_by_the_worker():
     before = worker.backend.num_compiles
     assert worker.backend.compile(spec) is compiled
     assert worker.backend.num_compiles == before
+
+
+@pytest.mark.parametrize("module, extra", [("rich", "cli"), ("matplotlib.pyplot", "bench")])
+def test_missing_extra_names_the_install_command(capsys, monkeypatch, module, extra):
+    """Without the extra a subcommand needs (the base install has no rich, transformers, ...),
+    one line says which extra to install; other missing modules still raise."""
+    from spec_grammar.cli import backends
+
+    def missing(_args):
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+    monkeypatch.setattr(backends, "run", missing)
+    assert main(["backends"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("spec-grammar backends: error: No module named")
+    assert err.endswith(f"install it with: pip install 'spec-grammar[{extra}]'")
+
+    def other(_args):
+        raise ModuleNotFoundError("No module named 'nope'", name="nope")
+
+    monkeypatch.setattr(backends, "run", other)
+    with pytest.raises(ModuleNotFoundError):
+        main(["backends"])

@@ -200,3 +200,76 @@ def test_compile_limits(tok):
     small = get_backend("xgrammar", tok, max_grammar_bytes=200)
     with pytest.raises(GrammarCompileError, match="over max_grammar_bytes=200"):
         small.compile(JsonSchema({"enum": ["x" * 300]}))
+
+
+def test_missing_hook_refused_at_construction():
+    """Required hooks are abstract: a class lacking one fails when built, naming the hook, not
+    at the hook's first call."""
+    from spec_grammar.protocol import GrammarBackend, SpecGrammar, TokenizerInfo
+
+    info = TokenizerInfo(None, vocab_size=8, tokenizer_vocab_size=8, stop_token_ids=(0,))
+
+    class NoMatcher(GrammarBackend):
+        def _compile(self, spec):
+            return spec
+
+    with pytest.raises(TypeError, match="NoMatcher.*_matcher"):
+        NoMatcher(info)
+
+    hooks = ("_accept_token", "_rollback", "_fork", "_fill_next_token_bitmask", "_is_terminated")
+    for missing in hooks:
+        body = {h: (lambda self, *args: None) for h in hooks if h != missing}
+        cls = type(f"No{missing.title().replace('_', '')}", (SpecGrammar,), body)
+        with pytest.raises(TypeError, match=missing):
+            cls(info)
+    complete = type("Complete", (SpecGrammar,), {h: (lambda self, *args: None) for h in hooks})
+    assert complete(info).num_accepted == 0
+
+
+def test_capabilities_are_grammar_kinds_and_tolerate_removed_flags():
+    """Every flag is read by compile; an adapter written for earlier versions that still passes
+    the removed fast-path flags loads, and the flags are dropped."""
+    from spec_grammar.protocol import Capabilities
+
+    assert set(Capabilities.model_fields) == {"json_schema", "regex", "ebnf", "lark", "tool_calls"}
+    old_style = Capabilities(
+        json_schema=False,
+        regex=True,
+        native_rollback=True,
+        native_fork=True,
+        native_validate=False,
+        native_tree_fill=False,
+        native_forced_tokens=True,
+        parallel_fill=True,
+        releases_gil=True,
+    )
+    assert old_style.model_dump() == {
+        "json_schema": False,
+        "regex": True,
+        "ebnf": False,
+        "lark": False,
+        "tool_calls": True,
+    }
+    assert not hasattr(old_style, "native_rollback")
+
+
+def test_tokenizer_info_from_plain_tokenizers_tokenizer(tokenizer):
+    """``TokenizerInfo.from_huggingface`` takes the Rust ``tokenizers.Tokenizer`` behind a
+    transformers tokenizer and gives the same info once told the stop tokens (it has no EOS)."""
+    from spec_grammar.protocol import TokenizerInfo
+
+    hf = TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer) + 7)
+    plain = TokenizerInfo.from_huggingface(
+        tokenizer.backend_tokenizer,
+        vocab_size=len(tokenizer) + 7,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
+    assert plain.hf_tokenizer is tokenizer.backend_tokenizer
+    for field in ("vocab_size", "tokenizer_vocab_size", "stop_token_ids", "special_token_ids"):
+        assert getattr(plain, field) == getattr(hf, field), field
+    assert plain.token_bytes == hf.token_bytes
+    assert plain.decode(tokenizer.encode('{"a": "é"}')) == '{"a": "é"}'
+    with pytest.raises(ValueError, match="no eos_token_id; pass stop_token_ids"):
+        TokenizerInfo.from_huggingface(tokenizer.backend_tokenizer)
+    with pytest.raises(TypeError, match="expected a Hugging Face tokenizer, got dict"):
+        TokenizerInfo.from_huggingface({})

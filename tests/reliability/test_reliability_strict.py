@@ -22,14 +22,14 @@ import pytest
 from spec_grammar import get_backend
 from spec_grammar.datasets import json_schema_test_suite
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.specs import JsonSchema
-from spec_grammar.strict import (
+from spec_grammar.json_schema.strict import (
     REMOTE_REF,
     REQUIRED_UNDECLARED,
     TYPE_KEYWORDS,
     KeywordSupport,
     unenforced_keywords,
 )
+from spec_grammar.specs import JsonSchema
 from spec_grammar.testing.fixtures import fixture_tokenizer as _fixture_tokenizer
 
 BACKENDS = ("xgrammar", "llguidance", "outlines")

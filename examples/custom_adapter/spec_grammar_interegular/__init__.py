@@ -163,13 +163,6 @@ class InteregularBackend(GrammarBackend):
         ebnf=False,
         lark=False,
         tool_calls=False,
-        native_rollback=True,
-        native_fork=True,
-        native_validate=True,
-        native_tree_fill=False,
-        native_forced_tokens=False,
-        parallel_fill=False,
-        releases_gil=False,
     )
 
     def __init__(self, tokenizer: Any, **kwargs: Any):

@@ -9,7 +9,7 @@ from typing import Any
 import jsonschema
 from jsonschema.validators import validator_for
 
-from .errors import GrammarCompileError
+from ..errors import GrammarCompileError
 
 __all__ = ["check_json_schema"]
 

@@ -1,0 +1,198 @@
+"""What :meth:`GrammarBackend.compile <spec_grammar.protocol.GrammarBackend.compile>` does around
+an adapter's ``_compile``: :func:`compile_spec` (checks, strict mode, timeout, error wrapping),
+:class:`CompileCache` (results and errors, in-flight deduplication) and the result,
+:class:`CompiledGrammar`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
+from .json_schema.check import check_json_schema
+from .json_schema.strict import unenforced_keywords
+from .specs import GrammarSpec, JsonSchema, ToolCalls
+
+if TYPE_CHECKING:
+    from .protocol import GrammarBackend
+
+__all__ = ["CompiledGrammar", "CompileCache", "compile_spec"]
+
+
+@dataclass(eq=False)
+class CompiledGrammar:
+    """A compiled grammar: the backend's own object plus where it came from.
+
+    Attributes:
+        spec: the spec it was compiled from.
+        backend_name: name of the backend that compiled it (matchers check it).
+        native: the library's compiled object (opaque to callers).
+        compile_time_s: wall time of the compile in seconds (0 for a cache hit's original).
+        backend_id: ``id()`` of the backend instance that compiled it (its matchers only).
+        warnings: one line per JSON-Schema keyword the backend compiled but does not enforce
+            (see :mod:`spec_grammar.json_schema.strict`); empty when the grammar is enforced in
+            full.
+    """
+
+    spec: GrammarSpec
+    backend_name: str
+    native: Any
+    compile_time_s: float
+    backend_id: int = 0
+    warnings: tuple[str, ...] = ()
+
+
+class CompileCache:
+    """LRU cache of compile results (grammars and errors) with in-flight deduplication: the
+    first thread compiles, concurrent callers of the same key wait for its result.
+
+    Args:
+        max_entries: results kept (0 = none); the least recently used is evicted first.
+
+    Attributes:
+        compiles: compiles actually run (cache misses that finished, errors included).
+    """
+
+    def __init__(self, max_entries: int):
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._done: OrderedDict[str, CompiledGrammar | SpecGrammarError] = OrderedDict()
+        self._pending: dict[str, Future] = {}
+        self.compiles = 0
+
+    def get_or_compile(
+        self, key: str, compile_fn: Callable[[], CompiledGrammar]
+    ) -> CompiledGrammar:
+        """The cached result for ``key``, else ``compile_fn()`` run once (waiters share it).
+
+        A cached :class:`SpecGrammarError` is raised again; any other exception of
+        ``compile_fn`` propagates to every waiter and is not cached.
+        """
+        with self._lock:
+            hit = self._done.get(key)
+            if hit is not None:
+                self._done.move_to_end(key)
+                owner = False
+                fut = None
+            else:
+                fut = self._pending.get(key)
+                owner = fut is None
+                if owner:
+                    fut = self._pending[key] = Future()
+        if hit is not None:
+            if isinstance(hit, BaseException):
+                raise hit
+            return hit
+        if not owner:
+            return fut.result()
+        try:
+            result: CompiledGrammar | SpecGrammarError = compile_fn()
+        except SpecGrammarError as e:
+            result = e
+        except BaseException as e:  # never leave waiters hanging
+            with self._lock:
+                self._pending.pop(key, None)
+            fut.set_exception(e)
+            raise
+        with self._lock:
+            self.compiles += 1
+            self._pending.pop(key, None)
+            self._done[key] = result
+            while len(self._done) > self.max_entries:
+                self._done.popitem(last=False)
+        if isinstance(result, BaseException):
+            fut.set_exception(result)
+            raise result
+        fut.set_result(result)
+        return result
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+
+def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
+    """``backend.compile(spec)``: see :meth:`GrammarBackend.compile
+    <spec_grammar.protocol.GrammarBackend.compile>` for the contract.
+
+    In order: refuse non-specs (``TypeError``), kinds the capabilities do not claim
+    (:class:`UnsupportedGrammarError`) and specs over ``max_grammar_bytes``
+    (:class:`GrammarCompileError`); then, once per cache key: ``ToolCalls`` -> its
+    :class:`JsonSchema`, the meta-schema check, strict mode (refuse unenforced keywords) or
+    warnings, ``backend._compile`` under ``compile_timeout_s``. Errors are cached too; library
+    exceptions become :class:`GrammarCompileError` with the library's reason.
+    """
+    if not isinstance(spec, GrammarSpec):
+        raise TypeError(
+            f"compile() takes a grammar spec (JsonSchema, Regex, ...), got {type(spec).__name__}"
+        )
+    if not getattr(backend.capabilities, spec.kind, False):
+        raise UnsupportedGrammarError(
+            f"{spec.kind} grammars are not supported", backend=backend.name
+        )
+
+    key = spec.cache_key()
+    if len(key) > backend.max_grammar_bytes:
+        raise GrammarCompileError(
+            f"the {spec.kind} spec is {len(key)} bytes, over max_grammar_bytes={backend.max_grammar_bytes}",
+            backend=backend.name,
+        )
+
+    def run() -> CompiledGrammar:
+        t0 = time.perf_counter()
+        target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
+        ignored: list[str] = []
+        try:
+            if isinstance(target, JsonSchema):
+                check_json_schema(target.json_schema)
+                ignored = unenforced_keywords(target.json_schema, backend.json_schema_support)
+                if ignored and target.strict:
+                    raise UnsupportedGrammarError(
+                        f"strict mode: {len(ignored)} keyword use(s) would not be enforced: "
+                        + "; ".join(ignored[:5])
+                        + ("; ..." if len(ignored) > 5 else "")
+                    )
+            native = _compile_with_timeout(backend, target)
+        except SpecGrammarError as e:
+            if isinstance(e, GrammarCompileError) and e.backend is None:
+                raise type(e)(str(e), backend=backend.name, reason=e.reason) from e
+            raise
+        except Exception as e:  # library errors: RuntimeError, ValueError, ...
+            reason = backend._library_error_reason(e)
+            raise GrammarCompileError(
+                f"{spec.kind} failed to compile: {type(e).__name__}: {reason}",
+                backend=backend.name,
+                reason=reason,
+            ) from e
+        return CompiledGrammar(
+            spec, backend.name, native, time.perf_counter() - t0, id(backend), tuple(ignored)
+        )
+
+    return backend._cache.get_or_compile(key, run)
+
+
+def _compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec) -> Any:
+    """``backend._compile(spec)``, in a daemon thread when ``compile_timeout_s`` is set: the
+    library call cannot be interrupted, so past the limit it is abandoned (its result dropped)
+    and :class:`GrammarCompileError` is raised."""
+    if backend.compile_timeout_s is None:
+        return backend._compile(spec)
+    box: Future = Future()
+
+    def target() -> None:
+        try:
+            box.set_result(backend._compile(spec))
+        except BaseException as e:
+            box.set_exception(e)
+
+    threading.Thread(target=target, name=f"{backend.name}-compile", daemon=True).start()
+    try:
+        return box.result(timeout=backend.compile_timeout_s)
+    except TimeoutError:
+        raise GrammarCompileError(
+            f"{spec.kind} compile did not finish within compile_timeout_s={backend.compile_timeout_s}"
+        ) from None
