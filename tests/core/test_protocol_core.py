@@ -253,23 +253,23 @@ def test_capabilities_are_grammar_kinds_and_tolerate_removed_flags():
     assert not hasattr(old_style, "native_rollback")
 
 
-def test_tokenizer_info_from_plain_tokenizers_tokenizer(tokenizer):
+def test_tokenizer_info_from_plain_tokenizers_tokenizer(tok):
     """``TokenizerInfo.from_huggingface`` takes the Rust ``tokenizers.Tokenizer`` behind a
     transformers tokenizer and gives the same info once told the stop tokens (it has no EOS)."""
     from spec_grammar.protocol import TokenizerInfo
 
-    hf = TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer) + 7)
+    hf = TokenizerInfo.from_huggingface(tok, vocab_size=len(tok) + 7)
     plain = TokenizerInfo.from_huggingface(
-        tokenizer.backend_tokenizer,
-        vocab_size=len(tokenizer) + 7,
-        stop_token_ids=[tokenizer.eos_token_id],
+        tok.backend_tokenizer,
+        vocab_size=len(tok) + 7,
+        stop_token_ids=[tok.eos_token_id],
     )
-    assert plain.hf_tokenizer is tokenizer.backend_tokenizer
+    assert plain.hf_tokenizer is tok.backend_tokenizer
     for field in ("vocab_size", "tokenizer_vocab_size", "stop_token_ids", "special_token_ids"):
         assert getattr(plain, field) == getattr(hf, field), field
     assert plain.token_bytes == hf.token_bytes
-    assert plain.decode(tokenizer.encode('{"a": "é"}')) == '{"a": "é"}'
+    assert plain.decode(tok.encode('{"a": "é"}')) == '{"a": "é"}'
     with pytest.raises(ValueError, match="no eos_token_id; pass stop_token_ids"):
-        TokenizerInfo.from_huggingface(tokenizer.backend_tokenizer)
+        TokenizerInfo.from_huggingface(tok.backend_tokenizer)
     with pytest.raises(TypeError, match="expected a Hugging Face tokenizer, got dict"):
         TokenizerInfo.from_huggingface({})
