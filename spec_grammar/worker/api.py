@@ -165,10 +165,8 @@ def build_worker(
         device: ``auto`` (CUDA when available) / ``cpu`` / ``cuda``.
         dtype: model dtype (default float32).
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`);
-            ``**options`` (its fields: ``draft``, ``topk``, ``num_steps``, ``num_draft_tokens``,
-            ``constrain_draft``, ``forced_tokens``, ``no_spec``, ``overlap``,
-            ``grammar_threads``, ``lazy_grammar``, ``cuda_graphs``, ``fused_forward``)
-            override it or WorkerConfig's defaults.
+            ``**options``, its fields by name (``draft="self:4"``, ``num_draft_tokens=16``,
+            ``overlap=False``, ...), override it or WorkerConfig's defaults.
 
     Raises ``TypeError`` for a keyword that is no option and the option errors of
     :class:`~spec_grammar.worker.config.WorkerConfig` (both before anything loads),
@@ -220,16 +218,13 @@ def generate(
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
         **options: by name, each where it is defined:
 
-            - what to load, :func:`build_worker`'s ``model`` (default ``smollm2``),
-              ``grammar_backend`` (``xgrammar``), ``device`` (``auto``), ``dtype`` (float32);
+            - what to load, :func:`build_worker`'s ``model``, ``grammar_backend``, ``device``
+              and ``dtype``;
             - the worker's options, :class:`~spec_grammar.worker.config.WorkerConfig`'s fields
-              (``draft``, ``topk`` / ``num_steps`` / ``num_draft_tokens``, ``constrain_draft``,
-              ``forced_tokens``, ``no_spec``, ``overlap``, ``grammar_threads``,
-              ``lazy_grammar``, ``cuda_graphs``, ``fused_forward``), over ``config``;
+              (``draft``, ``num_draft_tokens``, ``no_spec``, ``overlap``, ...), over ``config``;
             - the sampling of every prompt,
               :class:`~spec_grammar.worker.sampling.SamplingParams`' fields (``temperature``,
-              ``top_p``, ``top_k``, ``seed``, ``max_new_tokens`` (256), ``stop`` (a list of
-              strings or None), ``ignore_eos``, the penalties, ...).
+              ``seed``, ``max_new_tokens``, ``stop`` (a list of strings or None), ...).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.

@@ -176,7 +176,9 @@ def verify_greedy_batch(
     return out, GreedyBatchStats(len(batch.resolved), {i: w.ms for i, w in walks.items()})
 
 
-def _read_back(flat_top: torch.Tensor, masked_rows: torch.Tensor | None):
+def _read_back(
+    flat_top: torch.Tensor, masked_rows: torch.Tensor | None
+) -> tuple[list[int], list[int] | None]:
     """The greedy token of every row and, if queued, every bitmask row's masked argmax: the
     step's one device-to-host synchronization."""
     if masked_rows is None:
