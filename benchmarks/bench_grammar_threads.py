@@ -1,6 +1,6 @@
 """The grammar work of one worker step alone, split over 1..N threads, side by side.
 
-``SpecWorker._grammar_work`` (advance every matcher, fill every draft tree's bitmask rows)
+``SpecWorker.grammar_work`` (advance every matcher, fill every draft tree's bitmask rows)
 over a batch of real JSONSchemaBench schemas with xgrammar, without the model: each request's
 matcher is first walked some tokens into its grammar (seeded choice among the allowed tokens),
 then gets a draft tree of ``--nodes`` nodes whose tokens are all legal (a chain of allowed
@@ -128,10 +128,10 @@ def main() -> None:
         """(wall ms seen by the caller, the work's own ms)."""
         t0 = time.perf_counter()
         if placement == "caller":
-            work = worker._grammar_work(live, trees, [], mask)
+            work = worker.grammar_work(live, trees, [], mask)
         else:
             fut = (pinned_pool if placement == "pinned" else pool).submit(
-                worker._grammar_work, live, trees, [], mask
+                worker.grammar_work, live, trees, [], mask
             )
             if placement == "thread+busy":
                 end = time.perf_counter() + 1e-4

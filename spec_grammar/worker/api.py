@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from collections.abc import Sequence
@@ -21,8 +22,7 @@ import torch
 from pydantic import BaseModel
 
 from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
-from .drafters import DEFAULT_DRAFT
-from .drafters.constrained import DEFAULT_FORCED_TOKENS
+from .config import WorkerConfig, worker_config
 from .engine import SpecWorker
 from .request import Request, RequestResult, StepStats
 from .sampling import SamplingParams
@@ -150,49 +150,42 @@ def build_worker(
     *,
     model: str = "smollm2",
     grammar_backend: str | None = "xgrammar",
-    draft: str | None = DEFAULT_DRAFT,
-    topk: int = 1,
-    num_steps: int = 4,
-    num_draft_tokens: int = 8,
-    no_spec: bool = False,
-    overlap: bool = True,
     device: str | torch.device | None = "auto",
     dtype: Any = None,
-    constrain_draft: bool = False,
-    forced_tokens: bool = DEFAULT_FORCED_TOKENS,
-    cuda_graphs: bool | None = None,
-    grammar_threads: int | None = None,
-    fused_forward: bool | None = None,
-    lazy_grammar: bool | None = None,
+    config: WorkerConfig | None = None,
+    **options: Any,
 ) -> SpecWorker:
     """A :class:`SpecWorker` over a model loaded by :func:`spec_grammar.models.load_model`
-    (models and backends are cached per process). ``grammar_backend=None`` gives a worker for
-    plain requests only; ``cuda_graphs`` / ``grammar_threads`` / ``fused_forward`` /
-    ``lazy_grammar``: see :class:`SpecWorker`. Raises
+    (models and backends are cached per process).
+
+    Args:
+        model: ``smollm2``, ``gemma3``, a model directory or a ``.gguf`` file.
+        grammar_backend: registered backend name or ``module:Class``; None gives a worker for
+            plain requests only.
+        device: ``auto`` (CUDA when available) / ``cpu`` / ``cuda``.
+        dtype: model dtype (default float32).
+        config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`);
+            ``**options``, its fields by name (``draft="self:4"``, ``num_draft_tokens=16``,
+            ``overlap=False``, ...), override it or WorkerConfig's defaults.
+
+    Raises ``TypeError`` for a keyword that is no option and the option errors of
+    :class:`~spec_grammar.worker.config.WorkerConfig` (both before anything loads),
     :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend and
     :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
+    cfg = worker_config(config, options, "build_worker")
     dev = resolve_device(device)
     target, tokenizer = _load(model, dtype, dev)
     vocab = int(target.config.vocab_size)
     backend = _backend(grammar_backend, model, tokenizer, vocab) if grammar_backend else None
-    return SpecWorker(
-        target,
-        tokenizer,
-        backend=backend,
-        draft=draft,
-        topk=topk,
-        num_steps=num_steps,
-        num_draft_tokens=num_draft_tokens,
-        no_spec=no_spec,
-        overlap=overlap,
-        device=dev,
-        constrain_draft=constrain_draft,
-        forced_tokens=forced_tokens,
-        cuda_graphs=cuda_graphs,
-        grammar_threads=grammar_threads,
-        fused_forward=fused_forward,
-        lazy_grammar=lazy_grammar,
-    )
+    return SpecWorker(target, tokenizer, cfg, backend=backend, device=dev)
+
+
+_BUILD_OPTIONS = tuple(
+    name
+    for name, param in inspect.signature(build_worker).parameters.items()
+    if param.kind is inspect.Parameter.KEYWORD_ONLY and name != "config"
+)
+"""What :func:`build_worker` loads: ``model``, ``grammar_backend``, ``device``, ``dtype``."""
 
 
 def _as_spec(g: Any) -> GrammarSpec | None:
@@ -209,33 +202,9 @@ def generate(
     prompts_or_requests: str | Request | Sequence[str | Request],
     *,
     grammar: Any = None,
-    model: str = "smollm2",
-    grammar_backend: str = "xgrammar",
-    draft: str | None = DEFAULT_DRAFT,
-    topk: int = 1,
-    num_steps: int = 4,
-    num_draft_tokens: int = 8,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    max_new_tokens: int = 256,
-    stop: Sequence[str] | None = None,
-    repetition_penalty: float = 1.0,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    ignore_eos: bool = False,
-    no_spec: bool = False,
-    overlap: bool = True,
-    device: str | torch.device | None = "auto",
-    dtype: Any = None,
     chat: bool = True,
-    constrain_draft: bool = False,
-    forced_tokens: bool = DEFAULT_FORCED_TOKENS,
-    cuda_graphs: bool | None = None,
-    grammar_threads: int | None = None,
-    fused_forward: bool | None = None,
-    lazy_grammar: bool | None = None,
+    config: WorkerConfig | None = None,
+    **options: Any,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
 
@@ -245,28 +214,33 @@ def generate(
             sampling params win).
         grammar: one spec (or JSON-schema dict) for every prompt, or a list with one entry
             (or None) per prompt.
-        model: ``smollm2``, ``gemma3``, a model directory or a ``.gguf`` file.
-        grammar_backend: registered backend name or ``module:Class``.
-        draft: ``ngram`` (default), ``self:L``, ``model:PATH``, ``grammar`` (grammar-forced
-            tokens alone) or ``none``.
-        constrain_draft / forced_tokens: grammar-aware drafting (see :class:`SpecWorker`).
-        topk / num_steps / num_draft_tokens: draft-tree shape (see :class:`SpecWorker`).
-        temperature ... presence_penalty, ignore_eos: the
-            :class:`~spec_grammar.worker.sampling.SamplingParams` of every prompt.
-        no_spec: plain constrained decoding; overlap: grammar work under the verify forward.
-        device: ``auto`` / ``cpu`` / ``cuda``; dtype: model dtype (default float32).
-        cuda_graphs: replay CUDA graphs for the forwards (CUDA devices only; None = on there).
-        fused_forward: our fused decoder instead of the model's HF forward (Llama-family
-            models; None = on for CUDA with Triton where supported; see :class:`SpecWorker`).
-        grammar_threads: threads sharing a step's grammar work (None = 1; see
-            :class:`~spec_grammar.worker.engine.SpecWorker`).
-        lazy_grammar: greedy requests verified without tree fills (None = as measured on
-            CUDA-graph steps; see :class:`~spec_grammar.worker.engine.SpecWorker`).
+        chat: apply the model's chat template to prompt texts.
+        config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
+        **options: by name, each where it is defined:
+
+            - what to load, :func:`build_worker`'s ``model``, ``grammar_backend``, ``device``
+              and ``dtype``;
+            - the worker's options, :class:`~spec_grammar.worker.config.WorkerConfig`'s fields
+              (``draft``, ``num_draft_tokens``, ``no_spec``, ``overlap``, ...), over ``config``;
+            - the sampling of every prompt,
+              :class:`~spec_grammar.worker.sampling.SamplingParams`' fields (``temperature``,
+              ``seed``, ``max_new_tokens``, ``stop`` (a list of strings or None), ...).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
-    Raises ``ValueError`` when a grammar list does not match the prompts.
+    Raises ``TypeError`` for a keyword that is none of these, ``ValueError`` when a grammar
+    list does not match the prompts, pydantic's ``ValidationError`` for bad sampling values,
+    and what :func:`build_worker` raises.
     """
+    unknown = [
+        name
+        for name in options
+        if name not in _BUILD_OPTIONS
+        and name not in SamplingParams.model_fields
+        and name not in WorkerConfig.model_fields
+    ]
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
     items = (
         [prompts_or_requests]
         if isinstance(prompts_or_requests, (str, Request))
@@ -275,36 +249,12 @@ def generate(
     grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(items)
     if len(grammars) != len(items):
         raise ValueError(f"{len(grammars)} grammars for {len(items)} prompts")
-    params = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        stop=list(stop or []),
-        ignore_eos=ignore_eos,
-        repetition_penalty=repetition_penalty,
-        frequency_penalty=frequency_penalty,
-        presence_penalty=presence_penalty,
-    )
-    worker = build_worker(
-        model=model,
-        grammar_backend=grammar_backend,
-        draft=draft,
-        topk=topk,
-        num_steps=num_steps,
-        num_draft_tokens=num_draft_tokens,
-        no_spec=no_spec,
-        overlap=overlap,
-        device=device,
-        dtype=dtype,
-        constrain_draft=constrain_draft,
-        forced_tokens=forced_tokens,
-        cuda_graphs=cuda_graphs,
-        grammar_threads=grammar_threads,
-        fused_forward=fused_forward,
-        lazy_grammar=lazy_grammar,
-    )
+    sampling = {k: options.pop(k) for k in list(options) if k in SamplingParams.model_fields}
+    if "stop" in sampling:
+        sampling["stop"] = list(sampling["stop"] or [])
+    params = SamplingParams(**sampling)
+    load = {k: options.pop(k) for k in list(options) if k in _BUILD_OPTIONS}
+    worker = build_worker(config=worker_config(config, options, "generate"), **load)
     requests = []
     for item, g in zip(items, grammars):
         if isinstance(item, Request):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from ..protocol import SpecGrammar
 
 __all__ = [
+    "GreedyBatchStats",
+    "GreedyRequest",
     "batch_greedy_eligible",
     "launch_masked_rows",
     "pre_accept_first_branch",
@@ -73,128 +76,218 @@ def batch_greedy_eligible(params: SamplingParams) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class GreedyRequest:
+    """One request of :func:`verify_greedy_batch`: where its grammar rows are, if anywhere.
+
+    Attributes:
+        index: its batch index (its rows of the logits, its tree in the trees).
+        offset: the first row of its tree in the step's bitmask, or None (no filled rows).
+        valid: ``(N,)`` bool node validity from its tree fill, or None (all valid).
+        stop_token_ids: tokens never expanded.
+        matcher: for a request verified *lazily* (no bitmask rows: ``offset`` None), its
+            matcher at the state after its committed tokens. Its walk asks the matcher for each
+            greedy token it reads (:class:`_LazyWalk`) and leaves it advanced by exactly the
+            committed run (accepted path tokens + bonus).
+        pre_accepted: for a lazy request, the nodes of a path from the root (root excluded)
+            whose tokens its matcher has accepted already (:func:`pre_accept_first_branch`,
+            under the forward): the walk keeps what its greedy path shares with them and rolls
+            the rest back.
+    """
+
+    index: int
+    offset: int | None = None
+    valid: torch.Tensor | None = None
+    stop_token_ids: Collection[int] = ()
+    matcher: SpecGrammar | None = None
+    pre_accepted: Sequence[int] = ()
+
+
+@dataclass
+class GreedyBatchStats:
+    """What a :func:`verify_greedy_batch` call met: ``forbidden_rows``, the rows its walks
+    visited whose grammar forbids their greedy token (each masked on the device), and
+    ``lazy_ms``, ``{batch index: milliseconds}`` of each lazy walk's grammar work (its matcher
+    calls and row fills: work no forward hides)."""
+
+    forbidden_rows: int = 0
+    lazy_ms: dict[int, float] = field(default_factory=dict)
+
+
 def verify_greedy_batch(
     logits: torch.Tensor,
     trees: Sequence[DraftTree],
-    selected: Sequence[int],
+    requests: Sequence[GreedyRequest],
     *,
     bitmask: torch.Tensor | None = None,
-    offsets: Sequence[int | None] = (),
-    valids: Sequence[torch.Tensor | None] = (),
-    stop_token_ids: Sequence[Collection[int]] = (),
-    matchers: Sequence[SpecGrammar | None] = (),
-    pre_accepted: Sequence[Sequence[int]] = (),
     row_argmax: torch.Tensor | None = None,
     masked_rows: torch.Tensor | None = None,
-    stats: dict | None = None,
-) -> dict[int, Verified]:
-    """Greedy-verify the requests ``selected`` of a verify forward.
+) -> tuple[dict[int, Verified], GreedyBatchStats]:
+    """Greedy-verify ``requests`` of a verify forward (the module docstring's steps 1-4).
 
     Args:
         logits: ``(B, N_max, V)`` float32 from :meth:`ModelRunner.forward_trees`, any device.
         trees: the ``B`` draft trees.
-        selected: batch indices to verify (requests for which :func:`batch_greedy_eligible`).
-        bitmask: ``(rows, W)`` int32 host tensor holding the grammar rows of every grammar
-            request (``offsets``), or None. Only single words are read on the host; rows the
-            device needs are copied out of it before this returns.
-        offsets: per batch index, the first bitmask row of its tree, or None (no filled rows).
-        valids: per batch index, ``(N,)`` bool node validity from the tree fill, or None.
-        stop_token_ids: per batch index, tokens never expanded.
-        matchers: per batch index, the matcher of a request verified *lazily* (no bitmask
-            rows: ``offsets[i]`` None), at the state after its committed tokens, or None. Its
-            walk asks the matcher for each greedy token it reads (:class:`_LazyWalk`) and
-            leaves it advanced by exactly the committed run (accepted path tokens + bonus).
-        pre_accepted: per batch index, the nodes of a path from the root (root excluded) whose
-            tokens its lazy matcher has accepted already (:func:`pre_accept_first_branch`,
-            under the forward): the walk keeps what its greedy path shares with them and rolls
-            the rest back.
+        requests: the requests to verify, one :class:`GreedyRequest` each (requests for which
+            :func:`batch_greedy_eligible`), distinct batch indices.
+        bitmask: ``(rows, W)`` int32 host tensor holding the grammar rows of every request with
+            an ``offset``, or None. Only single words are read on the host; rows the device
+            needs are copied out of it before this returns.
         row_argmax: ``(B, N_max)`` int64 on the logits' device, the
             :func:`~spec_grammar.kernels.row_argmax` of ``logits`` (the runner's graph computes
             it: ``forward_trees(..., with_argmax=True)``); computed here when None.
         masked_rows: ``(rows,)`` int64 on the logits' device, the masked argmax of every
             bitmask row queued while the forward ran (:func:`launch_masked_rows`): read back
             with the greedy tokens, it replaces the device round trip of step 3.
-        stats: if given, ``stats["forbidden_rows"]`` is set to the number of rows the walks
-            visited whose grammar forbids their greedy token, and ``stats["lazy_ms"]`` to
-            ``{batch index: milliseconds}`` of each lazy walk's grammar work (its matcher calls
-            and row fills: work no forward hides).
 
     Returns ``{batch index: (accepted nodes root first, bonus token)}``, or the
     :class:`GrammarStateError` of a request whose root row allows no token or whose matcher
-    failed (the caller ends that request alone). Raises :class:`BitmaskError` on inputs that do
-    not fit together (selected indices, tree sizes, ``valids``, ``row_argmax`` or
-    ``masked_rows`` shapes, grammar requests without a bitmask or with rows outside it, a
-    request with both bitmask rows and a lazy matcher, ``pre_accepted`` nodes that are not a path
-    from the root, early rows that this bitmask forbids).
+    failed (the caller ends that request alone), and the call's :class:`GreedyBatchStats`.
+    Raises :class:`BitmaskError` on inputs that do not fit together (batch indices, tree sizes,
+    ``valid``, ``row_argmax`` or ``masked_rows`` shapes, grammar requests without a bitmask or
+    with rows outside it, a request with both bitmask rows and a lazy matcher,
+    ``pre_accepted`` nodes that are not a path from the root, early rows that this bitmask
+    forbids).
     """
-    if not selected:
-        return {}
-    b, n_max, vocab = _check_batch(logits, trees, selected, row_argmax)
+    if not requests:
+        return {}, GreedyBatchStats()
+    b, n_max, vocab = _check_batch(logits, trees, [r.index for r in requests], row_argmax)
     # everything that needs no logits first: the device may still be computing them
-    masked = [(offsets[i], i) for i in selected if i < len(offsets) and offsets[i] is not None]
+    masked = [(r.offset, r.index) for r in requests if r.offset is not None]
     rows_of = _grammar_rows(bitmask, masked, trees, b, n_max)
     words = bitmask.numpy() if masked else None
     if masked_rows is not None:
         _check_masked_rows(masked_rows, bitmask, logits.device)
-    walks = _lazy_walks(
-        trees, selected, offsets, matchers, pre_accepted, stop_token_ids, n_max, vocab
-    )
-    todo = [i for i in selected if i not in walks]
-    oks = {
-        i: node_validity(valids[i] if i < len(valids) else None, trees[i].num_nodes) for i in todo
-    }
-    stops = {i: stop_token_ids[i] if i < len(stop_token_ids) else () for i in todo}
-    top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
-    flat_top = top.reshape(b * n_max)
-    if masked_rows is None:
-        best, early = flat_top.tolist(), None  # the step's one device-to-host synchronization
-    else:
-        both = torch.cat([flat_top, masked_rows]).tolist()
-        best, early = both[: b * n_max], both[b * n_max :]
-    resolved: set[int] = set()  # rows whose masked argmax replaced the greedy token
-    out: dict[int, Verified] = {}
-    lazy = list(walks)
-    while todo or lazy:
-        unknown: list[int] = []
-        retry = []
-        for i in todo:
-            out[i], rows = _walk_filled(
-                trees[i], i * n_max, best, rows_of, words, resolved, oks[i], vocab, stops[i]
-            )
-            if rows:  # the walk read a row whose grammar forbids its greedy token
-                unknown.extend(rows)
-                retry.append(i)
-        if early is not None:  # rows masked while the forward ran: no round trip
-            for r in [r for r in unknown if best[r] != kernels.NONFINITE]:
-                if not _allows(words, rows_of[r], early[rows_of[r]]):
-                    raise BitmaskError(
-                        f"masked_rows[{rows_of[r]}] = {early[rows_of[r]]}, a token this step's bitmask "
-                        "forbids: the early rows come from another bitmask"
-                    )
-                best[r] = early[rows_of[r]]
-                resolved.add(r)
-        need = [r for r in unknown if r not in resolved]
-        masks = (
-            [bitmask[torch.tensor([rows_of[r] for r in need], dtype=torch.long)]] if need else []
+    walks = _lazy_walks(trees, requests, n_max, vocab)
+    filled = {
+        r.index: _FilledWalk(
+            trees[r.index],
+            r.index * n_max,
+            node_validity(r.valid, trees[r.index].num_nodes),
+            r.stop_token_ids,
         )
-        blocked = []
-        for i in lazy:
-            r = walks[i].walk(best, resolved)
-            if r is None:
-                out[i] = walks[i].result
-            else:
-                blocked.append(i)
-                need.append(r)
-        if blocked:  # the rows lazy walks stopped at, filled now
-            masks.append(_fill_rows([walks[i] for i in blocked], bitmask_width(vocab)))
-        if need:
-            _resolve(logits, best, need, _stack(masks), n_max)
-            resolved.update(need)
-        todo, lazy = retry, blocked
-    if stats is not None:
-        stats["forbidden_rows"] = len(resolved)
-        stats["lazy_ms"] = {i: w.ms for i, w in walks.items()}
-    return out
+        for r in requests
+        if r.index not in walks
+    }
+    top = row_argmax if row_argmax is not None else kernels.row_argmax(logits)
+    best, early = _read_back(top.reshape(b * n_max), masked_rows)
+    batch = _Batch(logits, n_max, bitmask, words, rows_of, best, early)
+    out = batch.walk(filled, walks)
+    return out, GreedyBatchStats(len(batch.resolved), {i: w.ms for i, w in walks.items()})
+
+
+def _read_back(
+    flat_top: torch.Tensor, masked_rows: torch.Tensor | None
+) -> tuple[list[int], list[int] | None]:
+    """The greedy token of every row and, if queued, every bitmask row's masked argmax: the
+    step's one device-to-host synchronization."""
+    if masked_rows is None:
+        return flat_top.tolist(), None
+    both = torch.cat([flat_top, masked_rows]).tolist()
+    return both[: flat_top.shape[0]], both[flat_top.shape[0] :]
+
+
+class _FilledWalk:
+    """The greedy walk of one request with filled rows (or none), from flat row ``base``."""
+
+    __slots__ = ("tree", "base", "ok", "stops")
+
+    def __init__(self, tree: DraftTree, base: int, ok: list[bool], stops: Collection[int]):
+        self.tree, self.base, self.ok, self.stops = tree, base, ok, stops
+
+
+class _Batch:
+    """The walks of one :func:`verify_greedy_batch` call, with rounds of device masking in
+    between.
+
+    Args:
+        logits: ``(B, N_max, V)``, as given.
+        n_max: ``N_max``.
+        bitmask: the step's ``(rows, W)`` int32 host bitmask, or None; ``words`` its numpy view
+            (None without grammar rows).
+        rows_of: per flat logits row (``i * N_max + node``), its bitmask row or -1.
+        best: per flat row, its greedy token (replaced by its masked argmax once resolved).
+        early: per bitmask row, its masked argmax queued while the forward ran, or None.
+    """
+
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        n_max: int,
+        bitmask: torch.Tensor | None,
+        words: np.ndarray | None,
+        rows_of: list[int],
+        best: list[int],
+        early: list[int] | None,
+    ):
+        self.logits, self.n_max, self.vocab = logits, n_max, logits.shape[2]
+        self.bitmask, self.words, self.rows_of = bitmask, words, rows_of
+        self.best, self.early = best, early
+        self.resolved: set[int] = set()  # rows whose masked argmax replaced the greedy token
+
+    def walk(
+        self, filled: dict[int, _FilledWalk], walks: dict[int, _LazyWalk]
+    ) -> dict[int, Verified]:
+        """Walk every request, then again the ones that read a row whose grammar forbids its
+        greedy token (filled rows) or that stopped at a row their grammar refuses (lazy), once
+        those rows' masked argmax is known, until every walk is final."""
+        out: dict[int, Verified] = {}
+        todo, lazy = list(filled), list(walks)
+        while todo or lazy:
+            unknown: list[int] = []
+            retry = []
+            for i in todo:
+                w = filled[i]
+                out[i], rows = _walk_filled(
+                    w.tree,
+                    w.base,
+                    self.best,
+                    self.rows_of,
+                    self.words,
+                    self.resolved,
+                    w.ok,
+                    self.vocab,
+                    w.stops,
+                )
+                if rows:  # the walk read a row whose grammar forbids its greedy token
+                    unknown.extend(rows)
+                    retry.append(i)
+            if self.early is not None:  # rows masked while the forward ran: no round trip
+                self._take_early(unknown)
+            need = [r for r in unknown if r not in self.resolved]
+            masks = (
+                [self.bitmask[torch.tensor([self.rows_of[r] for r in need], dtype=torch.long)]]
+                if need
+                else []
+            )
+            blocked = []
+            for i in lazy:
+                r = walks[i].walk(self.best, self.resolved)
+                if r is None:
+                    out[i] = walks[i].result
+                else:
+                    blocked.append(i)
+                    need.append(r)
+            if blocked:  # the rows lazy walks stopped at, filled now
+                masks.append(_fill_rows([walks[i] for i in blocked], bitmask_width(self.vocab)))
+            if need:
+                _resolve(self.logits, self.best, need, _stack(masks), self.n_max)
+                self.resolved.update(need)
+            todo, lazy = retry, blocked
+        return out
+
+    def _take_early(self, unknown: list[int]) -> None:
+        """The early masked argmax of ``unknown`` rows (NaN / +inf rows excepted: their
+        masked row decides), checked against this step's bitmask."""
+        words, rows_of, best, early = self.words, self.rows_of, self.best, self.early
+        for r in [r for r in unknown if best[r] != kernels.NONFINITE]:
+            if not _allows(words, rows_of[r], early[rows_of[r]]):
+                raise BitmaskError(
+                    f"masked_rows[{rows_of[r]}] = {early[rows_of[r]]}, a token this step's bitmask "
+                    "forbids: the early rows come from another bitmask"
+                )
+            best[r] = early[rows_of[r]]
+            self.resolved.add(r)
 
 
 def _walk_filled(
@@ -345,34 +438,26 @@ class _LazyWalk:
 
 
 def _lazy_walks(
-    trees: Sequence[DraftTree],
-    selected: Sequence[int],
-    offsets: Sequence[int | None],
-    matchers: Sequence[SpecGrammar | None],
-    pre_accepted: Sequence[Sequence[int]],
-    stop_token_ids: Sequence[Collection[int]],
-    n_max: int,
-    vocab: int,
+    trees: Sequence[DraftTree], requests: Sequence[GreedyRequest], n_max: int, vocab: int
 ) -> dict[int, _LazyWalk]:
     walks = {}
-    for i in selected:
-        m = matchers[i] if i < len(matchers) else None
+    for r in requests:
+        i, m = r.index, r.matcher
         if m is None:
             continue
-        if i < len(offsets) and offsets[i] is not None:
+        if r.offset is not None:
             raise BitmaskError(f"request {i} has both bitmask rows and a lazy matcher")
         if m.info.vocab_size != vocab:
             raise BitmaskError(
                 f"request {i}'s matcher masks {m.info.vocab_size} tokens, the logits have {vocab}"
             )
-        pre = list(pre_accepted[i]) if i < len(pre_accepted) else []
+        pre = list(r.pre_accepted)
         parents = trees[i].parent_list
         if any(not 0 < c < len(parents) or parents[c] != p for p, c in zip([0] + pre, pre)):
             raise BitmaskError(
                 f"pre_accepted[{i}] = {pre} is not a path from the root of request {i}'s tree"
             )
-        stops = frozenset(stop_token_ids[i] if i < len(stop_token_ids) else ())
-        walks[i] = _LazyWalk(trees[i], m, i * n_max, stops, pre)
+        walks[i] = _LazyWalk(trees[i], m, i * n_max, frozenset(r.stop_token_ids), pre)
     return walks
 
 

@@ -4,35 +4,38 @@ overlapped under the verify forward.
 Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode verify",
 #31488, adapted to one CPU process):
 
-1. **Draft**: one tree per live request (``Drafter.propose``), root = last committed token;
-   trees deeper than the request's remaining token budget are cut.
-2. **Verify forward**: ``ModelRunner.forward_trees`` over every node of every tree.
-3. **Grammar work**, while step 2 runs when ``overlap=True`` (after it otherwise). On CUDA with
-   graphs either inline once the replay returns, or in the grammar thread started right
-   before the replay, whose host-side launch (0.3-1 ms on an H200) releases the GIL: whichever
-   the measured times predict faster (:mod:`.placement`; a thread started before the input
-   preparation fought it for the GIL and slowed the launch 2-5x). On CPU or eager CUDA in the
-   grammar thread from the start of the step, since the forward call itself keeps the calling
-   thread busy. Every matcher is first advanced with the tokens the PREVIOUS step committed
-   (each committed token reaches its matcher exactly once; a finished request's last run is
-   fed too), then the tree rows of this step are filled (``GrammarBackend.fill_tree_bitmasks``).
-   Advance-then-fill is forced by the tree semantics: row n is the allowed set after
-   committed + path root..n, so the matcher must hold every committed token first. With
-   ``grammar_threads > 1`` the requests are split into contiguous groups of about equal node
-   count and each group's advance + fill runs in its own thread, into its own rows of the
-   step's host bitmask (a reused buffer of :class:`~.host_bitmask.HostBitmaskRing`).
-4. **Accept**: greedy requests without penalties all at once: the forward's greedy token of
-   every row (computed in its CUDA graph) is read back once and checked against one word of the
-   host bitmask; only rows whose grammar forbids it are masked on the device
-   (:mod:`.batch_verify`), or all grammar rows early while the forward runs where that pays
-   (:class:`~.placement.EarlyMask`). Greedy grammar requests may also skip the tree fill
+1. **Draft** (``_draft``): one tree per live request (``Drafter.propose``), root = last
+   committed token; trees deeper than the request's remaining token budget are cut.
+2. **Verify forward** (``_launch_verify``): ``ModelRunner.forward_trees`` over every node of
+   every tree.
+3. **Grammar work** (:meth:`SpecWorker.grammar_work`, :mod:`.grammar_work`), while step 2
+   runs when ``overlap=True`` (after it otherwise). On CUDA with graphs either inline once the
+   replay returns, or in the grammar thread started right before the replay, whose host-side
+   launch (0.3-1 ms on an H200) releases the GIL: whichever the measured times predict faster
+   (:mod:`.placement`; a thread started before the input preparation fought it for the GIL
+   and slowed the launch 2-5x). On CPU or eager CUDA in the grammar thread from the start of
+   the step, since the forward call itself keeps the calling thread busy. Every matcher is
+   first advanced with the tokens the PREVIOUS step committed (each committed token reaches
+   its matcher exactly once; a finished request's last run is fed too), then the tree rows of
+   this step are filled (``GrammarBackend.fill_tree_bitmasks``). With ``grammar_threads > 1``
+   the requests are split into contiguous groups of about equal node count and each group's
+   advance + fill runs in its own thread, into its own rows of the step's host bitmask (a
+   reused buffer of :class:`~.host_bitmask.HostBitmaskRing`).
+4. **Accept** (``_accept_all``): greedy requests without penalties all at once: the forward's
+   greedy token of every row (computed in its CUDA graph) is read back once and checked
+   against one word of the host bitmask; only rows whose grammar forbids it are masked on the
+   device (:mod:`.batch_verify`), or all grammar rows early while the forward runs where that
+   pays (:class:`~.placement.EarlyMask`). Greedy grammar requests may also skip the tree fill
    (*lazy* verification, :class:`~.placement.LazyGrammar`): their walks ask the matcher to
    accept each greedy token they read and fill only a row whose greedy token it refuses, which
    pays where a step's tree fills would not hide under its forward. Other requests:
    ``process_tree_logits`` (penalties, grammar mask, temperature) then ``verify_greedy`` /
-   ``verify_stochastic``. The committed run
-   (accepted path tokens + bonus) is truncated at a stop token (EOS / grammar completion), a
-   stop string or ``max_new_tokens``; unfinished requests ``commit`` the accepted path.
+   ``verify_stochastic``. The committed run (accepted path tokens + bonus) is truncated at a
+   stop token (EOS / grammar completion), a stop string or ``max_new_tokens``; unfinished
+   requests ``commit`` the accepted path (the runner rolls the rest of the tree back).
+5. **Accounting** (``_charge_grammar_time``, ``_record_measurements``, ``_step_stats``): each
+   request's grammar time and the part of it exposed, the measurements the placement policies
+   learn from, the step's :class:`~.request.StepStats`.
 
 ``overlap=False`` does the same work strictly in order, so temperature-0 outputs are identical
 with and without overlap (the tests check it). The worker only talks to grammars through the
@@ -48,6 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,13 +60,22 @@ from ..errors import SpecGrammarError
 from ..protocol import GrammarBackend
 from ..tree import DraftTree
 from .batch_verify import (
+    GreedyRequest,
     batch_greedy_eligible,
     launch_masked_rows,
-    pre_accept_first_branch,
     verify_greedy_batch,
 )
+from .config import WorkerConfig, worker_config
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
+from .grammar_work import (
+    Entry,
+    GrammarWork,
+    advance,
+    group_entries,
+    group_work,
+    split_balanced,
+)
 from .host_bitmask import HostBitmaskRing
 from .placement import EarlyMask, GrammarPlacement, LazyGrammar
 from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
@@ -86,54 +99,58 @@ def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     )
 
 
-def split_balanced(weights: Sequence[int], parts: int) -> list[range]:
-    """Split ``range(len(weights))`` into ``min(parts, len(weights))`` contiguous, non-empty
-    ranges whose weight sums are about equal: boundary k sits where the running sum comes
-    closest to ``k / parts`` of the total. Order is kept, so the ranges are also contiguous
-    row ranges of a bitmask filled in request order. Returns ``[]`` for no weights."""
-    n = len(weights)
-    parts = min(parts, n)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    bounds = [0]
-    for k in range(1, parts):
-        target = prefix[-1] * k / parts
-        # leave at least one item for this range and for each range after it
-        bounds.append(
-            min(range(bounds[-1] + 1, n - parts + k + 1), key=lambda j: abs(prefix[j] - target))
-        )
-    bounds.append(n)
-    return [range(a, b) for a, b in itertools.pairwise(bounds)] if n else []
+@dataclass(eq=False)
+class _Step:
+    """One step's requests and draft trees, and what each phase hands the next. Times are
+    ``time.perf_counter()`` seconds: ``t0`` step start, ``t1`` drafted, ``t2`` verify forward
+    returned, ``t3`` grammar work and device masking done; ``launched_at`` the graph replay's
+    start (CUDA-graph steps with overlap that replayed; None otherwise)."""
+
+    live: list[RequestState]
+    trees: list[DraftTree]
+    draining: list[RequestState]
+    greedy: list[bool]  # verified by the batched greedy path (:func:`batch_greedy_eligible`)
+    lazy: frozenset[str]  # ids of the requests verified lazily (no tree fill)
+    bitmask: torch.Tensor | None  # (rows, W) int32 host rows of every filled tree
+    t0: float
+    t1: float
+    t2: float = 0.0
+    t3: float = 0.0
+    launched_at: float | None = None
+    in_thread: bool = False  # the grammar work ran in the grammar thread
+    logits: torch.Tensor | None = None  # (B, N_max, V) from the verify forward
+    top: torch.Tensor | None = None  # (B, N_max) int64 greedy token per row, when any greedy
+    work: GrammarWork | None = None
+    exposed_ms: float = 0.0  # grammar work beyond the forward
+    gpu_ms: float | None = None  # the forward's GPU time, when measured
+
+    @property
+    def rids(self) -> list[str]:
+        return [st.rid for st in self.live]
+
+    @property
+    def with_argmax(self) -> bool:
+        """The forward computes every row's greedy token (in its CUDA graph)."""
+        return any(self.greedy)
+
+    def grammar_args(self) -> tuple:
+        """The arguments of :meth:`SpecWorker.grammar_work` for this step."""
+        return self.live, self.trees, self.draining, self.bitmask, self.lazy
 
 
-class _GrammarWork:
-    """What the grammar work of one step (or of one group of its requests) hands back."""
-
-    __slots__ = (
-        "bitmask",
-        "device_bitmask",
-        "masked_rows",
-        "forbidden_rows",
-        "offsets",
-        "valid",
-        "errors",
-        "ms",
-        "per_request_ms",
-        "pre_accepted",
+def _idle_step(ms: float) -> StepStats:
+    """A step whose requests all ended while drafting: nothing verified."""
+    return StepStats(
+        batch_size=0,
+        num_nodes=0,
+        step_ms=ms,
+        draft_ms=ms,
+        verify_forward_ms=0.0,
+        grammar_ms=0.0,
+        grammar_exposed_ms=0.0,
+        sample_ms=0.0,
+        committed_tokens=0,
     )
-
-    def __init__(self) -> None:
-        self.bitmask: torch.Tensor | None = None
-        self.device_bitmask: torch.Tensor | None = None  # ``bitmask`` on the logits' device
-        self.masked_rows: torch.Tensor | None = None  # masked argmax of its rows, queued early
-        self.forbidden_rows = 0  # visited rows whose grammar forbade the greedy token
-        self.offsets: dict[str, int] = {}
-        self.valid: dict[str, torch.Tensor] = {}
-        self.errors: dict[str, str] = {}
-        self.ms = 0.0
-        self.per_request_ms: dict[str, float] = {}
-        self.pre_accepted: dict[str, list[int]] = {}  # lazy requests: first-branch nodes accepted
 
 
 class SpecWorker:
@@ -143,45 +160,28 @@ class SpecWorker:
         model: a ``transformers`` causal LM (the target), or a ready
             :class:`~spec_grammar.worker.runner.ModelRunner` over it.
         tokenizer: its Hugging Face tokenizer.
+        config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`:
+            drafter and tree shape, ``no_spec``, ``overlap``, grammar threads, lazy
+            verification, CUDA graphs, fused forward); ``**options`` override its fields.
+            Without one, the options are ``**options`` over WorkerConfig's defaults, except
+            ``forced_tokens``, False here so that a :class:`Drafter` instance passed in runs
+            exactly as given (``generate`` and the CLI default it to
+            :data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`).
         backend: a :class:`~spec_grammar.protocol.GrammarBackend` built for this tokenizer
             with ``vocab_size`` = the model's logits width, a registered backend name, or
             None (then only plain requests are allowed; a grammar request fails alone).
-        draft: a :class:`~spec_grammar.worker.drafters.Drafter` or a name (``ngram``,
-            ``self:L``, ``model:PATH``, ``none``); see
-            :func:`~spec_grammar.worker.drafters.make_drafter`.
-        topk / num_steps / num_draft_tokens: tree shape (model drafters use all three; the
-            n-gram drafter uses ``num_draft_tokens``, the node cap root included).
-        no_spec: plain constrained decoding (root-only trees) through the same code path.
-        overlap: do the grammar work while the verify forward runs (in a worker thread; with
-            CUDA graphs inline after the replay or in the thread during it, as measured
-            fastest). ``False``: strictly in order (on CUDA the forward is waited for first).
-        constrain_draft: grammar-constrained drafting: only legal tokens enter the tree and
-            the rows computed while drafting are reused for verification
-            (:mod:`~spec_grammar.worker.drafters.constrained`); ``draft="grammar"`` drafts
-            forced tokens alone.
-        forced_tokens: extend draft branches with grammar-forced tokens
-            (:mod:`~spec_grammar.worker.drafters.forced`). Off here so that a
-            :class:`Drafter` instance passed in runs exactly as given; ``generate`` and the
-            CLI default to :data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`.
         device: where the target runs (default: the model's device).
-        cuda_graphs: passed to :class:`~spec_grammar.worker.runner.ModelRunner` (CUDA graphs
-            are used on CUDA devices only; None = the runner's default).
-        fused_forward: passed to the runner too: our fused decoder for Llama-family models
-            (:mod:`~spec_grammar.worker.decoder`; None = on for CUDA with Triton where supported).
-        grammar_threads: threads sharing a step's grammar work (advance + tree fill), each
-            taking a contiguous group of requests; None = 1. Outputs do not depend on it.
-            More threads pay only where the backend's own native work dominates a fill (its
-            GIL-free part): with xgrammar on a 16-core H200 host, 8 threads were up to 2.5x
-            slower than one for 8-16-node trees (7.1 vs 2.8 ms at 8 requests x 8 nodes) and
-            faster only for 64-node trees whose fills were inflated by padding ids (since
-            fixed); a second thread was 0.76x on 2 cores
-            (``benchmarks/results/grammar-threads-h200.md``). Raises ``ValueError`` unless None
-            or an int >= 1.
-        lazy_grammar: verify greedy grammar requests lazily, without tree fills (each walk
-            asks the matcher for the greedy tokens it reads; :class:`~.placement.LazyGrammar`).
-            None (default): on CUDA-graph steps with overlap, whenever the measured fill time
-            would not hide under the forward; True: always; False: never. Outputs do not depend
-            on it. Raises ``ValueError`` unless None or a bool.
+        placement: the policy placing a CUDA-graph step's grammar work inline or in the grammar
+            thread (default: a fresh :class:`~.placement.GrammarPlacement`).
+        lazy_policy: the policy choosing lazy verification when ``lazy_grammar`` is None
+            (default: a fresh :class:`~.placement.LazyGrammar`).
+        early_mask: the policy masking grammar rows on the device while the forward runs
+            (default: a fresh :class:`~.placement.EarlyMask`).
+        **options: :class:`~spec_grammar.worker.config.WorkerConfig` fields.
+
+    Raises ``TypeError`` for a keyword that is no option, the option errors of
+    :class:`~spec_grammar.worker.config.WorkerConfig`, ``ValueError`` for a backend whose
+    vocabulary size differs from the model's logits width or an unknown drafter name.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
     """
@@ -190,91 +190,107 @@ class SpecWorker:
         self,
         model: Any,
         tokenizer: Any,
+        config: WorkerConfig | None = None,
         *,
         backend: GrammarBackend | str | None = "xgrammar",
-        draft: Drafter | str | None = "ngram",
-        topk: int = 1,
-        num_steps: int = 4,
-        num_draft_tokens: int = 8,
-        no_spec: bool = False,
-        overlap: bool = True,
         device: Any = None,
-        constrain_draft: bool = False,
-        forced_tokens: bool = False,
-        cuda_graphs: bool | None = None,
-        grammar_threads: int | None = None,
-        fused_forward: bool | None = None,
-        lazy_grammar: bool | None = None,
+        placement: GrammarPlacement | None = None,
+        lazy_policy: LazyGrammar | None = None,
+        early_mask: EarlyMask | None = None,
+        **options: Any,
     ):
-        if grammar_threads is not None and (
-            isinstance(grammar_threads, bool)
-            or not isinstance(grammar_threads, int)
-            or grammar_threads < 1
-        ):
-            raise ValueError(
-                f"grammar_threads must be None or an int >= 1, got {grammar_threads!r}"
-            )
-        if lazy_grammar is not None and not isinstance(lazy_grammar, bool):
-            raise ValueError(f"lazy_grammar must be None, True or False, got {lazy_grammar!r}")
+        if config is None:
+            options.setdefault("forced_tokens", False)
+        self.config = cfg = worker_config(config, options, "SpecWorker.__init__")
         self.runner = (
             model
             if isinstance(model, ModelRunner)
             else ModelRunner(
-                model, device=device, cuda_graphs=cuda_graphs, fused_forward=fused_forward
+                model, device=device, cuda_graphs=cfg.cuda_graphs, fused_forward=cfg.fused_forward
             )
         )
         self.tokenizer = tokenizer
-        if isinstance(backend, str):
-            from ..registry import get_backend
-
-            backend = get_backend(backend, tokenizer, vocab_size=self.runner.vocab_size)
-        if backend is not None and backend.vocab_size != self.runner.vocab_size:
-            raise ValueError(
-                f"the grammar backend masks {backend.vocab_size} logits but the model has "
-                f"{self.runner.vocab_size}; build it with vocab_size={self.runner.vocab_size}"
-            )
-        self.backend = backend
-        self.drafter = (
-            NoDrafter()
-            if no_spec
-            else make_grammar_drafter(
-                draft,
-                constrain_draft=constrain_draft,
-                forced_tokens=forced_tokens,
-                target_model=self.runner.model,
-                device=self.runner.device,
-                cuda_graphs=cuda_graphs,
-                fused_forward=fused_forward,
-                topk=topk,
-                num_steps=num_steps,
-                num_draft_tokens=num_draft_tokens,
-            )
-        )
-        self.no_spec = no_spec
-        self.overlap = overlap
-        if backend is not None:
-            stops = backend.tokenizer_info.stop_token_ids
-        else:
-            eos = tokenizer.eos_token_id
-            stops = (eos,) if isinstance(eos, int) else tuple(eos)
-        self.stop_token_ids = frozenset(int(t) for t in stops)
+        self.backend = self._grammar_backend(backend)
+        self.drafter = self._make_drafter()
+        self.stop_token_ids = self._stop_tokens()
         self.step_stats: list[StepStats] = []
-        self.grammar_threads = grammar_threads or 1
-        self._placement = GrammarPlacement()
-        self._early_mask = EarlyMask()
-        self.lazy_grammar = lazy_grammar
-        self._lazy = LazyGrammar()
+        self._placement = placement if placement is not None else GrammarPlacement()
+        self._early_mask = early_mask if early_mask is not None else EarlyMask()
+        self._lazy = lazy_policy if lazy_policy is not None else LazyGrammar()
         self._pool: ThreadPoolExecutor | None = None
         self._group_pool: ThreadPoolExecutor | None = None
         self._open_pools()
         self._bitmasks = (
-            HostBitmaskRing(backend.vocab_size, pin=self.runner.device.type == "cuda")
-            if backend is not None
+            HostBitmaskRing(self.backend.vocab_size, pin=self.runner.device.type == "cuda")
+            if self.backend is not None
             else None
         )
         self._cancel_lock = threading.Lock()
         self._running: set[str] = set()
         self._cancelled: set[str] = set()
+
+    @property
+    def no_spec(self) -> bool:
+        """``config.no_spec``: plain constrained decoding (root-only trees)."""
+        return self.config.no_spec
+
+    @property
+    def overlap(self) -> bool:
+        """``config.overlap``: grammar work under the verify forward."""
+        return self.config.overlap
+
+    @property
+    def grammar_threads(self) -> int:
+        """Threads sharing a step's grammar work (``config.grammar_threads``, None = 1)."""
+        return self.config.grammar_threads or 1
+
+    @property
+    def lazy_grammar(self) -> bool | None:
+        """``config.lazy_grammar``: lazy verification always / never / as measured (None)."""
+        return self.config.lazy_grammar
+
+    def _grammar_backend(self, backend: GrammarBackend | str | None) -> GrammarBackend | None:
+        """``backend`` (a registered name is built for this tokenizer), checked against the
+        model's logits width."""
+        if isinstance(backend, str):
+            from ..registry import get_backend
+
+            backend = get_backend(backend, self.tokenizer, vocab_size=self.runner.vocab_size)
+        if backend is not None and backend.vocab_size != self.runner.vocab_size:
+            raise ValueError(
+                f"the grammar backend masks {backend.vocab_size} logits but the model has "
+                f"{self.runner.vocab_size}; build it with vocab_size={self.runner.vocab_size}"
+            )
+        return backend
+
+    def _make_drafter(self) -> Drafter:
+        """The drafter the config names (root-only trees with ``no_spec``); a draft model runs
+        on the target's device with the target's runner settings."""
+        cfg = self.config
+        if cfg.no_spec:
+            return NoDrafter()
+        return make_grammar_drafter(
+            cfg.draft,
+            constrain_draft=cfg.constrain_draft,
+            forced_tokens=cfg.forced_tokens,
+            target_model=self.runner.model,
+            device=self.runner.device,
+            cuda_graphs=cfg.cuda_graphs,
+            fused_forward=cfg.fused_forward,
+            topk=cfg.topk,
+            num_steps=cfg.num_steps,
+            num_draft_tokens=cfg.num_draft_tokens,
+        )
+
+    def _stop_tokens(self) -> frozenset[int]:
+        """The tokens that end a request: the grammar backend's stop tokens, or without a
+        backend the tokenizer's EOS token(s)."""
+        if self.backend is not None:
+            stops = self.backend.tokenizer_info.stop_token_ids
+        else:
+            eos = self.tokenizer.eos_token_id
+            stops = (eos,) if isinstance(eos, int) else tuple(eos)
+        return frozenset(int(t) for t in stops)
 
     def cancel(self, rid: str) -> None:
         """Cancel the running request ``rid``; callable from any thread (an ``on_step``
@@ -396,34 +412,32 @@ class SpecWorker:
             torch.cuda.current_stream(self.runner.device).synchronize()
 
     # -- grammar work (the overlapped part) -------------------------------------------------
-    def _grammar_work(
+    def grammar_work(
         self,
         live: Sequence[RequestState],
         trees: Sequence[DraftTree],
         draining: Sequence[RequestState],
         bitmask: torch.Tensor | None,
         lazy: Collection[str] = (),
-    ) -> _GrammarWork:
-        """Advance + fill for the whole step: request groups in parallel (this thread takes
-        the first), merged in request order. ``bitmask``: ``(rows, W)`` int32 host buffer with
-        one row per node of every live grammar request not in ``lazy`` (ids of requests
-        verified lazily: advanced only), in request order."""
+    ) -> GrammarWork:
+        """The grammar phase of a step: advance every matcher with the tokens the previous
+        step committed, then fill the token bitmask rows of every tree (:mod:`.grammar_work`),
+        request groups in parallel (this thread takes the first), merged in request order.
+
+        Args:
+            live: the step's requests; ``trees`` their draft trees.
+            draining: finished requests whose matchers still take their last tokens.
+            bitmask: ``(rows, W)`` int32 host buffer with one row per node of every live
+                grammar request not in ``lazy``, in request order (None: no such request).
+            lazy: ids of the requests verified lazily (advanced, first branch pre-accepted, no
+                rows).
+
+        Runs inline or in the grammar thread, under the verify forward when ``overlap``.
+        Grammar faults end their request only (:attr:`GrammarWork.errors`). Subclasses may
+        wrap it (the tests do, to watch where and when it runs); benchmarks time it alone.
+        """
         t0 = time.perf_counter()
-        entries: list[tuple[RequestState, DraftTree | None, int | None]] = [
-            (st, None, 0) for st in draining
-        ]
-        rows = 0
-        for st, tree in zip(live, trees):
-            if st.rid in lazy:
-                entries.append((st, tree, None))
-            elif st.matcher is not None:
-                entries.append((st, tree, rows))
-                rows += tree.num_nodes
-        # a draining request only accepts its last tokens: far cheaper than a tree fill
-        groups = split_balanced(
-            [1 if t is None else t.num_nodes for _, t, _ in entries], self.grammar_threads
-        )
-        parts = [entries[g.start : g.stop] for g in groups]
+        parts = group_entries(live, trees, draining, lazy, self.grammar_threads)
         if len(parts) <= 1:
             done = [self._group_work(parts[0] if parts else [], bitmask)]
         else:
@@ -433,91 +447,33 @@ class SpecWorker:
             finally:
                 wait(futs)  # no group may still write the bitmask once this returns or raises
             done = [first] + [f.result() for f in futs]
-        work = _GrammarWork()
-        work.bitmask = bitmask
-        for part in done:
-            work.offsets.update(part.offsets)
-            work.valid.update(part.valid)
-            work.errors.update(part.errors)
-            work.per_request_ms.update(part.per_request_ms)
-            work.pre_accepted.update(part.pre_accepted)
+        work = GrammarWork.merge(done, bitmask)
         work.ms = (time.perf_counter() - t0) * 1e3
         return work
 
-    def _group_work(
-        self,
-        entries: Sequence[tuple[RequestState, DraftTree | None, int | None]],
-        bitmask: torch.Tensor | None,
-    ) -> _GrammarWork:
-        """Advance + fill of one contiguous group of requests: ``(state, tree, first row)``
-        with ``tree`` None for a finished request that only takes its last tokens, and first
-        row None for a request verified lazily (advanced, then its tree's first branch
-        pre-accepted: :func:`.batch_verify.pre_accept_first_branch`). One
-        ``fill_tree_bitmasks`` call for the group; if it raises, each request is filled alone
-        so that only the failing one ends."""
-        work = _GrammarWork()
-        work.bitmask = bitmask
-        jobs, owners, filled = [], [], 0
-        for st, tree, off in entries:
-            ts = time.perf_counter()
-            ok = self._advance(st, work)
-            work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
-            if tree is None or not ok:
-                continue
-            try:
-                terminated = st.matcher.is_terminated()
-                if off is None and not terminated:
-                    work.pre_accepted[st.rid] = pre_accept_first_branch(st.matcher, tree)
-                    work.per_request_ms[st.rid] = (time.perf_counter() - ts) * 1e3
-                    continue
-                drafted = None if terminated else self._drafted_rows(st, tree)
-            except Exception as e:  # a grammar fault ends this request only
-                work.errors[st.rid] = (
-                    f"the grammar failed while checking its state: {type(e).__name__}: {e}"
-                )
-                continue
-            if terminated:
-                work.errors[st.rid] = "the grammar terminated without a stop token being committed"
-                continue
-            if drafted is not None:
-                # rows the grammar-aware drafter computed while drafting are the verification rows
-                drafted_rows, valid = drafted
-                bitmask[off : off + drafted_rows.shape[0]] = drafted_rows
-                work.valid[st.rid] = valid
-            else:
-                jobs.append((st.matcher, tree, off))
-                owners.append(st)
-                filled += tree.num_nodes
-            work.offsets[st.rid] = off
-        if jobs:
-            tf = time.perf_counter()
-            try:
-                valids = self.backend.fill_tree_bitmasks(jobs, bitmask)
-            except Exception:  # find the failing request(s): fill each alone
-                valids = [self._fill_one(st, job, work) for st, job in zip(owners, jobs)]
-            fill_ms = (time.perf_counter() - tf) * 1e3
-            for st, (_, tree, _), valid in zip(owners, jobs, valids):
-                if valid is None:
-                    del work.offsets[st.rid]
-                    continue
-                work.valid[st.rid] = valid
-                # a batched fill is timed as a whole: charge it by node count
-                work.per_request_ms[st.rid] += fill_ms * tree.num_nodes / filled
-        return work
+    def _group_work(self, entries: Sequence[Entry], bitmask: torch.Tensor | None) -> GrammarWork:
+        """Advance + fill of one group of the step's requests (:func:`.grammar_work.group_work`)."""
+        return group_work(entries, bitmask, self.backend, self._drafted_rows)
 
-    def _advance_before_draft(
+    def _drafted_rows(
+        self, st: RequestState, tree: DraftTree
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rows, valid)`` of ``tree`` kept by a grammar-aware drafter, or None."""
+        return self.drafter.draft_rows(st.rid, tree)
+
+    def _advance_matchers(
         self, live: Sequence[RequestState], draining: Sequence[RequestState]
     ) -> list[RequestState]:
-        """Feed every matcher the previous step's committed tokens BEFORE drafting (a
-        grammar-aware drafter drafts from the matcher's current state), instead of under the
-        verify forward; the time counts as exposed grammar time. Returns the live requests
-        still running (a refused token ends its request with an error)."""
-        work = _GrammarWork()
+        """Feed every matcher the committed tokens it has not seen, on this thread and outside
+        any forward (before drafting from the grammar state, and after the last step): the
+        time counts as exposed grammar time. Returns the live requests still running (a
+        refused token ends its request with an error)."""
+        work = GrammarWork()
         for st in list(draining) + list(live):
             if st.matcher is None:
                 continue
             ts = time.perf_counter()
-            self._advance(st, work)
+            advance(st, work)
             ms = (time.perf_counter() - ts) * 1e3
             st.grammar_ms += ms
             st.grammar_exposed_ms += ms
@@ -531,44 +487,6 @@ class SpecWorker:
             else:
                 kept.append(st)
         return kept
-
-    @staticmethod
-    def _advance(st: RequestState, work: _GrammarWork) -> bool:
-        """Feed the pending committed tokens to the matcher; False (and an error) if refused."""
-        if not st.pending:
-            return True
-        pending, st.pending = st.pending, []
-        try:
-            n = st.matcher.accept_tokens(pending)
-        except Exception as e:  # a grammar fault ends this request only
-            work.errors[st.rid] = (
-                f"the grammar failed while accepting committed tokens: {type(e).__name__}: {e}"
-            )
-            return False
-        if n != len(pending):
-            work.errors[st.rid] = (
-                f"the grammar refused committed token {pending[n]} after {st.matcher.num_accepted} "
-                "accepted tokens (a mask/verify mismatch)"
-            )
-            return False
-        return True
-
-    @staticmethod
-    def _fill_one(st: RequestState, job: tuple, work: _GrammarWork) -> torch.Tensor | None:
-        """One request's tree fill; None (and an error for that request) when it raises."""
-        matcher, tree, offset = job
-        try:
-            return matcher.fill_tree_bitmask(tree, work.bitmask, offset)
-        except Exception as e:
-            work.errors[st.rid] = (
-                f"the grammar failed while filling the tree bitmask: {type(e).__name__}: {e}"
-            )
-            return None
-
-    def _drafted_rows(self, st: RequestState, tree: DraftTree):
-        """``(rows, valid)`` of ``tree`` kept by a grammar-aware drafter, or None."""
-        get = getattr(self.drafter, "draft_rows", None)
-        return None if get is None else get(st.rid, tree)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(
@@ -604,13 +522,7 @@ class SpecWorker:
                 self.step_stats.append(stats)
                 if on_step is not None:
                     on_step(stats, states)
-            final = _GrammarWork()
-            for st in draining:
-                ts = time.perf_counter()
-                self._advance(st, final)
-                st.grammar_ms += (time.perf_counter() - ts) * 1e3
-                st.grammar_exposed_ms += (time.perf_counter() - ts) * 1e3
-            self._apply_errors(final, draining, time.perf_counter())
+            self._advance_matchers([], draining)  # the last tokens of the last step's finishers
         finally:
             with self._cancel_lock:
                 self._running, self._cancelled = set(), set()
@@ -618,46 +530,51 @@ class SpecWorker:
                 self._release(st)
         return [self._result(s) for s in states]
 
+    # -- one step: draft, verify (grammar work under it), accept, account -------------------
     def _step(self, live: list[RequestState], draining: list[RequestState]) -> StepStats:
         t0 = time.perf_counter()
-        if getattr(self.drafter, "needs_grammar_state", False):
-            live = self._advance_before_draft(live, draining)
-            draining = []
-        trees: list[DraftTree] = []
-        if live:
-            live, trees = self._propose(live)
+        live, draining, trees = self._draft(live, draining)
         if not live:
-            self._advance_before_draft([], draining)  # the last tokens of requests that finished
-            ms = (time.perf_counter() - t0) * 1e3
-            return StepStats(
-                batch_size=0,
-                num_nodes=0,
-                step_ms=ms,
-                draft_ms=ms,
-                verify_forward_ms=0.0,
-                grammar_ms=0.0,
-                grammar_exposed_ms=0.0,
-                sample_ms=0.0,
-                committed_tokens=0,
-            )
-        trees = [
-            cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1)
-            for s, t in zip(live, trees)
-        ]
+            self._advance_matchers([], draining)  # the last tokens of requests that finished
+            return _idle_step((time.perf_counter() - t0) * 1e3)
         t1 = time.perf_counter()
-        rids = [s.rid for s in live]
         greedy = [batch_greedy_eligible(st.sampling) for st in live]
         lazy = self._lazy_requests(live, trees, greedy)
         rows = sum(
             t.num_nodes for s, t in zip(live, trees) if s.matcher is not None and s.rid not in lazy
         )
         bitmask = self._bitmasks.acquire(rows) if rows else None
+        step = _Step(live, trees, draining, greedy, lazy, bitmask, t0=t0, t1=t1)
         try:
-            return self._verify_step(live, trees, draining, bitmask, rids, greedy, lazy, t0, t1)
+            self._launch_verify(step)
+            self._mask_on_device(step)
+            self._charge_grammar_time(step)
+            committed, lazy_ms = self._accept_all(step)
+            self._record_measurements(step, lazy_ms)
+            return self._step_stats(step, committed, sum(lazy_ms.values()))
         finally:
             if bitmask is not None:
                 # every upload from this buffer was queued on the current stream by now
                 self._bitmasks.record_upload(self.runner.device)
+
+    def _draft(
+        self, live: list[RequestState], draining: list[RequestState]
+    ) -> tuple[list[RequestState], list[RequestState], list[DraftTree]]:
+        """The draft phase: one draft tree per live request (:meth:`_propose`), cut to the
+        request's remaining token budget. A drafter that drafts from the grammar state
+        (:attr:`Drafter.needs_grammar_state`) gets every matcher advanced first, the draining
+        ones included. Returns the requests still live, those still draining and the trees."""
+        if self.drafter.needs_grammar_state:
+            live = self._advance_matchers(live, draining)
+            draining = []
+        if not live:
+            return live, draining, []
+        live, trees = self._propose(live)
+        trees = [
+            cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1)
+            for s, t in zip(live, trees)
+        ]
+        return live, draining, trees
 
     def _propose(self, live: list[RequestState]) -> tuple[list[RequestState], list[DraftTree]]:
         """The drafter's trees for ``live``. Drafting that raises (e.g. a grammar-aware
@@ -707,165 +624,195 @@ class SpecWorker:
             return frozenset()
         return frozenset(st.rid for st, _ in cands)
 
-    def _verify_step(
-        self,
-        live: list[RequestState],
-        trees: list[DraftTree],
-        draining: list[RequestState],
-        bitmask: torch.Tensor | None,
-        rids: list[str],
-        greedy: list[bool],
-        lazy: frozenset[str],
-        t0: float,
-        t1: float,
-    ) -> StepStats:
-        """Verify forward (grammar work under it), then mask, verify and commit."""
-        graph_overlap = self.overlap and self.runner.uses_cuda_graphs
-        in_thread = False
-        # the greedy tokens of every row come from the forward's graph (no argmax launch)
-        with_argmax = any(greedy)
-        if graph_overlap:
-            # The grammar work runs inline after the graph replay returns, or in the grammar
-            # thread started right before the replay (whose host-side launch releases the GIL;
-            # a thread started before the input preparation fought it for the GIL), whichever
-            # the measured times predict faster (:mod:`.placement`). With no replay (an eager
-            # bucket) it runs inline after the launch while the GPU computes.
-            # lazy requests are not counted: their work here (an advance and the first branch
-            # pre-accepted) is a few accepts, cheaper inline than a thread's hand-off
-            units = (
-                (0 if bitmask is None else bitmask.shape[0])
-                + len(draining)
-                + sum(st.matcher is not None and st.rid not in lazy for st in live)
-            )
-            # (no pool: the caller closed the worker inside this run, e.g. from on_step)
-            want_thread = units > 0 and self._pool is not None and self._placement.use_thread(units)
-            started: list[Future] = []
-            launched: list[float] = []
-
-            def before_launch() -> None:
-                launched.append(time.perf_counter())
-                if want_thread:
-                    started.append(
-                        self._pool.submit(self._grammar_work, live, trees, draining, bitmask, lazy)
-                    )
-
-            try:
-                out = self.runner.forward_trees(
-                    rids, trees, before_launch=before_launch, with_argmax=with_argmax
-                )
-            except BaseException:
-                wait(
-                    started
-                )  # the grammar work writes the bitmask: let it end before the buffer is reused
-                raise
-            t2 = time.perf_counter()
-            in_thread = bool(started)
-            if in_thread:
-                work = started[0].result()
-                # from the thread's start to this thread running again: both wake-ups count (on
-                # a virtual machine a blocked thread can take a millisecond to run again)
-                grammar_ms = (time.perf_counter() - launched[0]) * 1e3
-            else:
-                work = self._grammar_work(live, trees, draining, bitmask, lazy)
-                grammar_ms = work.ms
-            if launched and units:
-                self._placement.record(in_thread, units, grammar_ms, (t2 - launched[0]) * 1e3)
+    # -- verify forward with the grammar work under it ---------------------------------------
+    def _launch_verify(self, step: _Step) -> None:
+        """The verify forward over every node of every tree, with the step's grammar work
+        (:meth:`grammar_work`) under it when ``overlap``: placed around a CUDA-graph replay as
+        measured fastest (:meth:`_verify_with_graph`), else in the grammar thread from the
+        start (the forward call itself keeps this thread busy), else strictly after it. Sets
+        the step's logits (and greedy tokens), grammar work and ``t2``."""
+        if self.overlap and self.runner.uses_cuda_graphs:
+            out = self._verify_with_graph(step)
         elif self._pool is not None:
-            fut = self._pool.submit(self._grammar_work, live, trees, draining, bitmask, lazy)
-            try:
-                out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
-            except BaseException:
-                wait(
-                    [fut]
-                )  # the grammar work writes the bitmask: let it end before the buffer is reused
-                raise
-            t2 = time.perf_counter()
-            work = fut.result()
+            out = self._verify_beside_thread(step)
         else:
-            out = self.runner.forward_trees(rids, trees, with_argmax=with_argmax)
-            if (
-                self.runner.device.type == "cuda"
-            ):  # in order: the forward ends before the grammar work starts
-                torch.cuda.current_stream(self.runner.device).synchronize()
-            t2 = time.perf_counter()
-            work = self._grammar_work(live, trees, draining, bitmask, lazy)
-        logits, top = out if with_argmax else (out, None)
-        if bitmask is not None:
-            self._device_masks(
-                work,
-                logits,
-                live,
-                trees,
-                greedy,
-                launched[0] if graph_overlap and launched else None,
+            out = self._verify_then_grammar(step)
+        step.logits, step.top = out if step.with_argmax else (out, None)
+
+    def _verify_with_graph(self, step: _Step) -> Any:
+        """The grammar work runs inline after the graph replay returns, or in the grammar
+        thread started right before the replay (whose host-side launch releases the GIL; a
+        thread started before the input preparation fought it for the GIL), whichever the
+        measured times predict faster (:class:`~.placement.GrammarPlacement`). With no replay
+        (an eager bucket) it runs inline after the launch while the GPU computes."""
+        units = self._grammar_units(step)
+        # (no pool: the caller closed the worker inside this run, e.g. from on_step)
+        want_thread = units > 0 and self._pool is not None and self._placement.use_thread(units)
+        started: list[Future] = []
+        launched: list[float] = []
+
+        def before_launch() -> None:
+            launched.append(time.perf_counter())
+            if want_thread:
+                started.append(self._pool.submit(self.grammar_work, *step.grammar_args()))
+
+        try:
+            out = self.runner.forward_trees(
+                step.rids, step.trees, before_launch=before_launch, with_argmax=step.with_argmax
             )
-        t3 = time.perf_counter()
-        # the step's grammar bookkeeping before the verify's wait for the device
-        exposed, gpu_ms = (t3 - t2) * 1e3, None
-        if (
-            graph_overlap and launched
-        ):  # exposed: what the grammar work took beyond the GPU's forward
+        except BaseException:
+            wait(
+                started
+            )  # the grammar work writes the bitmask: it ends before the buffer is reused
+            raise
+        step.t2 = time.perf_counter()
+        step.launched_at = launched[0] if launched else None
+        step.in_thread = bool(started)
+        if step.in_thread:
+            step.work = started[0].result()
+            # from the thread's start to this thread running again: both wake-ups count (on a
+            # virtual machine a blocked thread can take a millisecond to run again)
+            grammar_ms = (time.perf_counter() - step.launched_at) * 1e3
+        else:
+            step.work = self.grammar_work(*step.grammar_args())
+            grammar_ms = step.work.ms
+        if step.launched_at is not None and units:
+            launch_ms = (step.t2 - step.launched_at) * 1e3
+            self._placement.record(step.in_thread, units, grammar_ms, launch_ms)
+        return out
+
+    @staticmethod
+    def _grammar_units(step: _Step) -> int:
+        """The placement's measure of a step's grammar work: tree rows + draining requests +
+        live grammar requests. Lazy requests are not counted: their work here (an advance and
+        the first branch pre-accepted) is a few accepts, cheaper inline than a thread's
+        hand-off."""
+        return (
+            (0 if step.bitmask is None else step.bitmask.shape[0])
+            + len(step.draining)
+            + sum(st.matcher is not None and st.rid not in step.lazy for st in step.live)
+        )
+
+    def _verify_beside_thread(self, step: _Step) -> Any:
+        """The grammar work in the grammar thread from before the forward starts."""
+        fut = self._pool.submit(self.grammar_work, *step.grammar_args())
+        try:
+            out = self.runner.forward_trees(step.rids, step.trees, with_argmax=step.with_argmax)
+        except BaseException:
+            wait([fut])  # the grammar work writes the bitmask: it ends before the buffer is reused
+            raise
+        step.t2 = time.perf_counter()
+        step.work = fut.result()
+        return out
+
+    def _verify_then_grammar(self, step: _Step) -> Any:
+        """No overlap: the forward, then (on CUDA once the forward has ended) the grammar work."""
+        out = self.runner.forward_trees(step.rids, step.trees, with_argmax=step.with_argmax)
+        if self.runner.device.type == "cuda":
+            torch.cuda.current_stream(self.runner.device).synchronize()
+        step.t2 = time.perf_counter()
+        step.work = self.grammar_work(*step.grammar_args())
+        return out
+
+    def _mask_on_device(self, step: _Step) -> None:
+        """The step's device-side token bitmask work, if any (:meth:`_device_masks`); sets
+        ``t3``."""
+        if step.bitmask is not None:
+            self._device_masks(
+                step.work, step.logits, step.live, step.trees, step.greedy, step.launched_at
+            )
+        step.t3 = time.perf_counter()
+
+    def _charge_grammar_time(self, step: _Step) -> None:
+        """Each request's grammar milliseconds of the step, and the part exposed: the step's
+        grammar bookkeeping before the verify's wait for the device; with a graph replay, what
+        the grammar work took beyond the GPU's forward (0 while the forward still runs)."""
+        work = step.work
+        exposed, gpu_ms = (step.t3 - step.t2) * 1e3, None
+        if step.launched_at is not None:
             gpu_ms = self.runner.last_forward_gpu_ms()
             # None: the forward still runs, so the grammar work ended under it
             exposed = 0.0 if gpu_ms is None else max(0.0, exposed - gpu_ms)
         frac = min(1.0, exposed / work.ms) if work.ms > 0 else 0.0
-        for st in itertools.chain(live, draining):
+        for st in itertools.chain(step.live, step.draining):
             ms = work.per_request_ms.get(st.rid, 0.0)
             st.grammar_ms += ms
             st.grammar_exposed_ms += ms * frac
-        self._apply_errors(work, draining, t3)
-        verified, lazy_ms = self._verify_batch(live, trees, logits, top, greedy, work, lazy)
-        lazy_total = sum(lazy_ms.values())
-        for st in live:
-            if st.rid in lazy_ms:  # the lazy walks' grammar work: after the forward, all exposed
+        step.exposed_ms, step.gpu_ms = exposed, gpu_ms
+
+    # -- accept and commit ------------------------------------------------------------------
+    def _accept_all(self, step: _Step) -> tuple[int, dict[str, float]]:
+        """Accept length and bonus token of every request: the greedy ones verified together
+        (:meth:`_verify_batch`), then each request's run committed (:meth:`_accept`). A request
+        whose grammar failed ends with its error. Returns the tokens committed and the lazy
+        walks' grammar milliseconds by request id (charged to the requests: after the
+        forward, all exposed)."""
+        work = step.work
+        self._apply_errors(work, step.draining, step.t3)
+        verified, lazy_ms = self._verify_batch(
+            step.live, step.trees, step.logits, step.top, step.greedy, work, step.lazy
+        )
+        for st in step.live:
+            if st.rid in lazy_ms:
                 st.grammar_ms += lazy_ms[st.rid]
                 st.grammar_exposed_ms += lazy_ms[st.rid]
         committed = 0
-        for i, (st, tree) in enumerate(zip(live, trees)):
+        for i, (st, tree) in enumerate(zip(step.live, step.trees)):
             st.steps += 1
             if st.rid in work.errors:
-                st.finish("error", t3, work.errors[st.rid])
+                st.finish("error", step.t3, work.errors[st.rid])
                 self._release(st)
                 continue
             try:
                 committed += self._accept(
-                    st, tree, logits[i, : tree.num_nodes], work, verified.get(i), fed=st.rid in lazy
+                    st,
+                    tree,
+                    step.logits[i, : tree.num_nodes],
+                    work,
+                    verified.get(i),
+                    fed=st.rid in step.lazy,
                 )
             except SpecGrammarError as e:  # e.g. a matcher left with no allowed token
                 st.finish("error", time.perf_counter(), str(e))
                 self._release(st)
-        if (
-            graph_overlap and launched and (bitmask is not None or lazy)
-        ):  # the forward has ended by now
-            gpu_ms = gpu_ms if gpu_ms is not None else self.runner.last_forward_gpu_ms()
-            # one forward-time average serves both policies; a bad event reading (never seen)
-            # must not raise here, after the step's tokens were committed
-            if gpu_ms is not None and math.isfinite(gpu_ms) and gpu_ms >= 0:
-                self._early_mask.record_forward(gpu_ms)
-            if lazy:
-                self._lazy.record_lazy(len(lazy_ms), lazy_total)
-            elif bitmask is not None:
-                self._lazy.record_fill(bitmask.shape[0], work.ms)
+        return committed, lazy_ms
+
+    def _record_measurements(self, step: _Step, lazy_ms: dict[str, float]) -> None:
+        """Feed the step's forward time and grammar cost to the early-mask and lazy policies
+        (CUDA-graph steps that replayed, with grammar work; the forward has ended by now)."""
+        if step.launched_at is None or (step.bitmask is None and not step.lazy):
+            return
+        gpu_ms = step.gpu_ms if step.gpu_ms is not None else self.runner.last_forward_gpu_ms()
+        # one forward-time average serves both policies; a bad event reading (never seen) must
+        # not raise here, after the step's tokens were committed
+        if gpu_ms is not None and math.isfinite(gpu_ms) and gpu_ms >= 0:
+            self._early_mask.record_forward(gpu_ms)
+        if step.lazy:
+            self._lazy.record_lazy(len(lazy_ms), sum(lazy_ms.values()))
+        elif step.bitmask is not None:
+            self._lazy.record_fill(step.bitmask.shape[0], step.work.ms)
+
+    def _step_stats(self, step: _Step, committed: int, lazy_total: float) -> StepStats:
         t4 = time.perf_counter()
         return StepStats(
-            batch_size=len(live),
-            num_nodes=sum(t.num_nodes for t in trees),
-            step_ms=(t4 - t0) * 1e3,
-            draft_ms=(t1 - t0) * 1e3,
-            verify_forward_ms=(t2 - t1) * 1e3,
-            grammar_ms=work.ms + lazy_total,
-            grammar_exposed_ms=exposed + lazy_total,
-            sample_ms=(t4 - t3) * 1e3,
+            batch_size=len(step.live),
+            num_nodes=sum(t.num_nodes for t in step.trees),
+            step_ms=(t4 - step.t0) * 1e3,
+            draft_ms=(step.t1 - step.t0) * 1e3,
+            verify_forward_ms=(step.t2 - step.t1) * 1e3,
+            grammar_ms=step.work.ms + lazy_total,
+            grammar_exposed_ms=step.exposed_ms + lazy_total,
+            sample_ms=(t4 - step.t3) * 1e3,
             committed_tokens=committed,
-            grammar_in_thread=in_thread,
-            forbidden_rows=work.forbidden_rows,
-            early_mask=work.masked_rows is not None,
-            lazy_requests=len(lazy),
+            grammar_in_thread=step.in_thread,
+            forbidden_rows=step.work.forbidden_rows,
+            early_mask=step.work.masked_rows is not None,
+            lazy_requests=len(step.lazy),
         )
 
     def _device_masks(
         self,
-        work: _GrammarWork,
+        work: GrammarWork,
         logits: torch.Tensor,
         live: Sequence[RequestState],
         trees: Sequence[DraftTree],
@@ -890,7 +837,7 @@ class SpecWorker:
             self._early_mask.record_launch((time.perf_counter() - t0) * 1e3)
 
     @staticmethod
-    def _apply_errors(work: _GrammarWork, draining: Sequence[RequestState], now: float) -> None:
+    def _apply_errors(work: GrammarWork, draining: Sequence[RequestState], now: float) -> None:
         for st in draining:
             if st.rid in work.errors:
                 st.finish("error", st.end_s or now, work.errors[st.rid])
@@ -902,7 +849,7 @@ class SpecWorker:
         logits: torch.Tensor,
         top: torch.Tensor | None,
         greedy: Sequence[bool],
-        work: _GrammarWork,
+        work: GrammarWork,
         lazy: Collection[str],
     ) -> tuple[dict, dict[str, float]]:
         """Greedy verification of every eligible request at once (``greedy``): the forward's
@@ -910,68 +857,90 @@ class SpecWorker:
         a grammar forbids them (:mod:`.batch_verify`); requests in ``lazy`` walk with their
         matchers. Returns the verified walks by batch index and the lazy walks' grammar
         milliseconds by request id."""
-        selected = [i for i, st in enumerate(live) if st.rid not in work.errors and greedy[i]]
-        stats: dict = {}
-        verified = verify_greedy_batch(
+        requests = [
+            GreedyRequest(
+                i,
+                offset=work.offsets.get(st.rid),
+                valid=work.valid.get(st.rid),
+                stop_token_ids=self._stops_of(st),
+                matcher=st.matcher if st.rid in lazy else None,
+                pre_accepted=work.pre_accepted.get(st.rid, ()),
+            )
+            for i, st in enumerate(live)
+            if st.rid not in work.errors and greedy[i]
+        ]
+        verified, stats = verify_greedy_batch(
             logits,
             trees,
-            selected,
+            requests,
             bitmask=work.bitmask,
-            offsets=[work.offsets.get(st.rid) for st in live],
-            valids=[work.valid.get(st.rid) for st in live],
-            stop_token_ids=[
-                () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids
-                for st in live
-            ],
-            matchers=[st.matcher if st.rid in lazy else None for st in live],
-            pre_accepted=[work.pre_accepted.get(st.rid, ()) for st in live],
             row_argmax=top,
             masked_rows=work.masked_rows,
-            stats=stats,
         )
-        if work.offsets and "forbidden_rows" in stats:
-            self._early_mask.record_verify(stats["forbidden_rows"] > 0)
-        work.forbidden_rows = stats.get("forbidden_rows", 0)
-        return verified, {live[i].rid: ms for i, ms in stats.get("lazy_ms", {}).items()}
+        if work.offsets and requests:
+            self._early_mask.record_verify(stats.forbidden_rows > 0)
+        work.forbidden_rows = stats.forbidden_rows
+        return verified, {live[i].rid: ms for i, ms in stats.lazy_ms.items()}
+
+    def _stops_of(self, st: RequestState) -> Collection[int]:
+        """The tokens that end ``st``: none for a plain request ignoring EOS."""
+        return () if st.sampling.ignore_eos and st.matcher is None else self.stop_token_ids
 
     def _accept(
         self,
         st: RequestState,
         tree: DraftTree,
         logits: torch.Tensor,
-        work: _GrammarWork,
+        work: GrammarWork,
         verified: Any = None,
         *,
         fed: bool = False,
     ) -> int:
-        """Mask, verify, truncate and commit one request; returns the tokens committed.
-        ``verified``: this request's result from :meth:`_verify_batch`, if it took part;
-        ``fed``: its lazy walk has already fed the run to the matcher."""
-        params = st.sampling
+        """Verify (unless ``verified``), truncate and commit one request; returns the tokens
+        committed. ``verified``: this request's result from :meth:`_verify_batch`, if it took
+        part; ``fed``: its lazy walk has already fed the run to the matcher. Raises the
+        :class:`SpecGrammarError` of a request whose grammar left nothing to sample."""
         if isinstance(verified, SpecGrammarError):
             raise verified
+        stops = self._stops_of(st)
+        nodes, bonus = (
+            verified if verified is not None else self._verify_one(st, tree, logits, work)
+        )
+        run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
+        kept = self._append_run(st, run, stops, fed)
+        if st.finished:
+            self._release(st)
+        else:
+            self.runner.commit(st.rid, nodes)
+        return kept
+
+    def _verify_one(
+        self, st: RequestState, tree: DraftTree, logits: torch.Tensor, work: GrammarWork
+    ) -> tuple[list[int], int]:
+        """The per-request path: ``logits`` ``(N, V)`` processed (penalties, token bitmask,
+        temperature: :func:`process_tree_logits`) then :func:`~.verify.verify`. Returns the
+        accepted nodes (root first) and the bonus token."""
         bitmask = valid = None
-        if verified is None and st.matcher is not None:
+        if st.matcher is not None:
             off = work.offsets[st.rid]
             rows = work.device_bitmask if work.device_bitmask is not None else work.bitmask
             bitmask = rows[off : off + tree.num_nodes]
             valid = work.valid[st.rid]
-        stops = () if params.ignore_eos and st.matcher is None else self.stop_token_ids
-        if verified is not None:
-            nodes, bonus = verified
-        else:
-            processed = process_tree_logits(
-                logits,
-                tree,
-                st.committed_ids,
-                params,
-                bitmask=bitmask,
-                prompt_len=len(st.prompt_ids),
-            )
-            nodes, bonus = verify(
-                processed, tree, params, st.generator, valid, stop_token_ids=stops
-            )
-        run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
+        params = st.sampling
+        processed = process_tree_logits(
+            logits, tree, st.committed_ids, params, bitmask=bitmask, prompt_len=len(st.prompt_ids)
+        )
+        return verify(
+            processed, tree, params, st.generator, valid, stop_token_ids=self._stops_of(st)
+        )
+
+    def _append_run(
+        self, st: RequestState, run: Sequence[int], stops: Collection[int], fed: bool
+    ) -> int:
+        """Append the committed run (accepted path tokens + bonus) to ``st``'s output,
+        truncated at a stop token (the request ends: ``grammar`` with a grammar, else
+        ``stop``), a stop string or ``max_new_tokens``; the tokens go to the matcher's pending
+        list unless ``fed``. Returns the tokens appended."""
         now = time.perf_counter()
         kept = 0
         for tok in run:
@@ -984,16 +953,12 @@ class SpecWorker:
             if st.matcher is not None and not fed:
                 st.pending.append(tok)
             kept += 1
-            if params.stop and self._hit_stop_string(st):
+            if st.sampling.stop and self._hit_stop_string(st):
                 st.finish("stop", now)
                 break
-            if len(st.output_ids) >= params.max_new_tokens:
+            if len(st.output_ids) >= st.sampling.max_new_tokens:
                 st.finish("length", now)
                 break
-        if st.finished:
-            self._release(st)
-        else:
-            self.runner.commit(st.rid, nodes)
         return kept
 
     def _hit_stop_string(self, st: RequestState) -> bool:

@@ -34,6 +34,7 @@ import inspect
 import itertools
 import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ from .cuda_graphs import ForwardGraphs, bucket
 from .decoder import FusedLlama, unsupported_reason
 from .decoder.ops import triton_ops
 
-__all__ = ["ModelRunner", "RunnerError"]
+__all__ = ["ModelRunner", "RunnerError", "check_optional_flag"]
 
 # The attention's key length is a power of two of at least this (an aligned mask stride for
 # CUDA's memory-efficient sdpa kernel, and few CUDA-graph buckets); eager forwards use the same
@@ -94,6 +95,14 @@ def ancestors(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class RunnerError(SpecGrammarError, ValueError):
     """Misuse of a :class:`ModelRunner`: unknown or duplicate request id, ``commit`` without a
     pending forward, accepted nodes that are not a root path of the verified tree, bad ids."""
+
+
+def check_optional_flag(name: str, value: Any) -> bool | None:
+    """``value`` when it is None, True or False; else :class:`RunnerError` naming ``name`` (a
+    runner flag such as ``cuda_graphs``: "off" or 0 must not pass for a setting)."""
+    if value is not None and not isinstance(value, bool):
+        raise RunnerError(f"{name} must be None, True or False, got {value!r}")
+    return value
 
 
 def _token_ids(ids: Sequence[int], what: str) -> list[int]:
@@ -262,6 +271,11 @@ class ModelRunner:
             devices with Triton when the model is supported, else off. True: required (raises
             :class:`RunnerError` naming why a model is unsupported); off CUDA it runs the
             same operations in torch (they match the HF forward).
+        graphs: the graph store full-batch forwards replay through, instead of the one
+            ``cuda_graphs`` asks for: a :class:`~.cuda_graphs.ForwardGraphs` or an object with
+            its ``run`` / ``clear`` / ``captures`` / ``last_events`` (the tests emulate replays
+            on CPU with one, ``tests/emulated_graphs.py``). None (default): as ``cuda_graphs``
+            says.
 
     Not safe for concurrent calls from several threads; a forward releases the GIL, so grammar
     work in another thread overlaps it.
@@ -276,6 +290,7 @@ class ModelRunner:
         prefill_tokens: int = 8192,
         cuda_graphs: bool | None = None,
         fused_forward: bool | None = None,
+        graphs: ForwardGraphs | None = None,
     ):
         param = next(model.parameters(), None)
         if param is None:
@@ -323,10 +338,8 @@ class ModelRunner:
             if window and (not layer_types or "sliding_attention" in layer_types)
             else None
         )
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise RunnerError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
-        if fused_forward is not None and not isinstance(fused_forward, bool):
-            raise RunnerError(f"fused_forward must be None, True or False, got {fused_forward!r}")
+        check_optional_flag("cuda_graphs", cuda_graphs)
+        check_optional_flag("fused_forward", fused_forward)
         reason = unsupported_reason(model) or (
             "sliding-window attention" if self._window is not None else None
         )
@@ -340,9 +353,9 @@ class ModelRunner:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._store = _KVStore(self.device, getattr(text_config, "num_hidden_layers", 1))
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        self._graphs = (
-            ForwardGraphs(self.device) if use_graphs and self.device.type == "cuda" else None
-        )
+        if graphs is None and use_graphs and self.device.type == "cuda":
+            graphs = ForwardGraphs(self.device)
+        self._graphs = graphs
         self._graphs_version = self._store.version
         self._rids: list[str] = []  # row -> request id
         self._row: dict[str, int] = {}

@@ -126,40 +126,67 @@ def process_tree_logits(
         raise BitmaskError(
             f"logits must be ({n}, V) for a {n}-node tree, got {tuple(logits.shape)}"
         )
-    out = logits.to(torch.float32, copy=True)
-    vocab, dev = out.shape[1], out.device
-    context = list(context_ids)
-
-    if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
-        path = _path_token_counts(tree, vocab, dev)
-        if params.repetition_penalty != 1.0:
-            seen = (_context_counts(context, vocab, dev) + path) > 0
-            rp = params.repetition_penalty
-            out = torch.where(seen, torch.where(out < 0, out * rp, out / rp), out)
-        if params.frequency_penalty or params.presence_penalty:
-            counts = _context_counts(context[prompt_len:], vocab, dev) + path
-            out -= (
-                params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-            )
-
+    out = _penalized(
+        logits.to(torch.float32, copy=True), tree, list(context_ids), params, prompt_len
+    )
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise InvalidTokenError(
-                f"logit_bias ids must lie in [0, {vocab}), got {sorted(params.logit_bias)}"
-            )
-        bias = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
-        out[:, ids.to(dev)] += bias.to(dev)
-
+        _add_logit_bias(out, params.logit_bias)
     if bitmask is not None:
         if bitmask.dim() != 2 or bitmask.shape[0] != n:
             raise BitmaskError(
                 f"bitmask must have {n} rows (one per node), got {tuple(bitmask.shape)}"
             )
-        apply_token_bitmask_inplace(out, bitmask.to(dev, non_blocking=True))
-
+        apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True))
     if params.greedy:
         return out
+    return _warped(out, params)
+
+
+def _penalized(
+    out: torch.Tensor,
+    tree: DraftTree,
+    context: list[int],
+    params: SamplingParams,
+    prompt_len: int,
+) -> torch.Tensor:
+    """``out`` ``(N, V)`` float32 with the repetition penalty (Hugging Face, prompt + output +
+    path) and the frequency / presence penalties (OpenAI, output + path) applied; in place
+    where it can be."""
+    if (
+        params.repetition_penalty == 1.0
+        and not params.frequency_penalty
+        and not params.presence_penalty
+    ):
+        return out
+    vocab, dev = out.shape[1], out.device
+    path = _path_token_counts(tree, vocab, dev)
+    if params.repetition_penalty != 1.0:
+        seen = (_context_counts(context, vocab, dev) + path) > 0
+        rp = params.repetition_penalty
+        out = torch.where(seen, torch.where(out < 0, out * rp, out / rp), out)
+    if params.frequency_penalty or params.presence_penalty:
+        counts = _context_counts(context[prompt_len:], vocab, dev) + path
+        out -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return out
+
+
+def _add_logit_bias(out: torch.Tensor, logit_bias: dict[int, float]) -> None:
+    """Add ``logit_bias`` (token id -> value) to every row of ``out`` ``(N, V)``. Raises
+    :class:`InvalidTokenError` for ids outside ``[0, V)``."""
+    vocab, dev = out.shape[1], out.device
+    ids = torch.tensor(list(logit_bias), dtype=torch.long)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise InvalidTokenError(
+            f"logit_bias ids must lie in [0, {vocab}), got {sorted(logit_bias)}"
+        )
+    bias = torch.tensor(list(logit_bias.values()), dtype=torch.float32)
+    out[:, ids.to(dev)] += bias.to(dev)
+
+
+def _warped(out: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (Hugging Face warper semantics) on ``out``
+    ``(N, V)``, in place; ``-inf`` where removed."""
+    vocab = out.shape[1]
     out /= params.temperature
     if 0 < params.top_k < vocab:
         kth = torch.topk(out, params.top_k, dim=-1).values[:, -1:]

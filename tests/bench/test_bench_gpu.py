@@ -223,10 +223,7 @@ def _tiny_float64():
 
 
 def _replay_runner(graphs: bool):
-    runner = _ReplayRunner(_tiny_float64())
-    if graphs:
-        runner._graphs = ReplayEagerly()
-    return runner
+    return _ReplayRunner(_tiny_float64(), graphs=ReplayEagerly() if graphs else None)
 
 
 def _tree_logits(runner, prompt, tree):

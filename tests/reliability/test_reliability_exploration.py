@@ -256,9 +256,7 @@ def xgr_backend() -> FaultBackend:
 
 
 def timed_runner(times) -> ModelRunner:
-    runner = ModelRunner(tiny()[0])
-    runner._graphs = TimedReplay(times)
-    return runner
+    return ModelRunner(tiny()[0], graphs=TimedReplay(times))
 
 
 def requests(sampled: bool = True, extra: tuple = ()) -> list[Request]:
@@ -345,10 +343,10 @@ def test_measured_policies_on_adversarial_forward_times_equal_plain_decoding(tim
         backend=xgr_backend(),
         draft="ngram",
         num_draft_tokens=6,
+        lazy_policy=LazyGrammar(explore_every=2),
+        placement=GrammarPlacement(explore_every=2),
+        early_mask=EarlyMask(min_share=0.0),
     ) as w:
-        w._lazy = LazyGrammar(explore_every=2)
-        w._placement = GrammarPlacement(explore_every=2)
-        w._early_mask = EarlyMask(min_share=0.0)
         lazy = []
         for _ in range(2):  # a second run starts from the first one's estimates
             assert_plain(outcome(w.run(requests(sampled=False))), times)
@@ -410,11 +408,15 @@ def coin_worker(seed, backend=None, drafter=None, **kw) -> SpecWorker:
     (None); ``lazy_grammar=None`` so the lazy policy is asked every step."""
     kw.setdefault("draft", drafter or "ngram")
     kw.setdefault("num_draft_tokens", 6)
-    w = SpecWorker(
-        timed_runner(itertools.repeat(1.0)), tiny()[1], backend=backend or xgr_backend(), **kw
+    return SpecWorker(
+        timed_runner(itertools.repeat(1.0)),
+        tiny()[1],
+        backend=backend or xgr_backend(),
+        lazy_policy=CoinLazy(seed),
+        placement=CoinPlacement(seed),
+        early_mask=CoinEarlyMask(seed),
+        **kw,
     )
-    w._lazy, w._placement, w._early_mask = CoinLazy(seed), CoinPlacement(seed), CoinEarlyMask(seed)
-    return w
 
 
 class FaultTolerantHostileDrafter(HostileDrafter):

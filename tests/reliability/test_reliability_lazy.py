@@ -1,4 +1,4 @@
-"""Attacks on lazy greedy verification (``verify_greedy_batch(..., matchers=, pre_accepted=)``,
+"""Attacks on lazy greedy verification (``verify_greedy_batch`` with ``GreedyRequest.matcher`` / ``pre_accepted``,
 ``pre_accept_first_branch``) and on the worker's lazy steps (``lazy_grammar=True``).
 
 Oracles: the per-request path ``fill_tree_bitmask`` + ``process_tree_logits`` +
@@ -28,6 +28,7 @@ from spec_grammar.models import load_tokenizer
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker
 from spec_grammar.worker.batch_verify import (
+    GreedyRequest,
     launch_masked_rows,
     pre_accept_first_branch,
     verify_greedy_batch,
@@ -215,18 +216,11 @@ def test_lazy_walks_on_hostile_trees_equal_the_oracle(name, block):
             if parts and rng.random() < 0.5
             else None
         )
-        got = verify_greedy_batch(
-            logits,
-            trees,
-            list(range(b)),
-            bitmask=bitmask,
-            offsets=offsets,
-            valids=valids,
-            stop_token_ids=stopsets,
-            matchers=matchers,
-            pre_accepted=pre,
-            masked_rows=early,
-        )
+        requests = [
+            GreedyRequest(k, offsets[k], valids[k], stopsets[k], matchers[k], pre[k])
+            for k in range(b)
+        ]
+        got, _ = verify_greedy_batch(logits, trees, requests, bitmask=bitmask, masked_rows=early)
         for k in range(b):
             tree = trees[k]
             if kinds[k] == "plain":
@@ -292,13 +286,15 @@ def test_a_failing_row_fill_ends_the_lazy_walk_with_its_error(row):
     bad = backend.matcher(backend.compile(WORDS))
     good_setup = _setup("xgrammar", 0)
     good = _matcher_at(good_setup, 1, 0)
-    got = verify_greedy_batch(
+    got, _ = verify_greedy_batch(
         logits,
         [tree, tree],
-        [0, 1],
-        stop_token_ids=[{stop}] * 2,
-        matchers=[bad, good],
-        pre_accepted=[pre_accept_first_branch(bad, tree), pre_accept_first_branch(good, tree)],
+        [
+            GreedyRequest(
+                i, stop_token_ids={stop}, matcher=m, pre_accepted=pre_accept_first_branch(m, tree)
+            )
+            for i, m in enumerate([bad, good])
+        ],
     )
     assert isinstance(got[0], GrammarStateError) and "injected fault" in str(got[0]), got[0]
     assert bad.fills == 1
@@ -320,8 +316,10 @@ def test_a_grammar_terminated_inside_a_walk_gives_a_dead_row_not_an_error(name):
     logits[0, 0, yes] = logits[0, 1, stop] = logits[0, 2, 7] = logits[0, 3, 8] = 5.0
     for pre in (False, True):
         m = _matcher_at(setup, 0, 0)
-        ahead = [pre_accept_first_branch(m, tree)] if pre else []
-        got = verify_greedy_batch(logits, [tree], [0], matchers=[m], pre_accepted=ahead)
+        ahead = pre_accept_first_branch(m, tree) if pre else ()
+        got, _ = verify_greedy_batch(
+            logits, [tree], [GreedyRequest(0, matcher=m, pre_accepted=ahead)]
+        )
         assert got[0] == _oracle(setup, logits[0], tree, 0, 0, set()) == ([0, 1], stop)
         assert m.is_terminated() and _state_error(setup, m, 0, 0, [yes, stop]) is None
 
@@ -343,8 +341,8 @@ def test_the_pre_accepted_branch_stays_within_the_rollback_depth(name, max_rollb
     m = _matcher_at(setup, 1, 0)
     pre = pre_accept_first_branch(m, tree)
     assert len(pre) <= max_rollback
-    got = verify_greedy_batch(
-        logits, [tree], [0], stop_token_ids=[{stop}], matchers=[m], pre_accepted=[pre]
+    got, _ = verify_greedy_batch(
+        logits, [tree], [GreedyRequest(0, stop_token_ids={stop}, matcher=m, pre_accepted=pre)]
     )
     assert got[0] == _oracle(setup, logits[0], tree, 1, 0, {stop}) == ([0], other)
     assert _state_error(setup, m, 1, 0, [other]) is None

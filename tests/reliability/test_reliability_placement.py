@@ -26,7 +26,7 @@ from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import GrammarStateError
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker
-from spec_grammar.worker.batch_verify import verify_greedy_batch
+from spec_grammar.worker.batch_verify import GreedyRequest, verify_greedy_batch
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.placement import GrammarPlacement
 from spec_grammar.worker.runner import ModelRunner
@@ -138,9 +138,7 @@ def run_worker(reqs, *, graphs: bool, placement=None, **kw):
     kw.setdefault("backend", xgr_backend())
     kw.setdefault("draft", "ngram")
     kw.setdefault("num_draft_tokens", 6)
-    with SpecWorker(runner, tok, **kw) as worker:
-        if placement is not None:
-            worker._placement = placement
+    with SpecWorker(runner, tok, placement=placement, **kw) as worker:
         got = worker.run(reqs)
         flags = [s.grammar_in_thread for s in worker.step_stats]
     return outcome(got), flags
@@ -225,15 +223,8 @@ def test_fast_path_with_offsets_not_in_batch_order(seed):
     bitmask = _rows(rng, b * n)
     valids = [torch.tensor([rng.random() < 0.8 for _ in range(n)]) for _ in range(b)]
     stops = [frozenset({rng.randrange(8)}) for _ in range(b)]
-    got = verify_greedy_batch(
-        logits,
-        trees,
-        list(range(b)),
-        bitmask=bitmask,
-        offsets=offsets,
-        valids=valids,
-        stop_token_ids=stops,
-    )
+    requests = [GreedyRequest(i, offsets[i], valids[i], stops[i]) for i in range(b)]
+    got, _ = verify_greedy_batch(logits, trees, requests, bitmask=bitmask)
     for i in range(b):
         rows = bitmask[offsets[i] : offsets[i] + n]
         processed = process_tree_logits(
@@ -321,8 +312,9 @@ def test_trees_past_the_graph_node_cap_run_eagerly_with_inline_grammar_work():
     model, tok = tiny()
     runner = make_runner(model, "emulated")
     drafter = ChainDrafter(conts, _MAX_GRAPH_NODES + 1)
-    with SpecWorker(runner, tok, backend=xgr_backend(), draft=drafter) as worker:
-        worker._placement = FixedPlacement(True)
+    with SpecWorker(
+        runner, tok, backend=xgr_backend(), draft=drafter, placement=FixedPlacement(True)
+    ) as worker:
         got = outcome(worker.run(reqs))
         flags = [s.grammar_in_thread for s in worker.step_stats]
     assert runner._graphs.launches == 0 and not any(flags)
@@ -409,30 +401,42 @@ class RaiseAfterLaunch(ReplayEagerly):
         return super().run(key, inputs, forward, before_launch=before_launch)
 
 
+class SlowGrammarWorker(SpecWorker):
+    """A worker whose grammar work sleeps 0.2 s first while ``slow``, counting the works
+    running in ``state["running"]``."""
+
+    def __init__(self, *args, state: dict, **kw):
+        super().__init__(*args, **kw)
+        self.state, self.slow = state, True
+
+    def grammar_work(self, *args):
+        if not self.slow:
+            return super().grammar_work(*args)
+        self.state["running"] += 1
+        try:
+            time.sleep(0.2)  # still writing when the replay raises
+            return super().grammar_work(*args)
+        finally:
+            self.state["running"] -= 1
+
+
 def test_forward_fault_after_launch_waits_for_the_thread_and_the_worker_recovers():
     """The replay raises after the grammar thread started: the thread's work has ended before
     the error reaches the caller (it writes the step's bitmask buffer), and the same worker then
-    runs the batch again exactly as a fresh one."""
+    runs the batch again exactly as a fresh one (the replay raises on launch 3 only)."""
     model, tok = tiny()
-    runner = make_runner(model, "emulated")
-    runner._graphs = RaiseAfterLaunch(fail_on=3)
+    runner = ModelRunner(model, graphs=RaiseAfterLaunch(fail_on=3))
     reqs = mixed_requests()
     state = {"running": 0, "running_at_raise": None}
-    with SpecWorker(
-        runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6
+    with SlowGrammarWorker(
+        runner,
+        tok,
+        backend=xgr_backend(),
+        draft="ngram",
+        num_draft_tokens=6,
+        placement=FixedPlacement(True),
+        state=state,
     ) as worker:
-        worker._placement = FixedPlacement(True)
-        work = worker._grammar_work
-
-        def slow_work(*args):
-            state["running"] += 1
-            try:
-                time.sleep(0.2)  # still writing when the replay raises
-                return work(*args)
-            finally:
-                state["running"] -= 1
-
-        worker._grammar_work = slow_work
         with pytest.raises(RuntimeError, match="injected replay fault"):
             try:
                 worker.run(reqs)
@@ -441,8 +445,7 @@ def test_forward_fault_after_launch_waits_for_the_thread_and_the_worker_recovers
                 raise
         assert state["running_at_raise"] == 0
         assert runner.request_ids == []
-        worker._grammar_work = work
-        runner._graphs = ReplayEagerly()
+        worker.slow = False
         again = outcome(worker.run(mixed_requests()))
     assert again == run_worker(mixed_requests(), graphs=False, overlap=False)[0]
 
@@ -456,19 +459,22 @@ def test_cancel_mid_run_with_graphs(thread):
     want, _ = run_worker(mixed_requests(), graphs=False, overlap=False)
     runner = make_runner(model, "emulated")
     cancelled_from_thread = threading.Event()
-    with SpecWorker(
-        runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6
-    ) as worker:
-        worker._placement = FixedPlacement(thread)
-        work = worker._grammar_work
 
-        def work_that_cancels(*args):
-            if len(worker.step_stats) == 1 and not cancelled_from_thread.is_set():
+    class CancellingWorker(SpecWorker):
+        def grammar_work(self, *args):
+            if len(self.step_stats) == 1 and not cancelled_from_thread.is_set():
                 cancelled_from_thread.set()
-                worker.cancel("plain2")  # from the grammar thread (or inline), mid-step
-            return work(*args)
+                self.cancel("plain2")  # from the grammar thread (or inline), mid-step
+            return super().grammar_work(*args)
 
-        worker._grammar_work = work_that_cancels
+    with CancellingWorker(
+        runner,
+        tok,
+        backend=xgr_backend(),
+        draft="ngram",
+        num_draft_tokens=6,
+        placement=FixedPlacement(thread),
+    ) as worker:
 
         def on_step(stats, states):
             if len(worker.step_stats) == 2:
@@ -489,8 +495,12 @@ def test_close_inside_on_step_with_graphs():
     model, tok = tiny()
     runner = make_runner(model, "emulated")
     with SpecWorker(
-        runner, tok, backend=xgr_backend(), draft="ngram", num_draft_tokens=6
+        runner,
+        tok,
+        backend=xgr_backend(),
+        draft="ngram",
+        num_draft_tokens=6,
+        placement=FixedPlacement(True),
     ) as worker:
-        worker._placement = FixedPlacement(True)
         got = outcome(worker.run(reqs, on_step=lambda stats, states: worker.close()))
     assert got == run_worker(mixed_requests(sampled=False), graphs=False, overlap=False)[0]

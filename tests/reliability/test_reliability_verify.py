@@ -21,7 +21,11 @@ from spec_grammar import kernels
 from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import BitmaskError, GrammarStateError, SpecGrammarError
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.batch_verify import launch_masked_rows, verify_greedy_batch
+from spec_grammar.worker.batch_verify import (
+    GreedyRequest,
+    launch_masked_rows,
+    verify_greedy_batch,
+)
 from spec_grammar.worker.placement import EarlyMask
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
@@ -74,7 +78,9 @@ def test_nonfinite_logits_decide_as_the_oracle(value, row, grammar):
     logits = chain_logits()
     logits[0, row, 11] = value
     mask = all_allowed(3) if grammar else None
-    got = verify_greedy_batch(logits, [CHAIN], [0], bitmask=mask, offsets=[0 if grammar else None])
+    got, _ = verify_greedy_batch(
+        logits, [CHAIN], [GreedyRequest(0, 0 if grammar else None)], bitmask=mask
+    )
     assert plain(got[0]) == oracle(logits[0], CHAIN, mask, None)
 
 
@@ -95,7 +101,7 @@ def test_node_validity_of_the_wrong_shape_is_refused(valid):
         oracle(chain_logits()[0], CHAIN, all_allowed(3), valid)
     with pytest.raises(BitmaskError):
         verify_greedy_batch(
-            chain_logits(), [CHAIN], [0], bitmask=all_allowed(3), offsets=[0], valids=[valid]
+            chain_logits(), [CHAIN], [GreedyRequest(0, 0, valid)], bitmask=all_allowed(3)
         )
 
 
@@ -105,7 +111,9 @@ def test_a_tree_larger_than_the_logits_rows_is_refused():
     big = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2])
     logits = torch.cat([chain_logits(), chain_logits()])
     with pytest.raises(BitmaskError):
-        verify_greedy_batch(logits, [big, CHAIN], [0, 1], bitmask=all_allowed(7), offsets=[0, 4])
+        verify_greedy_batch(
+            logits, [big, CHAIN], [GreedyRequest(0, 0), GreedyRequest(1, 4)], bitmask=all_allowed(7)
+        )
 
 
 @pytest.mark.parametrize("length", [0, 7])
@@ -117,9 +125,8 @@ def test_masked_rows_of_the_wrong_length_are_refused(length):
         verify_greedy_batch(
             chain_logits(),
             [CHAIN],
-            [0],
+            [GreedyRequest(0, 0)],
             bitmask=mask,
-            offsets=[0],
             masked_rows=torch.zeros(length, dtype=torch.long),
         )
 
@@ -132,8 +139,8 @@ def test_masked_rows_of_another_bitmask_never_commit_a_forbidden_token():
     mask = forbid(all_allowed(3), 0, 2)
     stale = launch_masked_rows(logits, all_allowed(3), [CHAIN], [0])
     try:
-        got = verify_greedy_batch(
-            logits, [CHAIN], [0], bitmask=mask, offsets=[0], masked_rows=stale
+        got, _ = verify_greedy_batch(
+            logits, [CHAIN], [GreedyRequest(0, 0)], bitmask=mask, masked_rows=stale
         )
     except BitmaskError:
         return
@@ -146,7 +153,9 @@ def test_duplicate_selected_indices():
     about an internal argument). Either the oracle's answer or an error naming ``selected``."""
     logits, mask = chain_logits(), forbid(all_allowed(3), 0, 2)
     try:
-        got = verify_greedy_batch(logits, [CHAIN], [0, 0], bitmask=mask, offsets=[0])
+        got, _ = verify_greedy_batch(
+            logits, [CHAIN], [GreedyRequest(0, 0), GreedyRequest(0, 0)], bitmask=mask
+        )
     except SpecGrammarError as e:
         assert "selected" in str(e)
         return
@@ -161,7 +170,7 @@ def test_bad_arguments_raise_typed_errors(case):
     """Today: ``IndexError`` / ``RuntimeError``. The zero-width bitmask (no token allowed) is
     ``GrammarStateError`` in the oracle but ``RuntimeError`` from ``masked_argmax_torch``."""
     logits = chain_logits()
-    kw: dict = dict(bitmask=all_allowed(3), offsets=[0])
+    kw: dict = dict(bitmask=all_allowed(3))
     selected = [0]
     if case == "selected-out-of-range":
         selected = [1]
@@ -173,7 +182,8 @@ def test_bad_arguments_raise_typed_errors(case):
         kw["bitmask"] = torch.zeros(3, 0, dtype=torch.int32)
         assert oracle(logits[0], CHAIN, kw["bitmask"], None) is GrammarStateError
     try:
-        got = verify_greedy_batch(logits, [CHAIN], selected, **kw)
+        requests = [GreedyRequest(i, 0 if i == 0 else None) for i in selected]
+        got, _ = verify_greedy_batch(logits, [CHAIN], requests, **kw)
     except SpecGrammarError:
         return
     assert case == "zero-width-bitmask" and isinstance(got[0], GrammarStateError)
@@ -259,16 +269,8 @@ def test_adversarial_valid_inputs_equal_the_oracle(block):
         logits, trees, bitmask, offsets, valids, stops, selected = _adversarial_case(seed)
         early = launch_masked_rows(logits, bitmask, trees, offsets) if bitmask is not None else None
         for kw in ({}, {"row_argmax": kernels.row_argmax(logits)}, {"masked_rows": early}):
-            got = verify_greedy_batch(
-                logits,
-                trees,
-                selected,
-                bitmask=bitmask,
-                offsets=offsets,
-                valids=valids,
-                stop_token_ids=stops,
-                **kw,
-            )
+            requests = [GreedyRequest(i, offsets[i], valids[i], stops[i]) for i in selected]
+            got, _ = verify_greedy_batch(logits, trees, requests, bitmask=bitmask, **kw)
             for i in selected:
                 n = trees[i].num_nodes
                 rows = None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + n]
@@ -287,7 +289,9 @@ def test_row_argmax_is_the_first_maximum_on_wide_tied_rows(dtype):
     assert torch.equal(kernels.row_argmax(logits), first)
     tree = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2])
     mask = torch.randint(-(2**31), 2**31 - 1, (8, vocab // 32), dtype=torch.int32)
-    got = verify_greedy_batch(logits, [tree, tree], [0, 1], bitmask=mask, offsets=[0, 4])
+    got, _ = verify_greedy_batch(
+        logits, [tree, tree], [GreedyRequest(0, 0), GreedyRequest(1, 4)], bitmask=mask
+    )
     for i in range(2):
         assert plain(got[i]) == oracle(logits[i], tree, mask[4 * i : 4 * i + 4], None)
 

@@ -33,6 +33,4 @@ def make_runner(m, graphs, **kw) -> ModelRunner:
     """A runner with CUDA graphs ``True`` / ``False`` / None (auto) or ``"emulated"``."""
     if graphs != "emulated":
         return ModelRunner(m, cuda_graphs=graphs, **kw)
-    runner = ModelRunner(m, **kw)
-    runner._graphs = ReplayEagerly()
-    return runner
+    return ModelRunner(m, graphs=ReplayEagerly(), **kw)

@@ -13,6 +13,7 @@ from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import BitmaskError, GrammarStateError
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.batch_verify import (
+    GreedyRequest,
     batch_greedy_eligible,
     launch_masked_rows,
     verify_greedy_batch,
@@ -84,15 +85,9 @@ def test_batch_equals_per_request_oracle(seed, full):
     early = launch_masked_rows(logits, bitmask, trees, offsets) if parts else None
     assert early is not None or not parts
     for masked_rows in (None, early):
-        got = verify_greedy_batch(
-            logits,
-            trees,
-            selected,
-            bitmask=bitmask,
-            offsets=offsets,
-            valids=valids,
-            stop_token_ids=stops,
-            masked_rows=masked_rows,
+        requests = [GreedyRequest(i, offsets[i], valids[i], stops[i]) for i in selected]
+        got, _ = verify_greedy_batch(
+            logits, trees, requests, bitmask=bitmask, masked_rows=masked_rows
         )
         assert sorted(got) == selected
         for i in selected:
@@ -135,16 +130,8 @@ def test_rows_past_the_mask_dead_rows_and_the_forwards_argmax():
     valids = [torch.ones(n, dtype=torch.bool) for _ in range(b)]
     stops = [frozenset()] * b
     for top in (None, kernels.row_argmax(logits)):
-        got = verify_greedy_batch(
-            logits,
-            trees,
-            list(range(b)),
-            bitmask=bitmask,
-            offsets=offsets,
-            valids=valids,
-            stop_token_ids=stops,
-            row_argmax=top,
-        )
+        requests = [GreedyRequest(i, offsets[i], valids[i], stops[i]) for i in range(b)]
+        got, _ = verify_greedy_batch(logits, trees, requests, bitmask=bitmask, row_argmax=top)
         for i in range(b):
             want = _oracle(logits[i], trees[i], bitmask[i * n : (i + 1) * n], valids[i], stops[i])
             have = type(got[i]) if isinstance(got[i], GrammarStateError) else got[i]
@@ -156,10 +143,10 @@ def test_grammar_rows_outside_the_bitmask_are_refused():
     logits = torch.zeros(1, 2, VOCAB)
     with pytest.raises(BitmaskError, match="bitmask rows 1..2"):
         verify_greedy_batch(
-            logits, trees, [0], bitmask=allocate_token_bitmask(2, VOCAB), offsets=[1]
+            logits, trees, [GreedyRequest(0, offset=1)], bitmask=allocate_token_bitmask(2, VOCAB)
         )
     with pytest.raises(BitmaskError, match="need the step's bitmask"):
-        verify_greedy_batch(logits, trees, [0], offsets=[0])
+        verify_greedy_batch(logits, trees, [GreedyRequest(0, offset=0)])
 
 
 def test_eligibility():
@@ -236,4 +223,5 @@ def test_a_child_row_whose_nonfinite_maximum_its_grammar_forbids_is_entered(bad)
     bitmask[1, 0] = 1 << 5  # token 60 forbidden
     want = _oracle(logits[0], tree, bitmask, None, ())
     assert want == ([0, 1], 5)
-    assert verify_greedy_batch(logits, [tree], [0], bitmask=bitmask, offsets=[0])[0] == want
+    got, _ = verify_greedy_batch(logits, [tree], [GreedyRequest(0, offset=0)], bitmask=bitmask)
+    assert got[0] == want

@@ -215,16 +215,15 @@ def test_graph_steps_place_grammar_work_inline_or_in_thread():
     indices = small(name)
     runner = make_runner(model, "emulated")
     threads: list[str] = []
-    with SpecWorker(
+
+    class ObservedWorker(SpecWorker):
+        def grammar_work(self, *args):
+            threads.append(threading.current_thread().name)
+            return super().grammar_work(*args)
+
+    with ObservedWorker(
         runner, tok, backend=backend(name), draft="ngram", num_draft_tokens=6
     ) as worker:
-        grammar_work = worker._grammar_work
-
-        def observed(*args):
-            threads.append(threading.current_thread().name)
-            return grammar_work(*args)
-
-        worker._grammar_work = observed
         got = worker.run([reqs[i] for i in indices])
         flags = [s.grammar_in_thread for s in worker.step_stats]
     assert runner._graphs.launches == len(flags) == len(threads)

@@ -21,7 +21,7 @@ from spec_grammar.errors import GrammarStateError
 from spec_grammar.specs import JsonSchema
 from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.batch_verify import verify_greedy_batch
+from spec_grammar.worker.batch_verify import GreedyRequest, verify_greedy_batch
 from spec_grammar.worker.engine import SpecWorker
 from spec_grammar.worker.request import Request
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
@@ -118,15 +118,8 @@ def test_batched_greedy_verify_on_cuda_equals_per_request(seed):
         None
     ]
     stops = [frozenset({3})] * b
-    got = verify_greedy_batch(
-        logits,
-        trees,
-        list(range(b)),
-        bitmask=bitmask,
-        offsets=offsets,
-        valids=valids,
-        stop_token_ids=stops,
-    )
+    requests = [GreedyRequest(i, offsets[i], valids[i], stops[i]) for i in range(b)]
+    got, _ = verify_greedy_batch(logits, trees, requests, bitmask=bitmask)
     for i, t in enumerate(trees):
         rows_i = (
             None if offsets[i] is None else bitmask[offsets[i] : offsets[i] + t.num_nodes].cuda()

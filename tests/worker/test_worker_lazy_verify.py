@@ -19,7 +19,11 @@ from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import BitmaskError, GrammarStateError
 from spec_grammar.models import load_tokenizer
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.batch_verify import pre_accept_first_branch, verify_greedy_batch
+from spec_grammar.worker.batch_verify import (
+    GreedyRequest,
+    pre_accept_first_branch,
+    verify_greedy_batch,
+)
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy
 
@@ -136,20 +140,13 @@ def test_lazy_walks_equal_the_per_request_oracle(seed):
                 kinds[i] = "plain"
             valids.append(None)
             offsets.append(None)
-    stats: dict = {}
-    got = verify_greedy_batch(
-        logits,
-        trees,
-        list(range(b)),
-        bitmask=torch.cat(parts) if parts else None,
-        offsets=offsets,
-        valids=valids,
-        stop_token_ids=[{stop}] * b,
-        matchers=matchers,
-        pre_accepted=pre,
-        stats=stats,
+    requests = [
+        GreedyRequest(i, offsets[i], valids[i], {stop}, matchers[i], pre[i]) for i in range(b)
+    ]
+    got, stats = verify_greedy_batch(
+        logits, trees, requests, bitmask=torch.cat(parts) if parts else None
     )
-    assert sorted(stats["lazy_ms"]) == [i for i in range(b) if kinds[i] == "lazy"]
+    assert sorted(stats.lazy_ms) == [i for i in range(b) if kinds[i] == "lazy"]
     for i in range(b):
         tree, pos = trees[i], positions[i]
         if kinds[i] == "plain":
@@ -182,12 +179,11 @@ def test_a_lazy_walk_meets_forbidden_tokens_and_masks_them_on_demand():
     logits[0, 1, doc[2]] = 5.0
     logits[0, 2, doc[3]] = 5.0
     m = _matcher_at(1)
-    stats: dict = {}
-    got = verify_greedy_batch(
-        logits, [tree], [0], stop_token_ids=[{stop}], matchers=[m], stats=stats
+    got, stats = verify_greedy_batch(
+        logits, [tree], [GreedyRequest(0, stop_token_ids={stop}, matcher=m)]
     )
     assert got[0] == _oracle(logits[0], tree, 1, {stop}) == ([0, 1, 2], doc[3])
-    assert stats["forbidden_rows"] == 1
+    assert stats.forbidden_rows == 1
     assert _same_state(m, 1, doc[1:4])
 
 
@@ -208,8 +204,10 @@ def test_a_terminated_or_failing_matcher_ends_only_its_request():
 
     for bad in (done, Broken()):
         m = _matcher_at(1)
-        got = verify_greedy_batch(
-            logits, trees, [0, 1], stop_token_ids=[{stop}] * 2, matchers=[bad, m]
+        got, _ = verify_greedy_batch(
+            logits,
+            trees,
+            [GreedyRequest(i, stop_token_ids={stop}, matcher=x) for i, x in enumerate([bad, m])],
         )
         assert isinstance(got[0], GrammarStateError)
         assert got[1] == ([0, 1], doc[2])
@@ -222,14 +220,16 @@ def test_lazy_matchers_must_fit_the_batch():
     rows = allocate_token_bitmask(1, backend.vocab_size)
     with pytest.raises(BitmaskError, match="both bitmask rows and a lazy matcher"):
         verify_greedy_batch(
-            logits, [tree], [0], bitmask=rows, offsets=[0], matchers=[_matcher_at(1)]
+            logits, [tree], [GreedyRequest(0, offset=0, matcher=_matcher_at(1))], bitmask=rows
         )
     with pytest.raises(BitmaskError, match="masks"):
-        verify_greedy_batch(logits[..., :100], [tree], [0], matchers=[_matcher_at(1)])
+        verify_greedy_batch(logits[..., :100], [tree], [GreedyRequest(0, matcher=_matcher_at(1))])
     chain = DraftTree([doc[0], doc[1], doc[2]], [-1, 0, 0])
     logits = torch.zeros(1, 3, backend.vocab_size)
     with pytest.raises(BitmaskError, match="not a path from the root"):
-        verify_greedy_batch(logits, [chain], [0], matchers=[_matcher_at(1)], pre_accepted=[[1, 2]])
+        verify_greedy_batch(
+            logits, [chain], [GreedyRequest(0, matcher=_matcher_at(1), pre_accepted=[1, 2])]
+        )
 
 
 def test_the_first_branch_is_accepted_as_far_as_the_grammar_allows():

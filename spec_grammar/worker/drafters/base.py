@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
+
 from ...errors import SpecGrammarError
 from ...tree import DraftTree
 
@@ -27,9 +29,16 @@ class Drafter:
     ``num_draft_tokens`` nodes, root included (SGLang's ``speculative_num_draft_tokens``
     convention). Drafters holding per-request state (a KV cache) override :meth:`add` /
     :meth:`remove`; the worker calls them when a request starts and when it ends.
+
+    What a drafter can do beyond proposing is declared here, with the plain defaults:
+    :attr:`needs_grammar_state` and :meth:`draft_rows` (the grammar-aware drafter,
+    :class:`~.constrained.GrammarAwareDrafter`, sets both).
     """
 
     name = "base"
+    needs_grammar_state: bool = False
+    """True: the worker feeds every matcher the committed tokens before :meth:`propose` (the
+    drafter reads the grammar state after them), not under the verify forward."""
 
     def __init__(self, *, num_draft_tokens: int = 8):
         if num_draft_tokens < 1:
@@ -57,6 +66,13 @@ class Drafter:
 
     def propose(self, batch: Sequence[RequestState]) -> list[DraftTree]:  # pragma: no cover
         raise NotImplementedError
+
+    def draft_rows(self, rid: str, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The verification rows of request ``rid``'s ``tree`` computed while drafting it:
+        ``(bitmask (N, W) int32, valid (N,) bool)``, which the worker then uses instead of a
+        tree fill; ``tree`` may be the proposed tree cut to a smaller depth. None (this
+        default): no rows kept, the worker fills the tree."""
+        return None
 
 
 class NoDrafter(Drafter):

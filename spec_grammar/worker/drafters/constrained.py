@@ -30,7 +30,7 @@ import torch
 from ...tree import DraftTree
 from .base import Drafter, NoDrafter
 from .forced import GrammarDraft, extend_with_forced, walk_tree
-from .model import ModelDrafter, best_candidates, tree_from_candidates
+from .model import Children, ModelDrafter, best_candidates, tree_from_candidates
 from .ngram import NgramDrafter, ngram_tree
 from .vocab_map import check_draft_vocab, draft_to_target_ids, draft_vocab_bitmask
 
@@ -77,8 +77,7 @@ class GrammarAwareDrafter(Drafter):
     """
 
     name = "grammar"
-    needs_grammar_state = True
-    """The worker advances matchers with the committed tokens before :meth:`propose`."""
+    needs_grammar_state = True  # matchers advanced before :meth:`propose` (drafts from them)
 
     def __init__(
         self,
@@ -191,123 +190,131 @@ class GrammarAwareDrafter(Drafter):
     def _constrained_model(self, batch, matchers) -> list[Any]:
         """:meth:`ModelDrafter.propose` with every frontier row masked by its grammar row.
 
-        Candidates keep a lazily made matcher fork and row; requests without a grammar get the
-        unmasked tree. Per depth, the grammar rows of the whole batch's frontier go to the
-        device in one upload and mask the draft log-probs there, before the batched top-k
-        (:meth:`ModelDrafter.top_log_probs`). Returns per request ``(GrammarDraft,
-        leaf_matcher)`` (grammar; see :func:`.forced.extend_with_forced`) or ``(DraftTree,
-        None)`` (no grammar)."""
+        Candidates keep a lazily made matcher fork and row (:class:`_GrammarStates`); requests
+        without a grammar get the unmasked tree. Per depth, the grammar rows of the whole
+        batch's frontier go to the device in one upload and mask the draft log-probs there,
+        before the batched top-k (:meth:`ModelDrafter.top_log_probs`); the expansion itself is
+        the plain drafter's (:meth:`ModelDrafter.expand`). Returns per request
+        ``(GrammarDraft, leaf_matcher)`` (grammar; see :func:`.forced.extend_with_forced`) or
+        ``(DraftTree, None)`` (no grammar)."""
         d: ModelDrafter = self.inner  # type: ignore[assignment]
         budget = d.num_draft_tokens - 1
         root_rows = d._catch_up(batch)
-        k = d.topk
         info = next((m.info for m in matchers if m is not None), None)
         if info is not None:
             check_draft_vocab(int(root_rows.shape[1]), info.vocab_size, self.d2t)
-        # Per request: candidates (token, parent or -1, score, depth) and their grammar state.
-        cands: list[list[tuple[int, int, float, int]]] = []
-        states: list[dict[int, tuple[Any, torch.Tensor, bool]]] = []
-        roots: list[tuple[Any, torch.Tensor] | None] = []
-        frontiers: list[list[int]] = []
+        vocab, width = (info.vocab_size, info.bitmask_width) if info is not None else (0, 0)
+        grammar = _GrammarStates(matchers, width)
+        root_tops = self._masked_top(root_rows, grammar.root_rows(), vocab)
+        roots = [[(-1, vs, ts)] for vs, ts in root_tops]
 
-        def state(i: int, c: int):
-            """(matcher, row (W,), terminated) after root..candidate c of request i."""
-            st = states[i]
-            if c not in st:
-                tok, parent, _, _ = cands[i][c]
-                pm = roots[i][0] if parent == -1 else state(i, parent)[0]
-                m = pm.fork()
-                row = torch.zeros(info.bitmask_width, dtype=torch.int32)
-                ok = m.accept_token(tok)
-                if ok and not m.is_terminated():
-                    m.fill_next_token_bitmask(row.unsqueeze(0), 0)
-                st[c] = (m, row, not ok or m.is_terminated())
-            return st[c]
-
-        def top(rows: torch.Tensor, grammar_rows: list[torch.Tensor | None]):
-            """Per row of ``rows``: (log-probs, target ids) of its top-k allowed tokens."""
-            masked = [j for j, r in enumerate(grammar_rows) if r is not None]
-            bitmask = None
-            if masked:
-                bitmask = torch.stack([grammar_rows[j] for j in masked])
-                if self.d2t is not None:
-                    bitmask = draft_vocab_bitmask(bitmask, self.d2t, info.vocab_size)
-            values, ids = d.top_log_probs(
-                rows, k, bitmask, None if len(masked) == len(grammar_rows) else masked
-            )
-            if self.d2t is not None:
-                ids = draft_to_target_ids(ids, self.d2t)
-            return zip(values.tolist(), ids.tolist())
-
-        def expand(top_row, base: float, parent: int):
-            vs, ts = top_row
-            return [(base + v, t, parent) for v, t in zip(vs, ts) if v != float("-inf")]
-
-        root_masks = []
-        for m in matchers:
-            root_row = None
-            if m is not None:
-                root_row = torch.zeros(info.bitmask_width, dtype=torch.int32)
-                m.fill_next_token_bitmask(root_row.unsqueeze(0), 0)
-            roots.append(None if m is None else (m, root_row))
-            root_masks.append(root_row)
-            states.append({})
-        for top_row in top(root_rows, root_masks):
-            new = expand(top_row, 0.0, -1)
-            cands.append([(t, -1, s, 1) for s, t, _ in new])
-            frontiers.append(list(range(len(new))))
-        rids = [s.rid for s in batch]
-        for _ in range(1, d.num_steps):
-            if budget == 0:
-                break
-            logits, index_of = d.forward_spines(batch, rids, cands, frontiers)
-            # The frontier nodes to expand: (request, candidate, grammar row); terminated
-            # grammar states have no continuation.
+        def children(logits, index_of, cands, frontiers) -> list[Children]:
+            # the frontier nodes to expand, with their grammar rows; terminated grammar states
+            # have no continuation
             live: list[tuple[int, int, torch.Tensor | None]] = []
             for i, front in enumerate(frontiers):
                 for f in front:
                     row = None
-                    if roots[i] is not None:
-                        _, row, terminated = state(i, f)
+                    if grammar.has(i):
+                        _, row, terminated = grammar.state(i, f, cands[i])
                         if terminated:
                             continue
                     live.append((i, f, row))
-            tops = []
+            kids: list[Children] = [[] for _ in batch]
             if live:
                 rows = d.gather_rows(logits, [(i, index_of[i][f]) for i, f, _ in live])
-                tops = top(rows, [row for _, _, row in live])
-            news: list[list[tuple[float, int, int]]] = [[] for _ in batch]
-            for (i, f, _), top_row in zip(live, tops):
-                news[i].extend(expand(top_row, cands[i][f][2], f))
-            for i, (c, front, new) in enumerate(zip(cands, frontiers, news)):
-                new.sort(key=lambda x: -x[0])
-                if not new:
-                    frontiers[i] = []
-                    continue
-                depth = c[front[0]][3] + 1
-                start = len(c)
-                c.extend((t, f, score, depth) for score, t, f in new)
-                frontiers[i] = list(range(start, start + min(k, len(new))))
-        out: list[tuple[Any, Any]] = []
-        for i, s in enumerate(batch):
-            order = best_candidates(cands[i], budget)
-            if roots[i] is None:
-                out.append((tree_from_candidates(s.root_token, cands[i], order)[0], None))
-                continue
-            node_of = [-1]
-            index = {}
-            draft = GrammarDraft([s.root_token], [-1], [False], [roots[i][1]])
-            for j in order:
-                tok, p, _, _ = cands[i][j]
-                _, row, terminated = state(i, j)
-                index[j] = draft.add(tok, 0 if p == -1 else index[p], row, terminated)
-                node_of.append(j)
+                tops = self._masked_top(rows, [row for _, _, row in live], vocab)
+                for (i, f, _), (vs, ts) in zip(live, tops):
+                    kids[i].append((f, vs, ts))
+            return kids
 
-            def at(n: int, i=i, node_of=node_of):
-                return (roots[i][0] if n == 0 else state(i, node_of[n])[0]).fork()
+        cands = d.expand(batch, roots, children, d.num_steps if budget else 1)
+        return [
+            self._grammar_draft(s, i, cands[i], best_candidates(cands[i], budget), grammar)
+            for i, s in enumerate(batch)
+        ]
 
-            out.append((draft, at))
-        return out
+    def _masked_top(
+        self, rows: torch.Tensor, grammar_rows: list[torch.Tensor | None], vocab_size: int
+    ) -> list:
+        """Per row of ``rows`` (draft logits on the device): ``(log-probs, target ids)`` of its
+        top-k tokens among those its grammar row (None: no grammar; a ``vocab_size``-token
+        target-vocabulary row otherwise) allows."""
+        d: ModelDrafter = self.inner  # type: ignore[assignment]
+        masked = [j for j, r in enumerate(grammar_rows) if r is not None]
+        bitmask = None
+        if masked:
+            bitmask = torch.stack([grammar_rows[j] for j in masked])
+            if self.d2t is not None:
+                bitmask = draft_vocab_bitmask(bitmask, self.d2t, vocab_size)
+        values, ids = d.top_log_probs(
+            rows, d.topk, bitmask, None if len(masked) == len(grammar_rows) else masked
+        )
+        if self.d2t is not None:
+            ids = draft_to_target_ids(ids, self.d2t)
+        return list(zip(values.tolist(), ids.tolist()))
+
+    @staticmethod
+    def _grammar_draft(s, i: int, cands, order: list[int], grammar: _GrammarStates):
+        """Request ``i``'s draft of the candidates ``order``: ``(DraftTree, None)`` without a
+        grammar, else ``(GrammarDraft, leaf_matcher)`` with every node's grammar row."""
+        if not grammar.has(i):
+            return tree_from_candidates(s.root_token, cands, order)[0], None
+        root_matcher, root_row = grammar.roots[i]
+        node_of = [-1]
+        index = {}
+        draft = GrammarDraft([s.root_token], [-1], [False], [root_row])
+        for j in order:
+            tok, p, _, _ = cands[j]
+            _, row, terminated = grammar.state(i, j, cands)
+            index[j] = draft.add(tok, 0 if p == -1 else index[p], row, terminated)
+            node_of.append(j)
+
+        def at(n: int):
+            return (root_matcher if n == 0 else grammar.state(i, node_of[n], cands)[0]).fork()
+
+        return draft, at
+
+
+class _GrammarStates:
+    """The grammar state of a constrained model draft's candidates, made when first needed.
+
+    Per request ``i``: the root's ``(matcher, row (W,) int32)`` (None without a grammar) and,
+    per candidate, ``(matcher fork, row, terminated)`` after the path root..candidate."""
+
+    def __init__(self, matchers: Sequence[Any], width: int):
+        self.width = width
+        self.roots: list[tuple[Any, torch.Tensor] | None] = []
+        for m in matchers:
+            root = None
+            if m is not None:
+                row = torch.zeros(width, dtype=torch.int32)
+                m.fill_next_token_bitmask(row.unsqueeze(0), 0)
+                root = (m, row)
+            self.roots.append(root)
+        self._states: list[dict[int, tuple[Any, torch.Tensor, bool]]] = [{} for _ in matchers]
+
+    def has(self, i: int) -> bool:
+        """Whether request ``i`` has a grammar."""
+        return self.roots[i] is not None
+
+    def root_rows(self) -> list[torch.Tensor | None]:
+        return [None if root is None else root[1] for root in self.roots]
+
+    def state(self, i: int, c: int, cands) -> tuple[Any, torch.Tensor, bool]:
+        """(matcher, row, terminated) after root..candidate ``c`` of request ``i``
+        (``cands``: its candidates)."""
+        states = self._states[i]
+        if c not in states:
+            tok, parent, _, _ = cands[c]
+            pm = self.roots[i][0] if parent == -1 else self.state(i, parent, cands)[0]
+            m = pm.fork()
+            row = torch.zeros(self.width, dtype=torch.int32)
+            ok = m.accept_token(tok)
+            if ok and not m.is_terminated():
+                m.fill_next_token_bitmask(row.unsqueeze(0), 0)
+            states[c] = (m, row, not ok or m.is_terminated())
+        return states[c]
 
 
 def make_grammar_drafter(

@@ -42,7 +42,7 @@ trees); bf16 logits tie often (a random-weight bf16 SmolLM2-shaped drafter on an
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from ...kernels import apply_token_bitmask_inplace
 from ...tree import DraftTree
 from .base import Drafter
 
-__all__ = ["ModelDrafter", "truncated_model"]
+__all__ = ["ModelDrafter", "truncated_model", "expand_frontier", "Candidate", "Children"]
 
 
 class _Staging:
@@ -144,6 +144,32 @@ def truncated_model(model: Any, num_layers: int) -> Any:
     draft.model = new_inner
     draft.config = config
     return draft
+
+
+Candidate = tuple[int, int, float, int]
+"""A draft-tree candidate: ``(token, parent candidate index or -1 = the root, cumulative draft
+log-prob, depth)``."""
+
+Children = list[tuple[int, Sequence[float], Sequence[int]]]
+"""The expanded nodes of one request at one depth: ``(candidate index or -1 = the root, top-k
+log-probs, their token ids)`` each."""
+
+
+def expand_frontier(cands: list[Candidate], children: Iterable, k: int) -> list[int]:
+    """One EAGLE-2 expansion of one request's candidates: every expanded node's top-k children
+    (``children``, see :data:`Children`) are scored by cumulative log-prob (the parent's plus
+    their own; ``-inf`` ones, tokens a grammar mask forbids, are dropped) and appended to
+    ``cands`` best first (ties in expansion order); returns the next frontier, the indices of
+    the ``k`` best new candidates."""
+    new: list[tuple[float, int, int]] = []
+    depth = 1
+    for parent, values, ids in children:
+        base, depth = (0.0, 1) if parent == -1 else (cands[parent][2], cands[parent][3] + 1)
+        new.extend((base + v, t, parent) for v, t in zip(values, ids) if v != float("-inf"))
+    new.sort(key=lambda x: -x[0])
+    start = len(cands)
+    cands.extend((t, parent, score, depth) for score, t, parent in new)
+    return list(range(start, start + min(k, len(new))))
 
 
 def best_candidates(cands, budget: int) -> list[int]:
@@ -301,33 +327,43 @@ class ModelDrafter(Drafter):
         root_rows = self._catch_up(batch)
         if budget == 0:
             return [DraftTree.chain(s.root_token, []) for s in batch]
-        k = self.topk
-        # Per request: candidate nodes (token, parent candidate index or -1 = root, score, depth).
-        cands: list[list[tuple[int, int, float, int]]] = []
-        frontiers: list[list[int]] = []
-        values, indices = self.top_log_probs(root_rows, k)
-        for vs, ts in zip(values.tolist(), indices.tolist()):
-            c = [(t, -1, v, 1) for v, t in zip(vs, ts)]
-            cands.append(c)
-            frontiers.append(list(range(len(c))))
-        rids = [s.rid for s in batch]
-        for _ in range(1, self.num_steps):
-            logits, index_of = self.forward_spines(batch, rids, cands, frontiers)
+        values, indices = self.top_log_probs(root_rows, self.topk)
+        roots = [[(-1, vs, ts)] for vs, ts in zip(values.tolist(), indices.tolist())]
+
+        def children(logits, index_of, cands, frontiers) -> list[Children]:
             nodes = [(i, index_of[i][f]) for i, front in enumerate(frontiers) for f in front]
-            values, indices = self.top_log_probs(self.gather_rows(logits, nodes), k)
+            values, indices = self.top_log_probs(self.gather_rows(logits, nodes), self.topk)
             tops = iter(zip(values.tolist(), indices.tolist()))
-            for i, (c, front) in enumerate(zip(cands, frontiers)):
-                new: list[tuple[float, int, int]] = []
-                for f in front:
-                    vs, ts = next(tops)
-                    base = c[f][2]
-                    new.extend((base + v, t, f) for v, t in zip(vs, ts))
-                new.sort(key=lambda x: -x[0])
-                depth = c[front[0]][3] + 1
-                start = len(c)
-                c.extend((t, f, score, depth) for score, t, f in new)
-                frontiers[i] = list(range(start, start + min(k, len(new))))
+            return [[(f, *next(tops)) for f in front] for front in frontiers]
+
+        cands = self.expand(batch, roots, children, self.num_steps)
         return [self._select(s.root_token, c, budget) for s, c in zip(batch, cands)]
+
+    def expand(
+        self,
+        batch: Sequence[Any],
+        roots: Sequence[Children],
+        children: Callable[..., list[Children]],
+        num_steps: int,
+    ) -> list[list[Candidate]]:
+        """EAGLE-2's expansion loop for a batch (the module docstring), shared by plain and
+        grammar-constrained drafting: depth 1 is ``roots`` (per request, the root's top-k, or
+        no entry), and each later depth up to ``num_steps`` is one :meth:`forward_spines` over
+        the frontiers and ``children(logits, index_of, frontiers)``, the top-k of each frontier
+        node worth expanding, merged by :func:`expand_frontier`. ``children`` is called as
+        ``children(logits, index_of, cands, frontiers)`` with :meth:`forward_spines`' logits
+        and maps, the candidates so far and the frontiers, and returns one :data:`Children`
+        per request. Returns each request's :data:`Candidate` list, parents before children."""
+        cands: list[list[Candidate]] = [[] for _ in batch]
+        frontiers = [expand_frontier(c, root, self.topk) for c, root in zip(cands, roots)]
+        rids = [s.rid for s in batch]
+        for _ in range(1, num_steps):
+            logits, index_of = self.forward_spines(batch, rids, cands, frontiers)
+            frontiers = [
+                expand_frontier(c, kids, self.topk)
+                for c, kids in zip(cands, children(logits, index_of, cands, frontiers))
+            ]
+        return cands
 
     def forward_spines(
         self, batch, rids: list[str], cands, frontiers: list[list[int]]
