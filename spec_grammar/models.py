@@ -15,6 +15,7 @@ tokenizer (safetensors + ``tokenizer.json``) under the cache directory,
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import threading
 from pathlib import Path
@@ -98,8 +99,21 @@ def _resolve(name_or_path: str) -> tuple[Path, str | None, Path | None]:
     )
 
 
+def _require_worker_extra() -> None:
+    """Raise ``ModuleNotFoundError`` naming the ``worker`` extra when a library the model loader
+    needs is missing (the base install has none of them)."""
+    for module in ("transformers", "gguf", "safetensors"):
+        if importlib.util.find_spec(module) is None:
+            raise ModuleNotFoundError(
+                f"No module named {module!r} (loading models needs the extra spec-grammar[worker])",
+                name=module,
+            )
+
+
 def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Any:
-    """The Hugging Face tokenizer of a model (cached as ``tokenizer.json`` after the first load)."""
+    """The Hugging Face tokenizer of a model (cached as ``tokenizer.json`` after the first load).
+    Raises ``ModuleNotFoundError`` naming the ``worker`` extra without transformers/gguf."""
+    _require_worker_extra()
     from transformers import AutoTokenizer
 
     src, gguf, cached = _resolve(name_or_path)
@@ -137,7 +151,9 @@ def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: Any = None, device: Any = "cpu") -> Any:
     """A ``transformers`` causal LM in eval mode. GGUF weights are dequantized once and cached
-    (the log line says where)."""
+    (the log line says where). Raises ``ModuleNotFoundError`` naming the ``worker`` extra
+    without transformers/gguf."""
+    _require_worker_extra()
     import torch
     from transformers import AutoModelForCausalLM
 

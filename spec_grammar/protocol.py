@@ -172,8 +172,13 @@ class SpecGrammar(ABC):
             self._num_accepted -= k
 
     def fork(self) -> SpecGrammar:
-        """An independent copy (one per draft branch); it shares the compiled grammar."""
+        """An independent copy (one per draft branch); it shares the compiled grammar. Raises
+        ``TypeError`` when the adapter's ``_fork`` returns something that is not a matcher."""
         child = self._fork()
+        if not isinstance(child, SpecGrammar):
+            raise TypeError(
+                f"{type(self).__name__}._fork() returned {type(child).__name__}, not a SpecGrammar"
+            )
         child._num_accepted = self._num_accepted
         child._max_rollback_tokens = self._max_rollback_tokens
         return child

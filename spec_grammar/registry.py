@@ -47,13 +47,14 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         try:
             cls = eps[name].load()
         except (ImportError, AttributeError) as e:
-            hint = (
-                f"; install it with: pip install 'spec-grammar[{name}]'"
-                if name in _BUILT_IN
-                else ""
-            )
+            if isinstance(e, ImportError) and name in _BUILT_IN:
+                # the adapter's own message names the library's pip package; ours the extra
+                raise BackendNotFoundError(
+                    f"backend {name!r} is registered but its library is not installed; "
+                    f"install it with: pip install 'spec-grammar[{name}]'"
+                ) from e
             raise BackendNotFoundError(
-                f"backend {name!r} is registered but cannot be loaded ({e}){hint}"
+                f"backend {name!r} is registered but cannot be loaded ({e})"
             ) from e
     elif ":" in name:
         module, _, attr = name.partition(":")

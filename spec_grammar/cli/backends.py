@@ -13,6 +13,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ..registry import list_backends
@@ -27,7 +28,7 @@ def run(args) -> int:
         table.add_column(col, overflow="fold")
     for i in infos:
         if i.error:
-            table.add_row(i.name, i.target, "-", f"[red]{i.error}[/red]")
+            table.add_row(i.name, i.target, "-", f"[red]{escape(i.error)}[/red]")
             continue
         grammars = [k for k, v in i.capabilities.model_dump().items() if v]
         table.add_row(i.name, i.target, i.version or "?", ", ".join(grammars))

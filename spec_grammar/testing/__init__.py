@@ -11,7 +11,7 @@ names the contract, the input, and the expected and actual allowed sets (ids and
 
 from .core import PROPERTIES, BackendFactory, ConformanceFailure, Property, PropertySkipped, Session
 from .fixtures import fixture_tokenizer, toy_tokenizer
-from .runner import (
+from .suite import (
     PropertyResult,
     resolve_factory,
     run_conformance,

@@ -57,7 +57,7 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         from .core import Session
-        from .runner import resolve_factory, run_property
+        from .suite import resolve_factory, run_property
 
         sessions = self.config.stash.setdefault(_SESSIONS_KEY, {})
         if self.backend_name not in sessions:
@@ -91,7 +91,7 @@ class ConformanceSuite(pytest.Collector):
         self.fixtures = fixtures
 
     def collect(self) -> list[pytest.Item]:
-        from .runner import select_properties
+        from .suite import select_properties
 
         return [
             ConformanceItem.from_parent(self, name=p.name, backend=self.backend_name, prop=p)
@@ -107,7 +107,7 @@ def pytest_collection_modifyitems(
     fixtures = config.getoption("--spec-grammar-tokenizer") or ["toy", "smollm2"]
     if backends:
         from ..errors import BackendNotFoundError
-        from .runner import resolve_factory
+        from .suite import resolve_factory
 
         for name in backends:
             try:

@@ -246,3 +246,46 @@ def test_missing_extra_names_the_install_command(capsys, monkeypatch, module, ex
     monkeypatch.setattr(backends, "run", other)
     with pytest.raises(ModuleNotFoundError):
         main(["backends"])
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance", "outlines"])
+def test_backend_without_its_library_names_its_extra(capsys, monkeypatch, name):
+    """A built-in backend whose library is not importable (``sys.modules[lib] = None`` makes
+    the real import fail) is listed with one install command, its extra, in the table and in
+    ``get_backend``'s error (the table's markup once swallowed ``[xgrammar]``)."""
+    import sys
+
+    from spec_grammar import BackendNotFoundError, get_backend
+    from spec_grammar.models import load_tokenizer
+
+    library = {"xgrammar": "xgrammar", "llguidance": "llguidance", "outlines": "outlines_core"}
+    monkeypatch.setitem(sys.modules, library[name], None)
+    monkeypatch.delitem(sys.modules, f"spec_grammar_{name}", raising=False)
+    monkeypatch.setenv("COLUMNS", "400")
+    hint = f"install it with: pip install 'spec-grammar[{name}]'"
+    with pytest.raises(
+        BackendNotFoundError, match="registered but its library is not installed"
+    ) as e:
+        get_backend(name, load_tokenizer("smollm2"))
+    assert str(e.value).endswith(hint) and "pip install" not in str(e.value)[: -len(hint)]
+    assert main(["backends"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if f" {name} " in line)
+    assert hint in row
+
+
+def test_model_loader_without_the_worker_extra_names_it(capsys, monkeypatch):
+    """Without transformers (blocked in ``sys.modules``), the model loader names the extra that
+    brings it, and ``generate`` prints one line with one install command."""
+    import sys
+
+    from spec_grammar.models import load_tokenizer
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ModuleNotFoundError, match=r"spec-grammar\[worker\]") as e:
+        load_tokenizer("smollm2")
+    assert e.value.name == "transformers"
+    code = main(["generate", "--grammar-backend", "llguidance", "--regex", "[a-z]+", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].count("pip install") == 1
+    assert err[0].endswith("install it with: pip install 'spec-grammar[cli]'")

@@ -224,6 +224,9 @@ def test_missing_hook_refused_at_construction():
             cls(info)
     complete = type("Complete", (SpecGrammar,), {h: (lambda self, *args: None) for h in hooks})
     assert complete(info).num_accepted == 0
+    # a _fork that returns no matcher is named at fork(), not deep inside the bookkeeping
+    with pytest.raises(TypeError, match=r"Complete._fork\(\) returned NoneType, not a SpecGrammar"):
+        complete(info).fork()
 
 
 def test_capabilities_are_grammar_kinds_and_tolerate_removed_flags():
