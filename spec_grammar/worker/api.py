@@ -224,7 +224,7 @@ def generate(
               (``draft``, ``num_draft_tokens``, ``no_spec``, ``overlap``, ...), over ``config``;
             - the sampling of every prompt,
               :class:`~spec_grammar.worker.sampling.SamplingParams`' fields (``temperature``,
-              ``seed``, ``max_new_tokens``, ``stop`` (a list of strings or None), ...).
+              ``seed``, ``max_new_tokens``, ``stop`` (a string, a list of strings or None), ...).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
@@ -250,18 +250,23 @@ def generate(
     if len(grammars) != len(items):
         raise ValueError(f"{len(grammars)} grammars for {len(items)} prompts")
     sampling = {k: options.pop(k) for k in list(options) if k in SamplingParams.model_fields}
-    if "stop" in sampling:
-        sampling["stop"] = list(sampling["stop"] or [])
+    if "stop" in sampling:  # one stop string or several (a str is not a list of 1-char stops)
+        stop = sampling["stop"]
+        if stop is None or isinstance(stop, str):
+            sampling["stop"] = [] if stop is None else [stop]
+        elif isinstance(stop, (tuple, set, frozenset)):
+            sampling["stop"] = list(stop)
     params = SamplingParams(**sampling)
+    specs = [_as_spec(g) for g in grammars]  # a grammar of the wrong type fails before the load
     load = {k: options.pop(k) for k in list(options) if k in _BUILD_OPTIONS}
     worker = build_worker(config=worker_config(config, options, "generate"), **load)
     requests = []
-    for item, g in zip(items, grammars):
+    for item, spec in zip(items, specs):
         if isinstance(item, Request):
             requests.append(item)
             continue
         prompt = build_prompt(worker.tokenizer, item) if chat else item
-        requests.append(Request(prompt=prompt, grammar=_as_spec(g), sampling=params))
+        requests.append(Request(prompt=prompt, grammar=spec, sampling=params))
     with worker:
         return worker.run(requests)
 
