@@ -25,6 +25,7 @@ from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, Key
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
+from spec_grammar.vocab import is_rust_tokenizer
 
 try:
     import xgrammar as xgr
@@ -243,11 +244,22 @@ class XGrammarBackend(GrammarBackend):
         info = self.tokenizer_info
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._xgr_info = xgr.TokenizerInfo.from_huggingface(
-                info.hf_tokenizer,
-                vocab_size=info.tokenizer_vocab_size,
-                stop_token_ids=list(info.stop_token_ids),
-            )
+            if is_rust_tokenizer(info.hf_tokenizer):
+                # xgrammar's from_huggingface takes transformers tokenizers only ("Unsupported
+                # tokenizer type"): hand it the tokens' bytes, which is what it decodes a
+                # transformers tokenizer's vocabulary to (the same table for SmolLM2)
+                self._xgr_info = xgr.TokenizerInfo(
+                    list(info.token_bytes),
+                    xgr.VocabType.RAW,
+                    vocab_size=info.tokenizer_vocab_size,
+                    stop_token_ids=list(info.stop_token_ids),
+                )
+            else:
+                self._xgr_info = xgr.TokenizerInfo.from_huggingface(
+                    info.hf_tokenizer,
+                    vocab_size=info.tokenizer_vocab_size,
+                    stop_token_ids=list(info.stop_token_ids),
+                )
         self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
         # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids
         # too, it treats them as special tokens that every mask rejects one by one, and a model
