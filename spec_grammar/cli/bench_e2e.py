@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench import _csv, bench_module
+from .bench import _csv, bench_module, check_output_path
 
 
 def _positive(text: str) -> int:
@@ -87,6 +87,8 @@ def _run_e2e(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    check_output_path(args.out, "--out")
+    check_output_path(args.docs, "--docs", directory=False)
     e2e, e2e_report = bench_module("e2e"), bench_module("e2e_report")
     E2EBenchConfig, run_e2e = e2e.E2EBenchConfig, e2e.run_e2e
     goal_ratios, write_e2e_report = e2e_report.goal_ratios, e2e_report.write_e2e_report
