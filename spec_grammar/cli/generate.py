@@ -326,6 +326,14 @@ def _worker_config(args):
         raise ValueError("; ".join(parts)) from None
 
 
+def _jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL file: split at ``\n`` only (``str.splitlines`` also splits at
+    U+2028, U+0085 and other characters a JSON string may hold raw, breaking that request and
+    shifting every later line number), ``\r\n`` endings and a leading UTF-8 BOM (as Windows
+    editors write) dropped."""
+    return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
+
+
 def _check_line_keys(rec: dict[str, Any]) -> None:
     """Raise ValueError naming a batch line's unknown keys and listing the accepted ones: a
     misspelt field (``temprature``) would otherwise be ignored without a word."""
@@ -368,7 +376,7 @@ def run(args) -> int:
         items.append((None, args.prompt, global_spec, base_sampling))
     if args.batch_file:
         base = Path(args.batch_file).parent
-        for n, line in enumerate(_read_text(args.batch_file, "batch").splitlines(), 1):
+        for n, line in enumerate(_jsonl_lines(_read_text(args.batch_file, "batch")), 1):
             if not line.strip():
                 continue
             try:

@@ -120,3 +120,64 @@ def test_a_batch_line_with_a_nonsense_value_fails_alone(capsys, tmp_path):
     for rid in ("line-1", "line-5"):
         assert res[rid]["finish_reason"] != "error" and res[rid]["token_ids"], res[rid]
     assert res["line-1"]["token_ids"] == res["line-5"]["token_ids"]
+
+
+class _EchoWorker:
+    """Stands in for the worker (no model): each request comes back with its prompt's length."""
+
+    def __init__(self):
+        import types
+
+        from spec_grammar.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer("smollm2")
+        self.step_stats = []
+        self.runner = types.SimpleNamespace(
+            device="cpu", uses_fused_forward=False, uses_cuda_graphs=False
+        )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def run(self, reqs, on_step=None):
+        from spec_grammar.worker.request import RequestResult
+
+        return [
+            RequestResult(
+                rid=r.rid,
+                text=self.tokenizer.decode(r.prompt),
+                token_ids=[],
+                prompt_tokens=len(r.prompt),
+                finish_reason="length",
+                error=None,
+                num_tokens=0,
+                steps=0,
+                accept_length=0.0,
+                tokens_per_s=0.0,
+                grammar_ms_hidden=0.0,
+                grammar_ms_exposed=0.0,
+            )
+            for r in reqs
+        ]
+
+
+def test_batch_lines_are_split_at_newlines_only(capsys, monkeypatch, tmp_path):
+    """A prompt holding U+2028 or U+0085 raw (valid JSON; ``json.dumps(ensure_ascii=False)``
+    writes them so) was cut in two by ``str.splitlines``: that request failed as "not valid
+    JSON" and every later line got the wrong id. A leading UTF-8 BOM failed line 1; CRLF
+    endings are fine."""
+    monkeypatch.setattr(api, "build_worker", lambda **k: _EchoWorker())
+    prompts = ["first", "a\u2028b", "c\u0085d", "e\u2029f\x1cg", "last"]
+    lines = [json.dumps({"prompt": p}, ensure_ascii=False) for p in prompts]
+    f = tmp_path / "b.jsonl"
+    f.write_bytes(("\ufeff" + "\r\n".join(lines) + "\r\n").encode("utf-8"))
+    rc = main(["generate", "--batch-file", str(f), "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads(out)["results"]
+    assert [r["rid"] for r in res] == [f"line-{n}" for n in range(1, 6)]
+    for r, p in zip(res, prompts):
+        assert r["error"] is None and p in r["text"], r
