@@ -265,7 +265,9 @@ def generate(
         if isinstance(item, Request):
             requests.append(item)
             continue
-        prompt = build_prompt(worker.tokenizer, item) if chat else item
+        # only text goes through the chat template; anything else is the request's prompt as
+        # given (token ids, or a wrong type that then fails that request alone)
+        prompt = build_prompt(worker.tokenizer, item) if chat and isinstance(item, str) else item
         requests.append(Request(prompt=prompt, grammar=spec, sampling=params))
     with worker:
         return worker.run(requests)

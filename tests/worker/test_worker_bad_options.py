@@ -215,3 +215,26 @@ def test_generate_refuses_a_stop_of_the_wrong_type(sampling_of):
 def test_generate_refuses_a_grammar_of_the_wrong_type_before_the_model_loads(no_model_load):
     with pytest.raises(TypeError, match="a grammar must be a spec"):
         api.generate("hi", grammar=42)
+
+
+def test_generate_a_bad_prompt_fails_alone(monkeypatch):
+    """``generate(["Digits:", 5])`` sent 5 through the chat template after the model had
+    loaded: a TypeError ended the whole call. It is that request's error now; token-id prompts
+    are taken as they are (the chat template applies to text)."""
+    model, tok = tiny()
+    monkeypatch.setattr(
+        api, "build_worker", lambda **k: SpecWorker(model, tok, k["config"], backend=xgr_backend())
+    )
+    ids = tok.encode("Digits:", add_special_tokens=False)
+    good, bad, as_ids = api.generate(
+        ["Digits:", 5, ids], chat=False, grammar=Regex("[0-9]{1,5}"), max_new_tokens=4
+    )
+    assert (
+        bad.finish_reason == "error" and "prompt must be text or a list of token ids" in bad.error
+    )
+    assert good.finish_reason != "error" and as_ids.token_ids == good.token_ids
+    chat_good, chat_bad, chat_ids = api.generate(
+        ["Digits:", 5, ids], grammar=Regex("[0-9]{1,5}"), max_new_tokens=4
+    )
+    assert chat_bad.finish_reason == "error" and chat_good.finish_reason != "error"
+    assert chat_ids.token_ids == good.token_ids  # ids: no template, as with chat=False
