@@ -156,3 +156,24 @@ def test_an_accept_tokens_hook_may_return_a_numpy_count():
     m = AnyToken(INFO)
     m.accept_tokens_result = np.int64(2)
     assert m.accept_tokens([1, 2]) == 2 and m.num_accepted == 2
+
+
+def test_tool_calls_need_json_schema_support():
+    """``tool_calls`` defaults to True: an adapter declaring only ``json_schema=False`` had its
+    ``_compile`` handed the tool calls' JSON schema, a kind it never claimed."""
+    from spec_grammar import ToolCalls, UnsupportedGrammarError
+    from spec_grammar.protocol import Capabilities
+
+    class RegexOnly(AnyBackend):
+        capabilities = Capabilities(json_schema=False, regex=True)
+
+        def _compile(self, spec):
+            assert isinstance(spec, Regex), f"handed a {spec.kind}"
+            return spec
+
+    backend = RegexOnly(INFO)
+    assert backend.capabilities.tool_calls  # the default, as an older adapter leaves it
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(UnsupportedGrammarError, match="tool_calls grammars are not supported"):
+        backend.compile(ToolCalls(tools))
+    assert backend.compile(Regex("a")).native == Regex("a")
