@@ -105,3 +105,21 @@ def test_masks_with_no_usable_tokenizer_is_an_error(capsys, tmp_path):
     )
     one_error_line(capsys, rc, "no usable tokenizer among nosuch (model 'nosuch' not found")
     assert not (out / "masks.json").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, needles",
+    [
+        # -1 sliced the case list from its end (all cases but the last)
+        (["--schemas", "-1"], ["--schemas: Input should be greater than or equal to 0 (got -1)"]),
+        (["--bfcl", "-2"], ["--bfcl: "]),
+        (["--schemas", "0", "--bfcl", "0"], ["no prompts: jsb_cases and bfcl_cases are both 0"]),
+        (["--time-budget", "0"], ["--time-budget: "]),
+        (["--time-budget", "nan"], ["--time-budget: "]),
+    ],
+)
+def test_e2e_counts_are_checked_in_one_line(capsys, tmp_path, no_bench_run, flags, needles):
+    out = tmp_path / "out"
+    rc = main(["bench", "e2e", "--quick", "--out", str(out), *flags])
+    one_error_line(capsys, rc, *needles)
+    assert not out.exists()
