@@ -168,15 +168,22 @@ def build_worker(
             ``**options``, its fields by name (``draft="self:4"``, ``num_draft_tokens=16``,
             ``overlap=False``, ...), override it or WorkerConfig's defaults.
 
-    Raises ``TypeError`` for a keyword that is no option and the option errors of
-    :class:`~spec_grammar.worker.config.WorkerConfig` (both before anything loads),
-    :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend and
+    Raises ``TypeError`` for a keyword that is no option, the option errors of
+    :class:`~spec_grammar.worker.config.WorkerConfig` and
+    :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend (all before
+    anything loads), and
     :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
     cfg = worker_config(config, options, "build_worker")
     dev = resolve_device(device)
+    if grammar_backend is not None:  # an unknown name fails before the weights load ("" too)
+        from ..registry import load_backend_class
+
+        load_backend_class(grammar_backend)
     target, tokenizer = _load(model, dtype, dev)
     vocab = int(target.config.vocab_size)
-    backend = _backend(grammar_backend, model, tokenizer, vocab) if grammar_backend else None
+    backend = (
+        _backend(grammar_backend, model, tokenizer, vocab) if grammar_backend is not None else None
+    )
     return SpecWorker(target, tokenizer, cfg, backend=backend, device=dev)
 
 

@@ -238,3 +238,15 @@ def test_generate_a_bad_prompt_fails_alone(monkeypatch):
     )
     assert chat_bad.finish_reason == "error" and chat_good.finish_reason != "error"
     assert chat_ids.token_ids == good.token_ids  # ids: no template, as with chat=False
+
+
+@pytest.mark.parametrize("name", ["nosuch", "", "half:Missing"])
+def test_an_unknown_grammar_backend_fails_before_the_model_loads(no_model_load, name):
+    """``build_worker(grammar_backend="nosuch")`` loaded the model first; ``""`` gave a worker
+    without a backend (every grammar request then failed)."""
+    from spec_grammar.errors import BackendNotFoundError
+
+    with pytest.raises(BackendNotFoundError):
+        api.build_worker(grammar_backend=name)
+    with pytest.raises(BackendNotFoundError):
+        api.generate("hi", grammar_backend=name)
