@@ -95,7 +95,10 @@ def _decoder_kind(tokenizer: Any) -> str:
     if backend is None:
         return "slow"
     decoder = json.loads(backend.to_str()).get("decoder") or {}
-    text = json.dumps(decoder)
+    # ensure_ascii=False: escaped, the "▁" of a Replace("▁", " ") decoder was never found, and a
+    # SentencePiece vocabulary without byte fallback was read through its decoder piece by
+    # piece (whose Strip drops each word's leading space: "▁ab" became b"ab")
+    text = json.dumps(decoder, ensure_ascii=False)
     if '"ByteLevel"' in text:
         return "byte_level"
     if '"ByteFallback"' in text or "\u2581" in text or '"Metaspace"' in text:

@@ -96,6 +96,22 @@ def test_backends_on_a_sentencepiece_plain_tokenizer_allow_what_the_bytes_spell(
     assert allowed() == {i for i, b in enumerate(table) if b == b"b"}
 
 
+def test_a_sentencepiece_decoder_without_byte_fallback_keeps_the_spaces():
+    """A Replace("▁", " ") + Strip decoder (SentencePiece without byte fallback): the "▁" test
+    of the decoder kind ran on ASCII-escaped JSON and never matched, so each piece went
+    through the decoder alone and its Strip dropped the space: "ab ab" was spelled b"abab"."""
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, "b": 3, "▁a": 4, "▁ab": 5, "ab": 6}
+    tok = Tokenizer(models.BPE(vocab, [("▁", "a"), ("▁a", "b"), ("a", "b")], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    table = token_bytes_table(tok)
+    assert table[1] == b" " and table[5] == b" ab" and table[6] == b"ab"
+    ids = tok.encode("ab ab").ids
+    assert b"".join(table[i] for i in ids) == b" ab ab"
+
+
 def holes() -> Tokenizer:
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 5, "<eos>": 9}, unk_token="a"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
