@@ -134,6 +134,14 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         raise UnsupportedGrammarError(
             f"{spec.kind} grammars are not supported", backend=backend.name
         )
+    if isinstance(spec, ToolCalls) and not backend.capabilities.json_schema:
+        # tool calls compile through json_schema; tool_calls defaults to True, so an adapter
+        # declaring json_schema=False alone would get a JsonSchema it never claimed
+        raise UnsupportedGrammarError(
+            "tool_calls grammars are not supported: they compile as JSON schemas, which this "
+            "backend does not support",
+            backend=backend.name,
+        )
 
     key = spec.cache_key()
     if len(key) > backend.max_grammar_bytes:

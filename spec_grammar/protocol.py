@@ -13,6 +13,7 @@ layout), :mod:`.tree` and :mod:`.traverse` (tree semantics, the generic tree fil
 
 from __future__ import annotations
 
+import math
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -55,6 +56,23 @@ def _as_index(value: Any, what: str, error: type[Exception]) -> int:
         raise error(
             f"{what} must be an integer, got {type(value).__name__} {value!r:.40}"
         ) from None
+
+
+def _check_timeout(value: Any) -> float | None:
+    """``compile_timeout_s`` checked: None or ``inf`` (wait for ever: None), else a number > 0.
+    A bad limit is the caller's error, not the grammar's: unchecked, every compile would fail
+    (and be cached) as a timeout or a "failed to compile" of a valid spec."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(
+            f"compile_timeout_s must be None or a number of seconds > 0, got {value!r:.40}"
+        )
+    if value == math.inf:
+        return None
+    if not value > 0:  # NaN too
+        raise ValueError(f"compile_timeout_s must be None or a number of seconds > 0, got {value}")
+    return value
 
 
 class SpecGrammar(ABC):
@@ -134,6 +152,13 @@ class SpecGrammar(ABC):
         if not ts or self.is_terminated():
             return 0
         n = self._accept_tokens(ts)
+        if not isinstance(n, bool) and hasattr(n, "__index__"):
+            n = operator.index(n)
+        if not (type(n) is int and 0 <= n <= len(ts)):  # the rollback bound counts on it
+            raise GrammarStateError(
+                f"{type(self).__name__}._accept_tokens returned {n!r} for {len(ts)} tokens: "
+                f"it must return how many it accepted, an int in [0, {len(ts)}]"
+            )
         self._num_accepted += n
         return n
 
@@ -173,11 +198,12 @@ class SpecGrammar(ABC):
 
     def fork(self) -> SpecGrammar:
         """An independent copy (one per draft branch); it shares the compiled grammar. Raises
-        ``TypeError`` when the adapter's ``_fork`` returns something that is not a matcher."""
+        :class:`GrammarStateError` when the adapter's ``_fork`` returns no new matcher."""
         child = self._fork()
-        if not isinstance(child, SpecGrammar):
-            raise TypeError(
-                f"{type(self).__name__}._fork() returned {type(child).__name__}, not a SpecGrammar"
+        if not isinstance(child, SpecGrammar) or child is self:
+            raise GrammarStateError(
+                f"{type(self).__name__}._fork must return a new SpecGrammar, got "
+                + ("the matcher itself" if child is self else type(child).__name__)
             )
         child._num_accepted = self._num_accepted
         child._max_rollback_tokens = self._max_rollback_tokens
@@ -297,11 +323,13 @@ class GrammarBackend(ABC):
             evicted first.
         compile_timeout_s: a compile running longer fails with :class:`GrammarCompileError`
             (the library call cannot be interrupted: it finishes in a daemon thread and its
-            result is dropped). ``None`` waits forever.
+            result is dropped). ``None`` (or ``inf``) waits forever.
         max_grammar_bytes: specs whose serialized form is larger are refused before compiling.
 
-    Raises ``ValueError`` for a negative ``max_rollback_tokens`` or ``compile_cache_size`` and
-    for tokenizer arguments :meth:`TokenizerInfo.from_huggingface` refuses.
+    Raises ``ValueError`` for a negative ``max_rollback_tokens`` or ``compile_cache_size``, a
+    ``compile_timeout_s`` that is not None or a number > 0, a ``max_grammar_bytes`` < 1, a
+    count that is not an int, and for tokenizer arguments
+    :meth:`TokenizerInfo.from_huggingface` refuses.
     """
 
     name: ClassVar[str] = "base"
@@ -330,13 +358,16 @@ class GrammarBackend(ABC):
         self.max_rollback_tokens = _as_index(max_rollback_tokens, "max_rollback_tokens", ValueError)
         if self.max_rollback_tokens < 0:
             raise ValueError(f"max_rollback_tokens must be >= 0, got {self.max_rollback_tokens}")
-        if int(compile_cache_size) < 0:
+        cache_size = _as_index(compile_cache_size, "compile_cache_size", ValueError)
+        if cache_size < 0:
             raise ValueError(
                 f"compile_cache_size must be >= 0 (0 = no caching), got {compile_cache_size}"
             )
-        self._cache = CompileCache(int(compile_cache_size))
-        self.compile_timeout_s = compile_timeout_s
-        self.max_grammar_bytes = int(max_grammar_bytes)
+        self._cache = CompileCache(cache_size)
+        self.compile_timeout_s = _check_timeout(compile_timeout_s)
+        self.max_grammar_bytes = _as_index(max_grammar_bytes, "max_grammar_bytes", ValueError)
+        if self.max_grammar_bytes < 1:
+            raise ValueError(f"max_grammar_bytes must be >= 1, got {max_grammar_bytes}")
 
     @classmethod
     def library_version(cls) -> str:
@@ -370,7 +401,12 @@ class GrammarBackend(ABC):
             raise GrammarStateError(
                 "this CompiledGrammar was not compiled by this backend instance"
             )
-        return self._matcher(compiled)
+        m = self._matcher(compiled)
+        if not isinstance(m, SpecGrammar):  # a library matcher would skip every check here
+            raise GrammarStateError(
+                f"{type(self).__name__}._matcher must return a SpecGrammar, got {type(m).__name__}"
+            )
+        return m
 
     def fill_tree_bitmasks(
         self, jobs: Sequence[tuple[SpecGrammar, DraftTree, int]], bitmask: torch.Tensor

@@ -38,7 +38,9 @@ def _entry_points() -> dict[str, Any]:
 def load_backend_class(name: str) -> type[GrammarBackend]:
     """The backend class for a registered ``name`` or a ``module:Class`` path.
 
-    Raises :class:`BackendNotFoundError` naming the registered backends, or the import error.
+    Raises :class:`BackendNotFoundError` naming the registered backends, or the import error,
+    or what makes the class unusable (a required hook not implemented, ``capabilities`` that
+    is not a :class:`~spec_grammar.capabilities.Capabilities`).
     """
     if not isinstance(name, str) or not name:
         raise BackendNotFoundError(f"a backend name must be a non-empty string, got {name!r}")
@@ -68,6 +70,18 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
     if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
         raise BackendNotFoundError(
             f"{name!r} does not name a GrammarBackend subclass (got {cls!r})"
+        )
+    # found, but unusable: said here, where the CLI checks its backend before the model loads
+    # (building it failed later, with a TypeError traceback after the load)
+    missing = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing:
+        raise BackendNotFoundError(
+            f"{name!r}: {cls.__name__} does not implement the hook(s) {', '.join(missing)}"
+        )
+    if not isinstance(cls.capabilities, Capabilities):
+        raise BackendNotFoundError(
+            f"{name!r}: {cls.__name__}.capabilities must be a Capabilities, got "
+            f"{type(cls.capabilities).__name__} (every grammar would be refused as unsupported)"
         )
     return cls
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -11,6 +12,18 @@ from .bitmask import bitmask_width
 from .vocab import added_tokens, is_rust_tokenizer, token_bytes_table, tokenizer_len
 
 __all__ = ["TokenizerInfo"]
+
+
+def _is_int(value: Any) -> bool:
+    return not isinstance(value, bool) and hasattr(value, "__index__")
+
+
+def _as_id(value: Any, what: str) -> int:
+    """``value`` as an exact int; ``ValueError`` naming ``what`` for a bool, a float or a string
+    (``int()`` would read ``"2"`` as 2, truncate 2.7 and take True for 1)."""
+    if not _is_int(value):
+        raise ValueError(f"{what} must be an integer, got {type(value).__name__} {value!r:.40}")
+    return operator.index(value)
 
 
 @dataclass(eq=False)
@@ -46,8 +59,9 @@ class TokenizerInfo:
         ``vocab_size`` = logits width (default: the tokenizer's number of ids, ``len(tokenizer)``);
         ``stop_token_ids`` default to the tokenizer's EOS id.
 
-        Raises ``TypeError`` for an object that is not a tokenizer and ``ValueError`` when no stop
-        token can be found or an id is out of range.
+        ``stop_token_ids`` may be one id. Raises ``TypeError`` for an object that is not a
+        tokenizer and ``ValueError`` when no stop token can be found (none given, or an empty
+        list), or an id or ``vocab_size`` is not an int or out of range.
         """
         rust = is_rust_tokenizer(tokenizer)
         if not rust and not (hasattr(tokenizer, "get_vocab") and hasattr(tokenizer, "__len__")):
@@ -56,7 +70,7 @@ class TokenizerInfo:
                 " (spec_grammar.models.load_tokenizer(name) loads one)"
             )
         n_tok = tokenizer_len(tokenizer)
-        width = n_tok if vocab_size is None else int(vocab_size)
+        width = n_tok if vocab_size is None else _as_id(vocab_size, "vocab_size")
         if width <= 0:
             raise ValueError(f"vocab_size must be positive, got {width}")
         if stop_token_ids is None:
@@ -64,7 +78,15 @@ class TokenizerInfo:
             if eos is None:
                 raise ValueError("the tokenizer has no eos_token_id; pass stop_token_ids")
             stop_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        stops = tuple(int(t) for t in stop_token_ids)
+        elif _is_int(stop_token_ids):  # one id, as eos_token_id may be
+            stop_token_ids = [stop_token_ids]
+        elif isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+            raise TypeError(
+                f"stop_token_ids must be a sequence of token ids, got {type(stop_token_ids).__name__}"
+            )
+        stops = tuple(_as_id(t, "stop token id") for t in stop_token_ids)
+        if not stops:
+            raise ValueError("stop_token_ids is empty: a grammar needs a stop token to end on")
         for t in stops:
             if not 0 <= t < min(n_tok, width):
                 raise ValueError(

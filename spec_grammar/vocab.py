@@ -46,10 +46,16 @@ def rust_tokenizer(tokenizer: Any) -> Any | None:
 
 
 def tokenizer_len(tokenizer: Any) -> int:
-    """Number of token ids, added tokens included (``len(tokenizer)`` for ``transformers``)."""
+    """Number of token ids, added tokens included: ``len(tokenizer)`` for ``transformers``,
+    or past the largest id when the vocabulary has holes (both kinds count the tokens, so a
+    vocabulary ``{"a": 0, "b": 5}`` has 2 tokens but ids up to 5)."""
     if is_rust_tokenizer(tokenizer):
-        return tokenizer.get_vocab_size(with_added_tokens=True)
-    return len(tokenizer)
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+    else:
+        n = len(tokenizer)
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    ids = get_vocab().values() if get_vocab is not None else ()
+    return max(n, max(ids, default=-1) + 1)
 
 
 def added_tokens(tokenizer: Any) -> dict[int, Any]:
@@ -89,7 +95,10 @@ def _decoder_kind(tokenizer: Any) -> str:
     if backend is None:
         return "slow"
     decoder = json.loads(backend.to_str()).get("decoder") or {}
-    text = json.dumps(decoder)
+    # ensure_ascii=False: escaped, the "▁" of a Replace("▁", " ") decoder was never found, and a
+    # SentencePiece vocabulary without byte fallback was read through its decoder piece by
+    # piece (whose Strip drops each word's leading space: "▁ab" became b"ab")
+    text = json.dumps(decoder, ensure_ascii=False)
     if '"ByteLevel"' in text:
         return "byte_level"
     if '"ByteFallback"' in text or "\u2581" in text or '"Metaspace"' in text:

@@ -68,6 +68,19 @@ _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 _IGNORABLE_KEYWORDS = frozenset({"uniqueItems"})
 
 # llguidance messages for valid input it cannot represent (as opposed to invalid input).
+_EXCERPT = re.compile(r"^\s*(\^+|\d+ \|.*)\s*$")
+"""A caret marker line or a numbered source excerpt (``   1 | start: /(a/``) of llguidance's
+errors."""
+
+
+def _one_line(text: str) -> str:
+    """llguidance's error text on one line (errors are one line here, as the CLI prints them):
+    caret markers and source excerpts dropped, the other lines joined. ``regex parse
+    error:\n    (a\n    ^\nerror: unclosed group`` -> ``regex parse error: (a error: unclosed
+    group``."""
+    return " ".join(ln.strip() for ln in text.splitlines() if ln.strip() and not _EXCERPT.match(ln))
+
+
 _UNSUPPORTED = re.compile(
     r"Unimplemented keys|not supported|Unknown format|not present in a registry", re.IGNORECASE
 )
@@ -402,11 +415,15 @@ class LLGuidanceBackend(GrammarBackend):
             return llguidance.LLMatcher.grammar_from_lark(spec.text)
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by llguidance")
 
+    @classmethod
+    def _library_error_reason(cls, error: Exception) -> str:
+        return _one_line(str(error))
+
     def _compile(self, spec: GrammarSpec) -> _Grammar:
         text = self._grammar_text(spec)
         prototype = llguidance.LLMatcher(self._llg_tokenizer, text, log_level=0)
         if prototype.is_error():
-            reason = prototype.get_error()
+            reason = _one_line(prototype.get_error())
             err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
             raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
         if isinstance(spec, JsonSchema):

@@ -21,10 +21,16 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
-from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
+from spec_grammar.json_schema.strict import (
+    LENGTH_WITH_PATTERN,
+    REMOTE_REF,
+    REQUIRED_UNDECLARED,
+    KeywordSupport,
+)
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
+from spec_grammar.vocab import is_rust_tokenizer
 
 try:
     import xgrammar as xgr
@@ -226,6 +232,7 @@ class XGrammarBackend(GrammarBackend):
             "minProperties": "xgrammar 0.2.9 ignores minProperties on objects with additional properties",
             "maxProperties": "xgrammar 0.2.9 ignores maxProperties on objects with additional properties",
             REQUIRED_UNDECLARED: "xgrammar 0.2.9 ignores required names that properties does not define",
+            LENGTH_WITH_PATTERN: "xgrammar 0.2.9 ignores minLength/maxLength next to pattern or format",
             REMOTE_REF: "xgrammar 0.2.9 resolves only local '#/...' references (others match anything)",
         },
         untyped="xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type`",
@@ -243,11 +250,22 @@ class XGrammarBackend(GrammarBackend):
         info = self.tokenizer_info
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._xgr_info = xgr.TokenizerInfo.from_huggingface(
-                info.hf_tokenizer,
-                vocab_size=info.tokenizer_vocab_size,
-                stop_token_ids=list(info.stop_token_ids),
-            )
+            if is_rust_tokenizer(info.hf_tokenizer):
+                # xgrammar's from_huggingface takes transformers tokenizers only ("Unsupported
+                # tokenizer type"): hand it the tokens' bytes, which is what it decodes a
+                # transformers tokenizer's vocabulary to (the same table for SmolLM2)
+                self._xgr_info = xgr.TokenizerInfo(
+                    list(info.token_bytes),
+                    xgr.VocabType.RAW,
+                    vocab_size=info.tokenizer_vocab_size,
+                    stop_token_ids=list(info.stop_token_ids),
+                )
+            else:
+                self._xgr_info = xgr.TokenizerInfo.from_huggingface(
+                    info.hf_tokenizer,
+                    vocab_size=info.tokenizer_vocab_size,
+                    stop_token_ids=list(info.stop_token_ids),
+                )
         self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
         # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids
         # too, it treats them as special tokens that every mask rejects one by one, and a model
@@ -279,8 +297,18 @@ class XGrammarBackend(GrammarBackend):
 
     @classmethod
     def _library_error_reason(cls, error: Exception) -> str:
-        # the log prefix names a build path, not the grammar; the message ends with blank lines
-        return _LOG_PREFIX.sub("", str(error)).strip()
+        # the log prefix names a build path, not the grammar; the message ends with blank lines;
+        # Lark errors end with the source line and a caret under the column (which the first
+        # line names already): dropped, so that the reason is one line
+        lines: list[str] = []
+        for line in _LOG_PREFIX.sub("", str(error)).strip().splitlines():
+            if line.strip() and set(line.strip()) == {"^"}:
+                if len(lines) > 1:
+                    lines.pop()
+                continue
+            if line.strip():
+                lines.append(line.strip())
+        return " ".join(lines)
 
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler

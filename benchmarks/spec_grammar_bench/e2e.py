@@ -51,7 +51,14 @@ from typing import Any
 
 import jsonschema
 import torch
-from pydantic import BaseModel, Field
+from pydantic import (
+    BaseModel,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 from spec_grammar.specs import GrammarSpec
 
@@ -80,12 +87,15 @@ class E2EBenchConfig(BaseModel):
     """What :func:`run_e2e` measures. Defaults are the full run; :meth:`quick` the smoke one."""
 
     model: str = "smollm2"
-    jsb_cases: int = Field(12, description="JSONSchemaBench schemas (round-robin over subsets)")
-    bfcl_cases: int = 8
+    # counts >= 0 (a negative count sliced the case list from its end), at least one prompt
+    jsb_cases: NonNegativeInt = Field(
+        12, description="JSONSchemaBench schemas (round-robin over subsets)"
+    )
+    bfcl_cases: NonNegativeInt = 8
     shortest_prompts: bool = Field(
         False, description="take each source's shortest prompts instead of a spread"
     )
-    max_new_tokens: int = 128
+    max_new_tokens: PositiveInt = 128
     backends: list[str] | None = Field(
         None,
         description="our backends (None: every registered one with JSON Schema and tool calls)",
@@ -93,11 +103,11 @@ class E2EBenchConfig(BaseModel):
     hf_processors: list[str] = ["xgrammar", "llguidance"]
     hf_speculation: list[str] = ["none", "prompt_lookup", "assistant"]
     draft: str = "ngram"
-    num_draft_tokens: int = 8
-    prompt_lookup_num_tokens: int = 10
-    assistant_layers: int = 8
+    num_draft_tokens: PositiveInt = 8
+    prompt_lookup_num_tokens: PositiveInt = 10
+    assistant_layers: PositiveInt = 8
     nospec_backend: str = "xgrammar"
-    time_budget_s: float | None = Field(
+    time_budget_s: PositiveFloat | None = Field(
         None,
         description="start no new prompt after this many seconds of generation (the rest are listed as skipped)",
     )
@@ -105,11 +115,17 @@ class E2EBenchConfig(BaseModel):
         [], description="row ids to leave out (e.g. hf/llguidance+assist for time)"
     )
     warmup: bool = True
-    torch_threads: int | None = Field(
+    torch_threads: PositiveInt | None = Field(
         1,
         description="torch intra-op threads (None: torch's default). 1 by default: on a shared 2-core machine "
         "2 threads made a 62-token forward 17x slower (0.6 s -> 10 s, OpenMP threads waiting on each other)",
     )
+
+    @model_validator(mode="after")
+    def _some_prompts(self) -> E2EBenchConfig:
+        if self.jsb_cases + self.bfcl_cases == 0:
+            raise ValueError("no prompts: jsb_cases and bfcl_cases are both 0")
+        return self
 
     @classmethod
     def quick(cls, **overrides: Any) -> E2EBenchConfig:

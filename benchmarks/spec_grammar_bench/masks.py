@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PositiveFloat, PositiveInt
 
 from spec_grammar.bitmask import allocate_token_bitmask, clear_padding_bits
 from spec_grammar.errors import SpecGrammarError
@@ -69,19 +69,21 @@ Progress = Callable[[str, int, int], None]
 class MaskBenchConfig(BaseModel):
     """What :func:`run_masks` measures. Defaults are the full run; :meth:`quick` the smoke one."""
 
-    tokenizers: list[str] = ["smollm2", "gemma3"]
+    # counts are >= 1 and lists not empty: a 0-node tree or 0 repetitions measure nothing (and
+    # failed deep in the run: "rows [0, 1) do not fit a bitmask with 0 rows", "no median")
+    tokenizers: list[str] = Field(["smollm2", "gemma3"], min_length=1)
     backends: list[str] | None = Field(
         None, description="None: every backend registered without error"
     )
-    sizes: list[int] = [8, 16, 64]
-    requests: list[int] = [1, 16, 64]
-    threads: list[int] = [1, 2]
-    compile_cases_per_source: int | None = None
-    compile_timeout_s: float = 30.0
-    compile_budget_s: float = 60.0
-    tree_cases_per_source: int = 2
-    positions: int = 5
-    reps: int = 20
+    sizes: list[PositiveInt] = Field([8, 16, 64], min_length=1)
+    requests: list[PositiveInt] = Field([1, 16, 64], min_length=1)
+    threads: list[PositiveInt] = Field([1, 2], min_length=1)
+    compile_cases_per_source: PositiveInt | None = None
+    compile_timeout_s: PositiveFloat = 30.0
+    compile_budget_s: PositiveFloat = 60.0
+    tree_cases_per_source: PositiveInt = 2
+    positions: PositiveInt = 5
+    reps: PositiveInt = 20
     seed: int = 0
 
     @classmethod
@@ -657,12 +659,23 @@ def run_masks(
     """Run the whole benchmark; returns the JSON-serializable result (see :mod:`.report`).
     ``on_partial(result)`` is called after each tokenizer (to save what is done so far).
 
-    Raises :class:`ValueError` when no selected backend is available.
+    Raises :class:`ValueError` when no selected backend or no tokenizer is available.
     """
     chosen, listing = _select_backends(cfg)
     if not chosen:
         raise ValueError(
             f"no usable backend among {cfg.backends or 'the registered ones'}: {listing}"
+        )
+    missing = {}
+    for tname in cfg.tokenizers:
+        try:
+            load_tokenizer(tname)
+        except ModelNotFoundError as e:
+            missing[tname] = str(e)
+    if len(missing) == len(cfg.tokenizers):  # some missing are skipped below; all: no run
+        raise ValueError(
+            "no usable tokenizer among "
+            + "; ".join(f"{name} ({why})" for name, why in missing.items())
         )
     result: dict[str, Any] = {
         "kind": RESULT_KIND,

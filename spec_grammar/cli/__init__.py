@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (SpecGrammarError, FileNotFoundError, ValueError) as e:
+    except (SpecGrammarError, OSError, ValueError) as e:  # OSError: a file or folder argument
         print(f"spec-grammar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:

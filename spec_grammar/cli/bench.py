@@ -9,8 +9,11 @@ distribution), imported only when a subcommand runs (:func:`bench_module`), so `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 from ..errors import SpecGrammarError
@@ -46,8 +49,51 @@ def bench_module(name: str, *, plots: bool = True) -> ModuleType:
     return module
 
 
+def check_output_path(path: str | None, flag: str, *, directory: bool = True) -> None:
+    """Make the output directory ``path`` (``flag``'s value), or the folder of the output file
+    ``path`` (``directory=False``: ``--docs``), now, before any work: raise ValueError in one
+    line when it cannot be (a file in the way, a directory given for a file, a folder that is
+    not writable), rather than when the report is written at the end of the run."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir() != directory and p.exists():
+        what = "a file, not a directory" if directory else "a directory, not a file"
+        raise ValueError(f"{flag} {path} is {what}")
+    folder = p if directory else p.parent
+    for up in (folder, *folder.parents):
+        if up.exists() and not up.is_dir():
+            raise ValueError(f"{flag} {path}: {up} is a file, not a directory")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create {folder}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {folder} is not writable")
+
+
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
+
+
+@contextlib.contextmanager
+def config_errors(overrides: dict, flags: dict[str, str]):
+    """Turn a benchmark config's pydantic ``ValidationError`` into a ValueError in one line
+    naming each bad flag (``flags``: config field -> flag where the names differ, the others
+    ``--`` + the field with ``-`` for ``_``); ``main`` prints it and exits 2."""
+    import pydantic
+
+    try:
+        yield
+    except pydantic.ValidationError as e:
+        parts = []
+        for err in e.errors():
+            field = str(err["loc"][0]) if err["loc"] else ""
+            flag = flags.get(field, f"--{field.replace('_', '-')}") if field in overrides else field
+            msg = err["msg"].removeprefix("Value error, ")
+            got = "" if err["type"] == "value_error" else f" (got {err['input']!r})"
+            parts.append(f"{flag}: {msg}{got}")
+        raise ValueError("; ".join(parts)) from None
 
 
 def _ints(text: str) -> list[int]:
@@ -126,10 +172,18 @@ def _run_masks(args) -> int:
         compile_timeout_s=args.compile_timeout,
         compile_budget_s=args.compile_budget,
     )
-    if args.quick:
-        cfg = MaskBenchConfig.quick(**overrides)
-    else:
-        cfg = MaskBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    flags = {
+        "compile_cases_per_source": "--compile-cases",
+        "compile_timeout_s": "--compile-timeout",
+        "compile_budget_s": "--compile-budget",
+    }
+    with config_errors(overrides, flags):
+        if args.quick:
+            cfg = MaskBenchConfig.quick(**overrides)
+        else:
+            cfg = MaskBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    check_output_path(args.out, "--out")
+    check_output_path(args.docs, "--docs", directory=False)
     console = Console()
     with Progress(
         TextColumn("{task.description}"),
@@ -201,6 +255,7 @@ def _register_report(sub) -> None:
 
 
 def _run_report(args) -> int:
+    check_output_path(args.docs, "--docs", directory=False)
     path = bench_module("report").write_docs(args.from_dirs, args.docs)
     print(f"wrote {path}")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench import _csv, bench_module
+from .bench import _csv, bench_module, check_output_path, config_errors
 
 
 def _positive(text: str) -> int:
@@ -107,10 +107,19 @@ def _run_e2e(args) -> int:
     bad = [s for s in args.hf_speculation or [] if s not in ("none", "prompt_lookup", "assistant")]
     if bad:
         raise ValueError(f"unknown --hf-speculation {bad}: use none, prompt_lookup, assistant")
-    if args.quick:
-        cfg = E2EBenchConfig.quick(**overrides)
-    else:
-        cfg = E2EBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    flags = {
+        "jsb_cases": "--schemas",
+        "bfcl_cases": "--bfcl",
+        "torch_threads": "--threads",
+        "time_budget_s": "--time-budget",
+    }
+    with config_errors(overrides, flags):
+        if args.quick:
+            cfg = E2EBenchConfig.quick(**overrides)
+        else:
+            cfg = E2EBenchConfig(**{k: v for k, v in overrides.items() if v is not None})
+    check_output_path(args.out, "--out")
+    check_output_path(args.docs, "--docs", directory=False)
     console = Console()
     with Progress(
         TextColumn("{task.description}"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .bench import _csv, _ints, bench_module
+from .bench import _csv, _ints, bench_module, check_output_path
 
 
 def _on_off(text: str) -> bool:
@@ -191,6 +191,7 @@ def _config(args):
 
 def _run_gpu(args) -> int:
     cfg = _config(args)
+    check_output_path(args.out, "--out")
     run_gpu_bench = bench_module("gpu").run_gpu_bench
     write_gpu_report = bench_module("gpu_report").write_gpu_report
     cuda = "cuda" in cfg.device

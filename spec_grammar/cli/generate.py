@@ -295,6 +295,45 @@ def _sampling(args, overrides: dict[str, Any]):
         raise ValueError("; ".join(parts)) from None
 
 
+def _worker_config(args):
+    """The worker's options from the flags. Raises ValueError in one line naming the bad flag
+    (``--num-draft-tokens``), before anything loads."""
+    from pydantic import ValidationError
+
+    from ..worker.config import WorkerConfig
+
+    flags = dict(
+        draft=None if args.draft == "none" else args.draft,
+        topk=args.topk,
+        num_steps=args.num_steps,
+        num_draft_tokens=args.num_draft_tokens,
+        no_spec=args.no_spec,
+        overlap=not args.no_overlap,
+        constrain_draft=args.constrain_draft,
+        cuda_graphs=False if args.no_cuda_graphs else None,
+        fused_forward=False if args.no_fused_forward else None,
+        grammar_threads=args.grammar_threads,
+        lazy_grammar={"auto": None, "on": True, "off": False}[args.lazy_grammar],
+        **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
+    )
+    try:
+        return WorkerConfig(**flags)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors():
+            name = str(err["loc"][0]) if err["loc"] else "options"
+            parts.append(f"--{name.replace('_', '-')}: {err['msg']}, got {err['input']!r}")
+        raise ValueError("; ".join(parts)) from None
+
+
+def _jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL file: split at ``\n`` only (``str.splitlines`` also splits at
+    U+2028, U+0085 and other characters a JSON string may hold raw, breaking that request and
+    shifting every later line number), ``\r\n`` endings and a leading UTF-8 BOM (as Windows
+    editors write) dropped."""
+    return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
+
+
 def _check_line_keys(rec: dict[str, Any]) -> None:
     """Raise ValueError naming a batch line's unknown keys and listing the accepted ones: a
     misspelt field (``temprature``) would otherwise be ignored without a word."""
@@ -327,6 +366,7 @@ def run(args) -> int:
     load_backend_class(args.grammar_backend)
     resolve_device(args.device)
     base_sampling = _sampling(args, {})
+    config = _worker_config(args)
     global_spec = _cli_spec(args)
 
     # (rid, prompt text, spec, sampling) per request, or (rid, error) for a bad line; batch
@@ -336,7 +376,7 @@ def run(args) -> int:
         items.append((None, args.prompt, global_spec, base_sampling))
     if args.batch_file:
         base = Path(args.batch_file).parent
-        for n, line in enumerate(_read_text(args.batch_file, "batch").splitlines(), 1):
+        for n, line in enumerate(_jsonl_lines(_read_text(args.batch_file, "batch")), 1):
             if not line.strip():
                 continue
             try:
@@ -363,19 +403,8 @@ def run(args) -> int:
     worker = build_worker(
         model=args.model,
         grammar_backend=args.grammar_backend,
-        draft=None if args.draft == "none" else args.draft,
-        topk=args.topk,
-        num_steps=args.num_steps,
-        num_draft_tokens=args.num_draft_tokens,
-        no_spec=args.no_spec,
-        overlap=not args.no_overlap,
         device=args.device,
-        constrain_draft=args.constrain_draft,
-        cuda_graphs=False if args.no_cuda_graphs else None,
-        fused_forward=False if args.no_fused_forward else None,
-        grammar_threads=args.grammar_threads,
-        lazy_grammar={"auto": None, "on": True, "off": False}[args.lazy_grammar],
-        **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
+        config=config,
     )
     requests, slots = [], []
     for item in items:

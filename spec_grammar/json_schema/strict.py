@@ -26,6 +26,7 @@ __all__ = [
     "TYPE_KEYWORDS",
     "REMOTE_REF",
     "REQUIRED_UNDECLARED",
+    "LENGTH_WITH_PATTERN",
 ]
 
 TYPE_KEYWORDS: Mapping[str, str] = {
@@ -92,6 +93,10 @@ REQUIRED_UNDECLARED = "required:undeclared"
 """Pseudo-keyword reported for a ``required`` name that the same subschema's ``properties``
 does not define."""
 
+LENGTH_WITH_PATTERN = "length:with-pattern"
+"""Pseudo-keyword reported for a ``minLength`` / ``maxLength`` in a subschema that also has a
+``pattern`` or a ``format``."""
+
 # Keywords whose value is one subschema, a list of subschemas, or a name -> subschema map.
 _ONE = (
     "items",
@@ -152,6 +157,12 @@ def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> N
             props = schema.get("properties")
             if any(not isinstance(props, dict) or n not in props for n in value):
                 name = REQUIRED_UNDECLARED if REQUIRED_UNDECLARED in support.unenforced else name
+        if (
+            key in ("minLength", "maxLength")
+            and ("pattern" in schema or "format" in schema)
+            and LENGTH_WITH_PATTERN in support.unenforced
+        ):
+            name = LENGTH_WITH_PATTERN
         if name is not None:
             if name in support.unenforced:
                 out.append(f"{name} at {at}: {support.unenforced[name]}")

@@ -168,15 +168,22 @@ def build_worker(
             ``**options``, its fields by name (``draft="self:4"``, ``num_draft_tokens=16``,
             ``overlap=False``, ...), override it or WorkerConfig's defaults.
 
-    Raises ``TypeError`` for a keyword that is no option and the option errors of
-    :class:`~spec_grammar.worker.config.WorkerConfig` (both before anything loads),
-    :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend and
+    Raises ``TypeError`` for a keyword that is no option, the option errors of
+    :class:`~spec_grammar.worker.config.WorkerConfig` and
+    :class:`~spec_grammar.errors.BackendNotFoundError` for an unknown backend (all before
+    anything loads), and
     :class:`~spec_grammar.models.ModelNotFoundError` for a missing model."""
     cfg = worker_config(config, options, "build_worker")
     dev = resolve_device(device)
+    if grammar_backend is not None:  # an unknown name fails before the weights load ("" too)
+        from ..registry import load_backend_class
+
+        load_backend_class(grammar_backend)
     target, tokenizer = _load(model, dtype, dev)
     vocab = int(target.config.vocab_size)
-    backend = _backend(grammar_backend, model, tokenizer, vocab) if grammar_backend else None
+    backend = (
+        _backend(grammar_backend, model, tokenizer, vocab) if grammar_backend is not None else None
+    )
     return SpecWorker(target, tokenizer, cfg, backend=backend, device=dev)
 
 
@@ -224,7 +231,7 @@ def generate(
               (``draft``, ``num_draft_tokens``, ``no_spec``, ``overlap``, ...), over ``config``;
             - the sampling of every prompt,
               :class:`~spec_grammar.worker.sampling.SamplingParams`' fields (``temperature``,
-              ``seed``, ``max_new_tokens``, ``stop`` (a list of strings or None), ...).
+              ``seed``, ``max_new_tokens``, ``stop`` (a string, a list of strings or None), ...).
 
     Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
     compile comes back with ``finish_reason="error"`` and the error; the others complete.
@@ -250,18 +257,25 @@ def generate(
     if len(grammars) != len(items):
         raise ValueError(f"{len(grammars)} grammars for {len(items)} prompts")
     sampling = {k: options.pop(k) for k in list(options) if k in SamplingParams.model_fields}
-    if "stop" in sampling:
-        sampling["stop"] = list(sampling["stop"] or [])
+    if "stop" in sampling:  # one stop string or several (a str is not a list of 1-char stops)
+        stop = sampling["stop"]
+        if stop is None or isinstance(stop, str):
+            sampling["stop"] = [] if stop is None else [stop]
+        elif isinstance(stop, (tuple, set, frozenset)):
+            sampling["stop"] = list(stop)
     params = SamplingParams(**sampling)
+    specs = [_as_spec(g) for g in grammars]  # a grammar of the wrong type fails before the load
     load = {k: options.pop(k) for k in list(options) if k in _BUILD_OPTIONS}
     worker = build_worker(config=worker_config(config, options, "generate"), **load)
     requests = []
-    for item, g in zip(items, grammars):
+    for item, spec in zip(items, specs):
         if isinstance(item, Request):
             requests.append(item)
             continue
-        prompt = build_prompt(worker.tokenizer, item) if chat else item
-        requests.append(Request(prompt=prompt, grammar=_as_spec(g), sampling=params))
+        # only text goes through the chat template; anything else is the request's prompt as
+        # given (token ids, or a wrong type that then fails that request alone)
+        prompt = build_prompt(worker.tokenizer, item) if chat and isinstance(item, str) else item
+        requests.append(Request(prompt=prompt, grammar=spec, sampling=params))
     with worker:
         return worker.run(requests)
 

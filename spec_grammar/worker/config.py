@@ -26,11 +26,11 @@ class WorkerConfig(BaseModel):
     only speed: every draft token is verified), and temperature-0 outputs never depend on it.
 
     Raises the errors the options always raised, with their messages: ``ValueError`` for a bad
-    ``grammar_threads`` / ``lazy_grammar``,
+    ``grammar_threads`` / ``lazy_grammar`` or a drafter name of no known form (``self:x``),
     :class:`~spec_grammar.worker.runner.RunnerError` for a bad ``cuda_graphs`` /
     ``fused_forward``; a value of the wrong type gets pydantic's ``ValidationError`` (a
-    ``ValueError``). The drafters check their own tree shape (``topk``, ``num_steps``,
-    ``num_draft_tokens`` >= 1) when built.
+    ``ValueError``), and so does a tree shape (``topk``, ``num_steps``, ``num_draft_tokens``)
+    that is not an int >= 1 (a bool, ``"3"`` or ``3.0`` is no count).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
@@ -45,14 +45,21 @@ class WorkerConfig(BaseModel):
     )
     topk: int = Field(
         1,
+        strict=True,
+        ge=1,
         description="Draft-tree branches per expanded node and frontier width, model drafters "
         "only (1 = a chain).",
     )
     num_steps: int = Field(
-        4, description="Draft depth: draft forwards per step, model drafters only."
+        4,
+        strict=True,
+        ge=1,
+        description="Draft depth: draft forwards per step, model drafters only.",
     )
     num_draft_tokens: int = Field(
         8,
+        strict=True,
+        ge=1,
         description="Node cap of a draft tree, root included (SGLang's "
         "``speculative_num_draft_tokens``); the n-gram drafter uses this alone.",
     )
@@ -124,6 +131,24 @@ class WorkerConfig(BaseModel):
             if own:
                 raise own[0] from None
             raise
+
+    @field_validator("draft")
+    @classmethod
+    def _check_draft(cls, value: Any) -> Any:
+        # the form of a drafter name, checked before any model loads (the layer count and the
+        # path are checked when the drafter is built)
+        if isinstance(value, str) and value not in ("ngram", "grammar", "none"):
+            kind, _, arg = value.partition(":")
+            if kind not in ("self", "model") or not arg:
+                raise ValueError(
+                    f"unknown drafter {value!r}: use ngram, self:L, model:PATH, grammar or none"
+                )
+            if kind == "self":
+                try:
+                    int(arg)
+                except ValueError:
+                    raise ValueError(f"self:L needs an integer layer count, got {arg!r}") from None
+        return value
 
     @field_validator("grammar_threads", mode="before")
     @classmethod

@@ -153,6 +153,19 @@ def _idle_step(ms: float) -> StepStats:
     )
 
 
+def _policy(name: str, policy: Any, cls: type) -> Any:
+    """``policy`` (a fresh ``cls`` when None); ``TypeError`` naming ``name`` for anything that
+    is not a ``cls`` (a subclass overriding its decisions is the way to pass another one)."""
+    if policy is None:
+        return cls()
+    if not isinstance(policy, cls):
+        raise TypeError(
+            f"{name} must be None or an instance of {cls.__name__} (or a subclass), got "
+            f"{type(policy).__name__}"
+        )
+    return policy
+
+
 class SpecWorker:
     """Runs batches of requests with tree speculative decoding and grammar constraints.
 
@@ -180,7 +193,8 @@ class SpecWorker:
         **options: :class:`~spec_grammar.worker.config.WorkerConfig` fields.
 
     Raises ``TypeError`` for a keyword that is no option, the option errors of
-    :class:`~spec_grammar.worker.config.WorkerConfig`, ``ValueError`` for a backend whose
+    :class:`~spec_grammar.worker.config.WorkerConfig`, ``TypeError`` for a ``placement`` /
+    ``lazy_policy`` / ``early_mask`` of the wrong class, ``ValueError`` for a backend whose
     vocabulary size differs from the model's logits width or an unknown drafter name.
 
     Stats: :attr:`step_stats` holds one :class:`StepStats` per step of the last :meth:`run`.
@@ -202,6 +216,10 @@ class SpecWorker:
         if config is None:
             options.setdefault("forced_tokens", False)
         self.config = cfg = worker_config(config, options, "SpecWorker.__init__")
+        # the policies first: a wrong object fails here, not in the middle of a run
+        self._placement = _policy("placement", placement, GrammarPlacement)
+        self._early_mask = _policy("early_mask", early_mask, EarlyMask)
+        self._lazy = _policy("lazy_policy", lazy_policy, LazyGrammar)
         self.runner = (
             model
             if isinstance(model, ModelRunner)
@@ -214,9 +232,6 @@ class SpecWorker:
         self.drafter = self._make_drafter()
         self.stop_token_ids = self._stop_tokens()
         self.step_stats: list[StepStats] = []
-        self._placement = placement if placement is not None else GrammarPlacement()
-        self._early_mask = early_mask if early_mask is not None else EarlyMask()
-        self._lazy = lazy_policy if lazy_policy is not None else LazyGrammar()
         self._pool: ThreadPoolExecutor | None = None
         self._group_pool: ThreadPoolExecutor | None = None
         self._open_pools()

@@ -105,6 +105,27 @@ def check_optional_flag(name: str, value: Any) -> bool | None:
     return value
 
 
+_GRAPH_STORE_API = ("run", "clear", "captures", "last_events")
+
+
+def _check_graph_store(graphs: Any) -> None:
+    """Raises :class:`RunnerError` unless ``graphs`` is None or has a graph store's API (a
+    bool or a string must not pass for one: the switch is ``cuda_graphs``)."""
+    if graphs is None:
+        return
+    missing = [name for name in _GRAPH_STORE_API if not hasattr(graphs, name)]
+    if isinstance(graphs, (bool, str)) or missing or not callable(graphs.run):
+        raise RunnerError(
+            "graphs must be None, a ForwardGraphs or an object with its "
+            f"{' / '.join(_GRAPH_STORE_API)}, got {graphs!r}"
+            + (
+                " (to switch CUDA graphs on or off, use cuda_graphs=)"
+                if isinstance(graphs, bool)
+                else ""
+            )
+        )
+
+
 def _token_ids(ids: Sequence[int], what: str) -> list[int]:
     """``ids`` as a list of Python ints. Raises :class:`RunnerError` (naming ``what``) for text
     or a non-iterable, and for an id that is not an integer (``int()`` would truncate 1.5,
@@ -352,6 +373,7 @@ class ModelRunner:
         self._fused = FusedLlama(model) if fused_forward else None
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._store = _KVStore(self.device, getattr(text_config, "num_hidden_layers", 1))
+        _check_graph_store(graphs)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         if graphs is None and use_graphs and self.device.type == "cuda":
             graphs = ForwardGraphs(self.device)

@@ -7,6 +7,7 @@ prefix: spec and no-spec agree by construction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pydantic
@@ -31,24 +32,39 @@ class SamplingParams(pydantic.BaseModel):
     - ``frequency_penalty`` / ``presence_penalty``: OpenAI semantics over output tokens only
       (``logit -= frequency * count + presence * (count > 0)``).
     - ``logit_bias``: token id -> value added to the logit.
-    - ``seed``: seeds the request's generator (:func:`make_generator`); ``None`` = random.
+    - ``seed``: seeds the request's generator (:func:`make_generator`); ``None`` = random; an
+      int in ``[-2**63, 2**64)`` (what ``torch.Generator.manual_seed`` takes).
+    - The float settings are finite; a ``logit_bias`` value may also be ``-inf`` (a ban).
     - ``max_new_tokens``, ``stop`` (stop strings), ``ignore_eos``, ``logprobs``: read by the loop.
     """
 
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    temperature: float = pydantic.Field(0.0, ge=0.0)
-    top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0)
+    # the float settings are finite: inf or NaN would turn every processed row into NaN / -inf
+    temperature: float = pydantic.Field(0.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = pydantic.Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = pydantic.Field(0, ge=0)
-    seed: int | None = None
+    # what torch.Generator.manual_seed takes (a larger int fails there, mid-run)
+    seed: int | None = pydantic.Field(None, ge=-(2**63), le=2**64 - 1)
     max_new_tokens: int = pydantic.Field(256, ge=0)
     stop: list[str] = []
     ignore_eos: bool = False
-    repetition_penalty: float = pydantic.Field(1.0, gt=0.0)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    repetition_penalty: float = pydantic.Field(1.0, gt=0.0, allow_inf_nan=False)
+    frequency_penalty: float = pydantic.Field(0.0, allow_inf_nan=False)
+    presence_penalty: float = pydantic.Field(0.0, allow_inf_nan=False)
     logit_bias: dict[int, float] = {}
     logprobs: bool = False
+
+    @pydantic.field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[int, float]) -> dict[int, float]:
+        """A bias is finite or ``-inf`` (the token is banned); NaN or ``+inf`` has no meaning."""
+        for tok, bias in value.items():
+            if math.isnan(bias) or bias == math.inf:
+                raise ValueError(
+                    f"logit_bias[{tok}] must be a finite number or -inf (banned), got {bias}"
+                )
+        return value
 
     @property
     def greedy(self) -> bool:

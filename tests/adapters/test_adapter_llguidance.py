@@ -134,6 +134,31 @@ def test_plain_tokenizers_tokenizer_gives_the_same_backend(tok, backend, schema,
     assert mb.accept_token(eos) and mb.is_terminated()
 
 
+def test_tokenizer_from_json_gives_the_masks_llguidance_hf_gave(tok, backend, schema, ids, eos):
+    """Oracle for the LLTokenizer built from the tokenizer's JSON: the one
+    ``llguidance.hf.from_tokenizer`` builds (what the adapter used before), the same rows along
+    a document; and building it leaves the caller's tokenizer as it was (padding kept)."""
+    import llguidance.hf
+    from spec_grammar_llguidance.vocab import tokenizer_json
+
+    width = len(tok) + PAD
+    old = LLGuidanceBackend(tok, vocab_size=width)
+    old._llg_tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=width, eos_token=[eos])
+    ma = backend.matcher(backend.compile(JsonSchema(schema)))
+    mb = old.matcher(old.compile(JsonSchema(schema)))
+    for t in ids:
+        assert torch.equal(row_of(ma), row_of(mb))
+        assert ma.accept_token(t) and mb.accept_token(t)
+    assert torch.equal(row_of(ma), row_of(mb))
+    rust = tok.backend_tokenizer
+    rust.enable_padding(length=7)
+    try:
+        assert json.loads(tokenizer_json(tok))["padding"] is None
+        assert rust.padding is not None and rust.padding["length"] == 7
+    finally:
+        rust.no_padding()
+
+
 def test_accept_rollback_fork_exact_across_eos(backend, compiled, ids, eos):
     m = backend.matcher(compiled)
     assert m.accept_tokens(ids + [eos, ids[0]]) == len(ids) + 1

@@ -74,3 +74,18 @@ def test_head_wider_than_tokenizer_same_masks(tok):
     exact, wide = get_backend("xgrammar", tok), get_backend("xgrammar", tok, vocab_size=128256)
     assert wide._narrow and not exact._narrow
     _same_masks(tok, exact, wide)
+
+
+def test_plain_tokenizers_tokenizer_same_masks(tok):
+    """A ``tokenizers.Tokenizer`` (what a user without transformers has; ``TokenizerInfo``
+    takes it) was refused by xgrammar's ``from_huggingface`` with "Unsupported tokenizer type":
+    the default backend did not work with it. Oracle: the transformers tokenizer around it."""
+    from spec_grammar.registry import get_backend
+
+    plain = get_backend(
+        "xgrammar",
+        tok.backend_tokenizer,
+        vocab_size=len(tok) + 64,
+        stop_token_ids=[tok.eos_token_id],
+    )
+    _same_masks(tok, get_backend("xgrammar", tok), plain)

@@ -128,6 +128,7 @@ def test_request_fields_are_checked():
     )
 
 
+@pytest.mark.model  # runs the real SmolLM2
 def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
     f = tmp_path / "b.jsonl"
     lines = [
@@ -180,6 +181,7 @@ def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
     assert len(warn) == 1 and "line-5" in warn[0] and "uniqueItems" in warn[0]
 
 
+@pytest.mark.model  # runs the real SmolLM2
 def test_bad_requests_fail_alone_in_the_api():
     """Wrong-typed grammar / sampling and out-of-vocabulary prompt ids: a typed error for
     that request; the good request completes and a dict ``sampling`` is accepted."""
@@ -209,6 +211,7 @@ def test_bad_requests_fail_alone_in_the_api():
     assert "outside [0," in out[5].error
 
 
+@pytest.mark.model  # runs the real SmolLM2
 def test_precompile_is_reused_by_the_worker():
     spec = JsonSchema(
         {

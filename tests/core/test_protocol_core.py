@@ -225,7 +225,9 @@ def test_missing_hook_refused_at_construction():
     complete = type("Complete", (SpecGrammar,), {h: (lambda self, *args: None) for h in hooks})
     assert complete(info).num_accepted == 0
     # a _fork that returns no matcher is named at fork(), not deep inside the bookkeeping
-    with pytest.raises(TypeError, match=r"Complete._fork\(\) returned NoneType, not a SpecGrammar"):
+    with pytest.raises(
+        GrammarStateError, match="Complete._fork must return a new SpecGrammar, got NoneType"
+    ):
         complete(info).fork()
 
 

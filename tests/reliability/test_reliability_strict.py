@@ -23,6 +23,7 @@ from spec_grammar import get_backend
 from spec_grammar.datasets import json_schema_test_suite
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.json_schema.strict import (
+    LENGTH_WITH_PATTERN,
     REMOTE_REF,
     REQUIRED_UNDECLARED,
     TYPE_KEYWORDS,
@@ -272,6 +273,7 @@ def test_declarations_name_known_keywords():
         "$dynamicRef",
         REMOTE_REF,
         REQUIRED_UNDECLARED,
+        LENGTH_WITH_PATTERN,
     }
     for name in BACKENDS:
         support = type(backend(name)).json_schema_support
@@ -303,3 +305,57 @@ def test_walker_paths_and_pseudo_keywords():
         "$ref:uri at /$defs/y: r",
     ]
     assert unenforced_keywords(True, support) == [] and unenforced_keywords({}, support) == []
+
+
+LENGTH_NEXT_TO_PATTERN = [
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, ["ab", "abc", "abcd", "AB"]),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 2}, ["a", "ab", "abc"]),
+    ({"type": "string", "format": "email", "maxLength": 6}, ["a@b.co", "ab@cd.ef"]),
+    ({"type": ["string", "null"], "pattern": "^[a-z]+$", "minLength": 3}, ["ab", "abc", None]),
+    (
+        {
+            "type": "object",
+            "properties": {"s": {"type": "string", "pattern": "^x+$", "maxLength": 2}},
+            "required": ["s"],
+            "additionalProperties": False,
+        },
+        [{"s": "xxx"}, {"s": "x"}],
+    ),
+]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("schema, instances", LENGTH_NEXT_TO_PATTERN)
+def test_length_next_to_a_pattern_or_format_is_enforced_or_refused(name, schema, instances):
+    """xgrammar drops minLength / maxLength next to a pattern or a format (its log says so on
+    stderr), yet strict mode compiled such schemas: "ab" passed ``minLength: 3``. Oracle:
+    ``jsonschema`` (formats unchecked); a strict compile refuses the schema or accepts no
+    instance that ``jsonschema`` rejects."""
+    b = backend(name)
+    try:
+        compiled = b.compile(JsonSchema(schema, strict=True))
+    except UnsupportedGrammarError as e:
+        assert "length:with-pattern" in str(e) or "Length" in str(e), str(e)
+        lenient = b.compile(JsonSchema(schema))
+        assert any(w.startswith(LENGTH_WITH_PATTERN) for w in lenient.warnings), lenient.warnings
+        return
+    rejected = [i for i in instances if not jsonschema.Draft202012Validator(schema).is_valid(i)]
+    assert rejected
+    for instance in rejected:
+        assert not accepts(b, compiled, instance), (schema, instance)
+
+
+def test_the_length_pseudo_keyword_is_reported_where_it_applies():
+    support = KeywordSupport(unenforced={LENGTH_WITH_PATTERN: "l"})
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "pattern": "x", "minLength": 1, "maxLength": 3},
+            "b": {"type": "string", "minLength": 1},
+            "c": {"type": "string", "format": "date", "maxLength": 3},
+        },
+    }
+    assert unenforced_keywords(schema, support) == [
+        "length:with-pattern at /properties/a: l",
+        "length:with-pattern at /properties/c: l",
+    ]

@@ -28,9 +28,21 @@ def model_and_tokenizer():
 
 
 @functools.cache
+def vocab_size() -> int:
+    """The model's logits width, read from its config: the tests that only compile and match
+    grammars need no weights (they run in the ``-m "not model"`` lane, which loading the
+    float64 model here made ~15 s slower)."""
+    from spec_grammar.worker.api import _config_vocab_size
+
+    width = _config_vocab_size("smollm2")
+    return width if width is not None else model_and_tokenizer()[0].config.vocab_size
+
+
+@functools.cache
 def backend(name: str):
-    model, tok = model_and_tokenizer()
-    return get_backend(name, tok, vocab_size=model.config.vocab_size)
+    from spec_grammar.models import load_tokenizer
+
+    return get_backend(name, load_tokenizer("smollm2"), vocab_size=vocab_size())
 
 
 def replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:

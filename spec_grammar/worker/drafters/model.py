@@ -211,7 +211,9 @@ class ModelDrafter(Drafter):
         vocab_limit: draft tokens are restricted to ids below this (the target's logits
             width), so a draft model with a larger vocabulary never proposes unknown ids.
 
-    Raises ``ValueError`` on non-positive ``topk`` / ``num_steps``.
+    ``topk`` and ``num_steps`` are capped at ``num_draft_tokens - 1`` (at least 1): beyond it
+    they would draft only candidates no tree can hold. Raises ``ValueError`` on non-positive
+    ``topk`` / ``num_steps``.
     """
 
     name = "model"
@@ -231,8 +233,13 @@ class ModelDrafter(Drafter):
                 f"topk and num_steps must be >= 1, got topk={topk}, num_steps={num_steps}"
             )
         self.runner = runner
-        self.topk = int(topk)
-        self.num_steps = int(num_steps)
+        # A tree holds num_draft_tokens - 1 drafts and a candidate is chosen only with all its
+        # ancestors, so no candidate deeper than that, nor ranked past it among its siblings or
+        # its depth, is ever chosen (ties aside): a larger topk / num_steps is only work (topk=10**6 or
+        # num_steps=10**9 would draft for ever), capped here.
+        cap = max(self.num_draft_tokens - 1, 1)
+        self.topk = min(int(topk), cap)
+        self.num_steps = min(int(num_steps), cap)
         self.vocab_limit = vocab_limit
         self._staging = _Staging(torch.device(runner.device))
 
