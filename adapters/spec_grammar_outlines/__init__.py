@@ -42,8 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas, rewrite_patterns
 from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import (
     Capabilities,
@@ -84,6 +85,25 @@ _SENTINEL_BYTES = SENTINEL.encode("utf-8")
 
 _TERMINATED = -1  # state-list sentinel after an accepted stop token (DFA states are u32)
 _MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
+
+_STRING_CHAR = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
+"""outlines-core 0.2.14's regex for one character of a JSON string: it leaves out U+007F..U+009F
+(JSON allows them raw) and every ``\\uXXXX`` escape, so a string holding a control character
+other than \\b \\f \\n \\r \\t could not be written at all (JSON has no other spelling)."""
+
+_JSON_STRING_CHAR = (
+    r'([^"\\\x00-\x1F]|\\["\\/bfnrt]'
+    r"|\\u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})"
+    r"|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
+"""One character of a JSON string (RFC 8259 section 7): any character but ``"``, ``\\`` and
+U+0000..U+001F raw, a short escape, a ``\\uXXXX`` escape of a non-surrogate, or a surrogate
+pair (one character, as ``minLength`` / ``maxLength`` count it)."""
+
+_PATTERN_WHY = (
+    "is not enforced: outlines-core 0.2.14 writes the pattern into its regex as it stands, "
+    "and this construct has no translation (the pattern is left out)"
+)
 
 # JsonSchema.whitespace -> outlines' whitespace_pattern (None = outlines' default, `[ ]?`).
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
@@ -494,21 +514,28 @@ class OutlinesBackend(GrammarBackend):
     def library_version(cls) -> str:
         return importlib.metadata.version("outlines-core")
 
-    def _regex_of(self, spec: GrammarSpec) -> str:
+    def _regex_of(self, spec: GrammarSpec) -> tuple[str, list[str]]:
+        """The regex of ``spec`` and the warnings of its rewrites."""
         if isinstance(spec, Regex):
-            return spec.pattern
+            return spec.pattern, []
         if isinstance(spec, JsonSchema):
             if spec.json_schema is False:
                 raise GrammarCompileError("the schema `false` accepts no document")
-            schema = (
-                "{}"
-                if spec.json_schema is True
-                else json.dumps(_for_outlines(spec.json_schema), ensure_ascii=False)
-            )
+            notes: list[str] = []
+            if spec.json_schema is True:
+                schema = "{}"
+            else:
+                # outlines writes a pattern between the string's quotes as it stands: give it
+                # the JSON-text regex of what jsonschema's re.search accepts
+                rewritten, notes = rewrite_patterns(
+                    _for_outlines(spec.json_schema), "json", anchor=False, why=_PATTERN_WHY
+                )
+                schema = json.dumps(rewritten, ensure_ascii=False)
             try:
-                return build_regex_from_schema(
+                regex = build_regex_from_schema(
                     schema, whitespace_pattern=_WHITESPACE[spec.whitespace]
                 )
+                return regex.replace(_STRING_CHAR, _JSON_STRING_CHAR), notes
             except ValueError as e:
                 # outlines says "Unsupported ..." / "... is not supported by Outlines" for
                 # valid schemas it cannot express.
@@ -521,9 +548,10 @@ class OutlinesBackend(GrammarBackend):
                 ) from e
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by outlines-core (regex only)")
 
-    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
+    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar | LibraryResult:
+        regex, notes = self._regex_of(spec)
         try:
-            index = oc.Index(f"(?:{self._regex_of(spec)}){SENTINEL}", self._vocab.vocabulary)
+            index = oc.Index(f"(?:{regex}){SENTINEL}", self._vocab.vocabulary)
         except ValueError as e:
             if "NFA" not in str(e):
                 raise
@@ -541,7 +569,7 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarCompileError(
                 "the schema accepts no JSON document (outlines built an empty pattern)"
             )
-        return grammar
+        return LibraryResult(grammar, tuple(notes)) if notes else grammar
 
     def _matcher(self, compiled: CompiledGrammar) -> OutlinesMatcher:
         return OutlinesMatcher(self, compiled.native)

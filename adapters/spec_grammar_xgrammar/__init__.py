@@ -8,19 +8,24 @@ since xgrammar 0.2.9 has no non-mutating validate.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
+import os
 import re
+import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from spec_grammar.bitmask import bitmask_width
+from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas, rewrite_patterns
 from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
@@ -37,6 +42,58 @@ _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's C++ errors start with its log prefix ``[hh:mm:ss] /path/file.cc:94: ``."""
+
+_PATTERN_WHY = (
+    "is not enforced: xgrammar 0.2.9 would read the pattern against the string's JSON text "
+    "and ignore this construct (the pattern is left out)"
+)
+
+_PATTERN_REFUSES = (
+    "xgrammar 0.2.9 misreads escape sequences inside an optional or repeated part of a pattern "
+    '(`a(?:\\\\n)?` refused "a\\n"), so pattern strings are written without them: values holding '
+    '`"`, `\\` or a control character are refused'
+)
+
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _library_log() -> Iterator[list[str]]:
+    """Collect what xgrammar's C++ code writes to the process's stderr meanwhile (its
+    ``Warning:`` lines for ignored regex constructs are printed there, never raised or
+    returned): file descriptor 2 goes to a temporary file, restored afterwards; the lines are
+    appended to the yielded list on exit. One capture at a time (a lock): output other threads
+    write to stderr meanwhile lands in the same file and is written back to stderr after."""
+    lines: list[str] = []
+    with _STDERR_LOCK, tempfile.TemporaryFile() as tmp:
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to capture
+            yield lines
+            return
+        try:
+            os.dup2(tmp.fileno(), 2)
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", "replace")
+            other = []
+            for line in text.splitlines():
+                (lines if "Warning" in line and _LOG_PREFIX.match(line) else other).append(line)
+            if other:  # not ours: give it back
+                os.write(2, ("\n".join(other) + "\n").encode())
+
+
+def _log_warnings(lines: list[str]) -> list[str]:
+    """xgrammar's log lines as compile warnings (``pattern`` for its regex messages)."""
+    out = []
+    for line in lines:
+        msg = _LOG_PREFIX.sub("", line).strip()
+        keyword = "pattern" if "regex" in msg.lower() else "library"
+        out.append(f"{keyword} at /: xgrammar 0.2.9 logged {msg!r}")
+    return list(dict.fromkeys(out))
 
 
 def _draft2020(schema: Any) -> Any:
@@ -289,17 +346,39 @@ class XGrammarBackend(GrammarBackend):
                 raise GrammarCompileError("the schema `false` accepts no document")
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
             older = _draft2020(spec.json_schema)
+            # xgrammar matches a pattern in full against the JSON text of the string: give it
+            # the translated JSON-text regex of what jsonschema's re.search accepts
+            older, notes = rewrite_patterns(
+                older,
+                "json",
+                anchor=False,
+                why=_PATTERN_WHY,
+                escapes=False,
+                refuses=_PATTERN_REFUSES,
+            )
             if older is not spec.json_schema:
                 schema = json.dumps(older, ensure_ascii=False)
             flexible = spec.whitespace == "flexible"
-            return c.compile_json_schema(
-                schema,
-                any_whitespace=flexible,
-                separators=None if flexible else _SEPARATORS[spec.whitespace],
-                strict_mode=False,
-            )
+            with _library_log() as log:
+                native = c.compile_json_schema(
+                    schema,
+                    any_whitespace=flexible,
+                    separators=None if flexible else _SEPARATORS[spec.whitespace],
+                    strict_mode=False,
+                )
+            notes += _log_warnings(log)
+            return LibraryResult(native, tuple(notes)) if notes else native
         if isinstance(spec, Regex):
-            return c.compile_regex(spec.pattern)
+            with _library_log() as log:
+                native = c.compile_regex(spec.pattern)
+            if log:
+                # a Regex has no lenient mode: a construct xgrammar ignores makes another
+                # language, so the spec is refused rather than weakened
+                raise UnsupportedGrammarError(
+                    "xgrammar 0.2.9 would ignore part of the regex: "
+                    + "; ".join(_LOG_PREFIX.sub("", x).strip() for x in log[:3])
+                )
+            return native
         if isinstance(spec, Ebnf):
             return c.compile_grammar(spec.text, root_rule_name=spec.root)
         if isinstance(spec, Lark):

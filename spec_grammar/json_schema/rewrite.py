@@ -10,7 +10,7 @@ from typing import Any
 
 import jsonschema
 
-__all__ = ["LITERAL_KEYWORDS", "enum_within_type", "map_subschemas"]
+__all__ = ["LITERAL_KEYWORDS", "enum_within_type", "map_subschemas", "rewrite_patterns"]
 
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER
 
@@ -74,3 +74,59 @@ def enum_within_type(node: dict[str, Any]) -> dict[str, Any]:
     except jsonschema.exceptions.UnknownType:
         pass
     return node
+
+
+def rewrite_patterns(
+    schema: Any,
+    target: str,
+    *,
+    anchor: bool,
+    why: str,
+    property_patterns: bool = False,
+    escapes: bool = True,
+    refuses: str = "",
+) -> tuple[Any, list[str]]:
+    """``schema`` with every ``pattern`` (and, with ``property_patterns``, every
+    ``patternProperties`` name) replaced by :func:`~spec_grammar.json_schema.pattern.translate`
+    ``(pattern, target)``, wrapped as ``^(?:R)$`` when ``anchor`` (for libraries that search)
+    or ``(?:R)`` otherwise. A pattern the translation does not support is left out (a
+    ``patternProperties`` entry: its name is kept as written) with one warning line
+    ``"pattern at <pointer>: <feature> ...; <why>"`` each. With ``escapes=False`` (see
+    :func:`~spec_grammar.json_schema.pattern.translate_ex`) a pattern whose strings may hold a
+    character JSON escapes gets a line ``"pattern:refuses at <pointer>: <refuses>"``. Returns
+    ``(schema, warnings)``; ``schema`` is the same object when nothing changed."""
+    from .pattern import NOTHING, UnsupportedPattern, translate_ex
+
+    notes: list[str] = []
+
+    def conv(pattern: str, where: str, keyword: str) -> str | None:
+        try:
+            r, dropped = translate_ex(pattern, target, escapes)
+        except UnsupportedPattern as e:
+            notes.append(f"{keyword} at {where or '/'}: {e.feature} ({pattern!r:.80}) {why}")
+            return None
+        except Exception:  # not a Python regex: the library reports it
+            return pattern
+        if dropped:
+            notes.append(f"{keyword}:refuses at {where or '/'}: {refuses}")
+        if r is None:  # no string matches: a negated class of every character says so
+            r = NOTHING
+        return f"^(?:{r})$" if anchor else f"(?:{r})"
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        out = n
+        if isinstance(n.get("pattern"), str):
+            r = conv(n["pattern"], where, "pattern")
+            out = {k: v for k, v in n.items() if k != "pattern"}
+            if r is not None:
+                out["pattern"] = r
+        pp = n.get("patternProperties")
+        if property_patterns and isinstance(pp, dict):
+            new = {}
+            for name, sub in pp.items():
+                r = conv(name, f"{where}/patternProperties", "patternProperties")
+                new[name if r is None else r] = sub
+            out = {**out, "patternProperties": new}
+        return out
+
+    return map_subschemas(schema, node), notes

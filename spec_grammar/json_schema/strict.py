@@ -119,10 +119,14 @@ class KeywordSupport:
             A keyword listed here may still be partly enforced; listing it means "not always".
         untyped: why type-specific keywords (:data:`TYPE_KEYWORDS`) are ignored in a subschema
             that has no ``type``; ``None`` when the library enforces them there too.
+        restricted: keyword -> why the library refuses some documents the keyword allows (the
+            other side of the same promise: a valid document refused). Reported as
+            ``"<keyword>:refuses at <pointer>: <reason>"``; strict mode refuses them too.
     """
 
     unenforced: Mapping[str, str] = field(default_factory=dict)
     untyped: str | None = None
+    restricted: Mapping[str, str] = field(default_factory=dict)
 
 
 def unenforced_keywords(schema: Any, support: KeywordSupport) -> list[str]:
@@ -152,6 +156,8 @@ def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> N
             props = schema.get("properties")
             if any(not isinstance(props, dict) or n not in props for n in value):
                 name = REQUIRED_UNDECLARED if REQUIRED_UNDECLARED in support.unenforced else name
+        if name is not None and name in support.restricted:
+            out.append(f"{name}:refuses at {at}: {support.restricted[name]}")
         if name is not None:
             if name in support.unenforced:
                 out.append(f"{name} at {at}: {support.unenforced[name]}")
