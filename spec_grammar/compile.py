@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
-from .json_schema.check import check_json_schema
+from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.strict import unenforced_keywords
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -164,6 +164,12 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         try:
             if isinstance(target, JsonSchema):
                 check_json_schema(target.json_schema)
+                if not has_finite_document(target.json_schema):
+                    raise GrammarCompileError(
+                        "the schema has no finite document: every valid document would be infinitely "
+                        "deep (a required property or item refers back to its own schema, or meets "
+                        "`false` / `enum: []`)"
+                    )
                 ignored = unenforced_keywords(target.json_schema, backend.json_schema_support)
                 if ignored and target.strict:
                     raise UnsupportedGrammarError(

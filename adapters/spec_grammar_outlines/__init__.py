@@ -44,7 +44,12 @@ import torch
 
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas, rewrite_patterns
+from spec_grammar.json_schema.rewrite import (
+    const_within_enum,
+    enum_within_type,
+    map_subschemas,
+    rewrite_patterns,
+)
 from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import (
     Capabilities,
@@ -124,7 +129,8 @@ def _for_outlines(schema: Any) -> Any:
 
 
 def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
-    node = enum_within_type(node)  # before the checks: a narrowed enum can be empty
+    # before the checks: a narrowed enum can be empty
+    node = enum_within_type(const_within_enum(node))
     at = where or "/"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise UnsupportedGrammarError(
@@ -137,6 +143,52 @@ def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
             "pattern (the output would not be JSON)"
         )
     return node
+
+
+_MAX_RECURSION_DEPTH = 3
+"""outlines-core 0.2.14's ``build_regex_from_schema(max_recursion_depth=3)``: a regex has no
+recursion, so a recursive reference is unrolled this many levels and refused below."""
+
+
+def _refusals(schema: Any) -> list[str]:
+    """What outlines-core 0.2.14 refuses that the schema allows, one line per use (as
+    :func:`~spec_grammar.json_schema.strict.unenforced_keywords` writes them, tag ``refuses``):
+    objects with ``properties`` get no other property (``additionalProperties`` other than
+    ``false`` is ignored there), and recursive references stop after
+    :data:`_MAX_RECURSION_DEPTH` levels."""
+    notes: list[str] = []
+    refs: list[tuple[str, str]] = []
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        if isinstance(n.get("properties"), dict) and n["properties"]:
+            if n.get("additionalProperties", True) is not False:
+                notes.append(
+                    f"additionalProperties:refuses at {where or '/'}: outlines-core 0.2.14 writes "
+                    "the declared properties only, other property names are refused"
+                )
+        ref = n.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            refs.append((where, ref[1:]))
+        return n
+
+    map_subschemas(schema, node)
+    targets = {t for _, t in refs}
+    inside = {
+        t: {t2 for w, t2 in refs if w == t or w.startswith(t + "/") or t == ""} for t in targets
+    }
+    for where, t in refs:
+        seen, todo = set(), list(inside.get(t, ()))
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo.extend(inside.get(x, ()))
+        if t in seen:
+            notes.append(
+                f"$ref:refuses at {where or '/'}: outlines-core 0.2.14 unrolls a recursive reference "
+                f"{_MAX_RECURSION_DEPTH} levels deep, deeper documents are refused"
+            )
+    return list(dict.fromkeys(notes))
 
 
 def _escaped_names(node: dict[str, Any], _where: str) -> dict[str, Any]:
@@ -530,10 +582,13 @@ class OutlinesBackend(GrammarBackend):
                 rewritten, notes = rewrite_patterns(
                     _for_outlines(spec.json_schema), "json", anchor=False, why=_PATTERN_WHY
                 )
+                notes += _refusals(spec.json_schema)
                 schema = json.dumps(rewritten, ensure_ascii=False)
             try:
                 regex = build_regex_from_schema(
-                    schema, whitespace_pattern=_WHITESPACE[spec.whitespace]
+                    schema,
+                    whitespace_pattern=_WHITESPACE[spec.whitespace],
+                    max_recursion_depth=_MAX_RECURSION_DEPTH,
                 )
                 return regex.replace(_STRING_CHAR, _JSON_STRING_CHAR), notes
             except ValueError as e:

@@ -25,7 +25,12 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas, rewrite_patterns
+from spec_grammar.json_schema.rewrite import (
+    const_within_enum,
+    enum_within_type,
+    map_subschemas,
+    rewrite_patterns,
+)
 from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
@@ -101,7 +106,8 @@ def _draft2020(schema: Any) -> Any:
     draft 2020-12 equivalents (the same instances pass): array ``items`` (a tuple) ->
     ``prefixItems`` + ``items`` = ``additionalItems``; boolean ``exclusiveMinimum`` /
     ``exclusiveMaximum`` (draft 04) -> the number of ``minimum`` / ``maximum``; and ``enum``
-    values outside the node's ``type`` dropped (:func:`enum_within_type`). Returns ``schema``
+    values outside the node's ``type`` dropped (:func:`enum_within_type`), ``const`` next to
+    ``enum`` reduced to what both allow (:func:`const_within_enum`). Returns ``schema``
     itself (the same object) when nothing needs rewriting."""
     return map_subschemas(schema, _draft2020_node)
 
@@ -116,7 +122,7 @@ def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
         if isinstance(out.get(excl), bool):
             if out.pop(excl) and bound in out:
                 out[excl] = out.pop(bound)
-    out = enum_within_type(out)
+    out = enum_within_type(const_within_enum(out))
     return node if out == node else out
 
 

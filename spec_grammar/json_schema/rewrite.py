@@ -10,7 +10,13 @@ from typing import Any
 
 import jsonschema
 
-__all__ = ["LITERAL_KEYWORDS", "enum_within_type", "map_subschemas", "rewrite_patterns"]
+__all__ = [
+    "LITERAL_KEYWORDS",
+    "const_within_enum",
+    "enum_within_type",
+    "map_subschemas",
+    "rewrite_patterns",
+]
 
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER
 
@@ -74,6 +80,31 @@ def enum_within_type(node: dict[str, Any]) -> dict[str, Any]:
     except jsonschema.exceptions.UnknownType:
         pass
     return node
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """JSON-Schema equality (``1 == 1.0``, ``true != 1``): ``jsonschema``'s own."""
+    try:
+        from jsonschema._utils import equal
+    except ImportError:  # pragma: no cover - a jsonschema without the helper
+        return type(a) is type(b) and a == b
+    return bool(equal(a, b))
+
+
+def const_within_enum(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with ``const`` and ``enum`` side by side reduced to what both allow: JSON
+    Schema asks for both, while xgrammar 0.2.9 and outlines-core 0.2.14 keep one
+    (``{"const": "a", "enum": ["b"]}`` wrote ``"a"``). The ``const`` stays when the ``enum``
+    lists it (the ``enum`` goes), else ``enum: []`` replaces both (nothing matches). Returns
+    ``node`` itself when it has not both."""
+    if "const" not in node or not isinstance(node.get("enum"), list):
+        return node
+    out = {k: v for k, v in node.items() if k != "enum"}
+    if any(_json_equal(node["const"], v) for v in node["enum"]):
+        return out
+    del out["const"]
+    out["enum"] = []
+    return out
 
 
 def rewrite_patterns(
