@@ -184,9 +184,14 @@ def _refusals(schema: Any) -> list[str]:
                 seen.add(x)
                 todo.extend(inside.get(x, ()))
         if t in seen:
+            at = where or "/"
             notes.append(
-                f"$ref:refuses at {where or '/'}: outlines-core 0.2.14 unrolls a recursive reference "
+                f"$ref:refuses at {at}: outlines-core 0.2.14 unrolls a recursive reference "
                 f"{_MAX_RECURSION_DEPTH} levels deep, deeper documents are refused"
+            )
+            notes.append(
+                f"$ref at {at}: outlines-core 0.2.14 writes an empty object where the unrolled "
+                "reference stops (`{}` is accepted there whatever the referenced schema says)"
             )
     return list(dict.fromkeys(notes))
 

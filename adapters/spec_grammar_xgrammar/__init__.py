@@ -25,13 +25,20 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
     enum_within_type,
     map_subschemas,
     rewrite_patterns,
+    split_by_type,
 )
-from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
+from spec_grammar.json_schema.strict import (
+    REMOTE_REF,
+    REQUIRED_UNDECLARED,
+    TYPE_KEYWORDS,
+    KeywordSupport,
+)
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
@@ -91,6 +98,32 @@ def _library_log() -> Iterator[list[str]]:
                 os.write(2, ("\n".join(other) + "\n").encode())
 
 
+def _regex_for_xgrammar(pattern: str) -> tuple[str, list[str]]:
+    """A ``Regex`` pattern as xgrammar 0.2.9 should get it, with the warnings of the rewrite.
+
+    xgrammar accepts the stop token before anything is written when the pattern starts with a
+    character set holding U+0000 (``[^a]+`` and ``(?:[\\x00-z])+`` matched the empty string).
+    The pattern is rewritten by :func:`spec_grammar.json_schema.pattern.translate_ex` (explicit
+    sets, the same language as ``re.fullmatch``) without U+0000, which a warning then declares;
+    a pattern the translation does not support goes to xgrammar as written (it fails or logs,
+    and a logged construct is refused)."""
+    try:
+        r, dropped = translate_ex(f"^(?:{pattern})\\Z", "value", exclude=((0, 0),))
+    except (re.error, UnsupportedPattern):
+        return pattern, []
+    if r is None:
+        return pattern, []
+    notes = (
+        [
+            "regex:refuses at /: xgrammar 0.2.9 matches the empty string when a character set holds "
+            "U+0000, so U+0000 is left out of the pattern's sets"
+        ]
+        if dropped
+        else []
+    )
+    return r, notes
+
+
 def _log_warnings(lines: list[str]) -> list[str]:
     """xgrammar's log lines as compile warnings (``pattern`` for its regex messages)."""
     out = []
@@ -110,6 +143,36 @@ def _draft2020(schema: Any) -> Any:
     ``enum`` reduced to what both allow (:func:`const_within_enum`). Returns ``schema``
     itself (the same object) when nothing needs rewriting."""
     return map_subschemas(schema, _draft2020_node)
+
+
+_UNTYPED = (
+    "xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type` "
+    "(here it could not be split by type: anyOf/oneOf/allOf/$ref next to it)"
+)
+_UNTYPED_REFUSES = (
+    "xgrammar 0.2.9 takes such a subschema for the keyword's type only: instances of other "
+    "types are refused"
+)
+
+
+def _typed(schema: Any) -> tuple[Any, list[str]]:
+    """``schema`` with every untyped subschema split by type (:func:`split_by_type`), and the
+    warnings of those that could not be split (xgrammar ignores their type-specific keywords
+    for instances of that type and refuses instances of other types)."""
+    notes: list[str] = []
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        out = split_by_type(n)
+        if out is None:
+            at = where or "/"
+            for k in n:
+                if k in TYPE_KEYWORDS:
+                    notes.append(f"{k} at {at} (no `type` next to it): {_UNTYPED}")
+                    notes.append(f"{k}:refuses at {at} (no `type` next to it): {_UNTYPED_REFUSES}")
+            return n
+        return out
+
+    return map_subschemas(schema, node), notes
 
 
 def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
@@ -135,7 +198,8 @@ class XGrammarMatcher(SpecGrammar):
         self._m = matcher
 
     def _accept_token(self, token: int) -> bool:
-        return self._m.accept_token(token)
+        # special ids are refused here: xgrammar would log a line for each
+        return token not in self._backend._special_set and self._m.accept_token(token)
 
     def _accept_tokens(self, tokens: list[int]) -> int:
         # xgrammar refuses every token once terminated: no termination check per token
@@ -291,7 +355,12 @@ class XGrammarBackend(GrammarBackend):
             REQUIRED_UNDECLARED: "xgrammar 0.2.9 ignores required names that properties does not define",
             REMOTE_REF: "xgrammar 0.2.9 resolves only local '#/...' references (others match anything)",
         },
-        untyped="xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type`",
+        # untyped subschemas: split by type, or declared, by the adapter (_typed)
+        restricted=dict.fromkeys(
+            ("minLength", "maxLength"),
+            "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values holding "
+            '`"`, `\\` or a control character are refused',
+        ),
     )
 
     def __init__(
@@ -306,12 +375,29 @@ class XGrammarBackend(GrammarBackend):
         info = self.tokenizer_info
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self._xgr_info = xgr.TokenizerInfo.from_huggingface(
+            hf_info = xgr.TokenizerInfo.from_huggingface(
                 info.hf_tokenizer,
                 vocab_size=info.tokenizer_vocab_size,
                 stop_token_ids=list(info.stop_token_ids),
             )
         self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
+        # xgrammar 0.2.9 reads added tokens (<|im_start|>, <repo_name>, ...) as their text, so
+        # a JSON string allowed them, and a stop token too (`[^a]+` accepted <|im_end|> as its
+        # first "characters", without terminating); it treats tokens that decode to nothing as
+        # special and never allows those as text, so every special id (stop tokens included:
+        # those it still knows from stop_token_ids) is given empty text.
+        self._special_set = frozenset(info.special_token_ids) - self._stop_set
+        decoded = list(hf_info.decoded_vocab)
+        for t in self._special_set | self._stop_set:
+            if t < len(decoded):
+                decoded[t] = b""
+        self._xgr_info = xgr.TokenizerInfo(
+            decoded,
+            xgr.VocabType.RAW,
+            vocab_size=hf_info.vocab_size,
+            stop_token_ids=list(info.stop_token_ids),
+            add_prefix_space=hf_info.add_prefix_space,
+        )
         # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids
         # too, it treats them as special tokens that every mask rejects one by one, and a model
         # head wider than its tokenizer (here: 128k rows, a 49k tokenizer) made tree fills ~15x
@@ -352,6 +438,7 @@ class XGrammarBackend(GrammarBackend):
                 raise GrammarCompileError("the schema `false` accepts no document")
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
             older = _draft2020(spec.json_schema)
+            older, untyped = _typed(older)
             # xgrammar matches a pattern in full against the JSON text of the string: give it
             # the translated JSON-text regex of what jsonschema's re.search accepts
             older, notes = rewrite_patterns(
@@ -362,6 +449,7 @@ class XGrammarBackend(GrammarBackend):
                 escapes=False,
                 refuses=_PATTERN_REFUSES,
             )
+            notes = untyped + notes
             if older is not spec.json_schema:
                 schema = json.dumps(older, ensure_ascii=False)
             flexible = spec.whitespace == "flexible"
@@ -375,8 +463,9 @@ class XGrammarBackend(GrammarBackend):
             notes += _log_warnings(log)
             return LibraryResult(native, tuple(notes)) if notes else native
         if isinstance(spec, Regex):
+            pattern, notes = _regex_for_xgrammar(spec.pattern)
             with _library_log() as log:
-                native = c.compile_regex(spec.pattern)
+                native = c.compile_regex(pattern)
             if log:
                 # a Regex has no lenient mode: a construct xgrammar ignores makes another
                 # language, so the spec is refused rather than weakened
@@ -384,7 +473,7 @@ class XGrammarBackend(GrammarBackend):
                     "xgrammar 0.2.9 would ignore part of the regex: "
                     + "; ".join(_LOG_PREFIX.sub("", x).strip() for x in log[:3])
                 )
-            return native
+            return LibraryResult(native, tuple(notes)) if notes else native
         if isinstance(spec, Ebnf):
             return c.compile_grammar(spec.text, root_rule_name=spec.root)
         if isinstance(spec, Lark):

@@ -203,17 +203,22 @@ def _hex_digit(d: int) -> str:
 
 
 class _Writer:
-    def __init__(self, pattern: str, target: str, escapes: bool = True):
+    def __init__(self, pattern: str, target: str, escapes: bool = True, exclude: Ranges = ()):
         if target not in ("value", "json"):
             raise ValueError(f"target must be 'value' or 'json', got {target!r}")
         self.pattern = pattern
         self.json = target == "json"
         self.escapes = escapes
+        self.exclude = _norm(list(exclude))
         self.dotall = False
         self.dropped = False  # a character that needs an escape was left out (escapes=False)
 
     def unit(self, s: Ranges) -> str | None:
         """A regex for one character of ``s`` (None: the empty set, nothing matches)."""
+        if self.exclude:
+            kept = _minus(s, self.exclude)
+            self.dropped = self.dropped or kept != s
+            s = kept
         if not s:
             return None
         if not self.json:
@@ -366,26 +371,28 @@ def translate(pattern: str, target: str = "value") -> str | None:
 
 
 def translate_ex(
-    pattern: str, target: str = "value", escapes: bool = True
+    pattern: str, target: str = "value", escapes: bool = True, exclude: Ranges = ()
 ) -> tuple[str | None, bool]:
     """:func:`translate`, with ``escapes=False`` (``target="json"`` only) writing no escape
     sequence: the characters JSON must escape (``"``, ``\\``, U+0000..U+001F) are left out of
-    every set. Returns ``(regex, dropped)``, ``dropped`` True when such a character was left
-    out (the regex then refuses some strings the pattern accepts)."""
+    every set; the code points of ``exclude`` are left out of every set too. Returns
+    ``(regex, dropped)``, ``dropped`` True when such a character was left out (the regex then
+    refuses some strings the pattern accepts)."""
     parsed = P.parse(pattern, 0)
     flags = parsed.state.flags & ~(C.SRE_FLAG_UNICODE | C.SRE_FLAG_DOTALL)
     if flags:
         raise UnsupportedPattern("inline flags other than (?s)", pattern)
-    w = _Writer(pattern, target, escapes)
+    w = _Writer(pattern, target, escapes, exclude)
     w.dotall = bool(parsed.state.flags & C.SRE_FLAG_DOTALL)
     anything = f"(?:{w.unit(ALL)})*"
-    w.dropped = False  # only the pattern's own sets count
+    anything_drops, w.dropped = w.dropped, False  # counted only where an end is unanchored
     alts = []
     for start, body, end in _alternatives(list(parsed), pattern):
         inner = w.seq(body)
         if inner is None:
             continue
         pre = "" if start else anything
+        w.dropped = w.dropped or (anything_drops and (not start or end is None))
         if end is None:
             post = anything
         else:  # `$` as ECMA 262 reads it: the end of the string (see the module docstring)

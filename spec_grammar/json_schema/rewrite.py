@@ -5,6 +5,7 @@ enforce less than it says."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ __all__ = [
     "enum_within_type",
     "map_subschemas",
     "rewrite_patterns",
+    "split_by_type",
 ]
 
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER
@@ -136,7 +138,7 @@ def rewrite_patterns(
         except UnsupportedPattern as e:
             notes.append(f"{keyword} at {where or '/'}: {e.feature} ({pattern!r:.80}) {why}")
             return None
-        except Exception:  # not a Python regex: the library reports it
+        except re.error:  # not a Python regex: the library reports it
             return pattern
         if dropped:
             notes.append(f"{keyword}:refuses at {where or '/'}: {refuses}")
@@ -161,3 +163,37 @@ def rewrite_patterns(
         return out
 
     return map_subschemas(schema, node), notes
+
+
+_JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
+
+
+def split_by_type(node: dict[str, Any]) -> dict[str, Any] | None:
+    """``node`` without ``type`` whose type-specific keywords (``minLength``, ``items``,
+    ``properties`` ...) are moved into an ``anyOf`` with one typed branch per JSON type they
+    constrain, plus one branch of every other type: the same instances pass (a type-specific
+    keyword constrains its own type only), and libraries that apply such keywords only next to
+    ``type`` (xgrammar 0.2.9 compiled ``{"items": ...}`` to arrays only, and ignored
+    ``{"minLength": 2}``) now enforce them. Returns ``node`` itself when it has ``type``,
+    ``enum`` / ``const`` or no type-specific keyword, and None when it cannot be split without
+    nesting combinators the library merges poorly (it has ``anyOf``, ``oneOf``, ``allOf``,
+    ``$ref`` or ``$dynamicRef`` already)."""
+    from .strict import TYPE_KEYWORDS
+
+    if any(k in node for k in ("type", "enum", "const")):
+        return node
+    groups: dict[str, dict[str, Any]] = {}
+    for k, v in node.items():
+        if k in TYPE_KEYWORDS:
+            groups.setdefault(TYPE_KEYWORDS[k], {})[k] = v
+    if not groups:
+        return node
+    if any(k in node for k in ("anyOf", "oneOf", "allOf", "$ref", "$dynamicRef")):
+        return None
+    out = {k: v for k, v in node.items() if k not in TYPE_KEYWORDS}
+    branches: list[Any] = [{"type": t, **kws} for t, kws in groups.items()]
+    others = [t for t in _JSON_TYPES if t not in groups]
+    if others:
+        branches.append({"type": others})
+    out["anyOf"] = branches
+    return out

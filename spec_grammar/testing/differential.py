@@ -740,8 +740,13 @@ def warned_keywords(warnings_: Sequence[str]) -> tuple[set[str], bool]:
 
 
 def accepts(matcher: Any, ids: list[int], eos: int) -> bool:
-    """A fresh ``matcher`` accepts all of ``ids`` and then the stop token ``eos``."""
-    return matcher.accept_tokens(ids) == len(ids) and matcher.accept_token(eos)
+    """A fresh ``matcher`` accepts all of ``ids`` and then the stop token ``eos``, which
+    terminates it (a stop token taken as text is no end)."""
+    return (
+        matcher.accept_tokens(ids) == len(ids)
+        and matcher.accept_token(eos)
+        and matcher.is_terminated()
+    )
 
 
 def where_refused(backend: Any, compiled: Any, ids: list[int]) -> str:
