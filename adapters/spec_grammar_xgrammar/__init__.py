@@ -29,6 +29,7 @@ from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
     enum_within_type,
+    literal_as_schema,
     map_subschemas,
     rewrite_patterns,
     split_by_type,
@@ -185,7 +186,7 @@ def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
         if isinstance(out.get(excl), bool):
             if out.pop(excl) and bound in out:
                 out[excl] = out.pop(bound)
-    out = enum_within_type(const_within_enum(out))
+    out = literal_as_schema(enum_within_type(const_within_enum(out)))
     return node if out == node else out
 
 
@@ -356,11 +357,18 @@ class XGrammarBackend(GrammarBackend):
             REMOTE_REF: "xgrammar 0.2.9 resolves only local '#/...' references (others match anything)",
         },
         # untyped subschemas: split by type, or declared, by the adapter (_typed)
-        restricted=dict.fromkeys(
-            ("minLength", "maxLength"),
-            "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values holding "
-            '`"`, `\\` or a control character are refused',
-        ),
+        restricted={
+            **dict.fromkeys(
+                ("minLength", "maxLength"),
+                "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values "
+                'holding `"`, `\\` or a control character are refused',
+            ),
+            **dict.fromkeys(
+                ("unevaluatedItems", "unevaluatedProperties"),
+                "xgrammar 0.2.9 reads it as items / additionalProperties of its own subschema, "
+                "refusing what a sibling applicator evaluated",
+            ),
+        },
     )
 
     def __init__(

@@ -18,6 +18,7 @@ __all__ = [
     "map_subschemas",
     "rewrite_patterns",
     "split_by_type",
+    "literal_as_schema",
 ]
 
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER
@@ -197,3 +198,48 @@ def split_by_type(node: dict[str, Any]) -> dict[str, Any] | None:
         branches.append({"type": others})
     out["anyOf"] = branches
     return out
+
+
+def literal_as_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with a ``const`` (or ``enum``) holding objects or arrays spelled as the schema
+    that matches exactly that value (``{"type": "object", "properties": {k: {"const": v}},
+    "required": [...], "additionalProperties": false}``; arrays with ``prefixItems``,
+    ``items: false`` and ``minItems``), ``enum`` as an ``anyOf`` of those: the same instances
+    pass, and the library writes them with the spec's separators (xgrammar 0.2.9 wrote such
+    literals compactly, refusing ``[{"foo": "bar"}]`` under ``", "`` / ``": "``). Returns
+    ``node`` itself when its literals are scalars, or when it has ``anyOf`` already."""
+
+    def spell(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {
+                "type": "object",
+                "properties": {k: spell(x) for k, x in v.items()},
+                "required": list(v),
+                "additionalProperties": False,
+            }
+        if isinstance(v, list):
+            return {
+                "type": "array",
+                "prefixItems": [spell(x) for x in v],
+                "items": False,
+                "minItems": len(v),
+            }
+        return {"const": v}
+
+    compound = (dict, list)
+    if "const" in node and isinstance(node["const"], compound):
+        out = {k: v for k, v in node.items() if k != "const"}
+        if "anyOf" in out:
+            return node
+        out["anyOf"] = [spell(node["const"])]
+        return out
+    enum = node.get("enum")
+    if (
+        isinstance(enum, list)
+        and any(isinstance(v, compound) for v in enum)
+        and "anyOf" not in node
+    ):
+        out = {k: v for k, v in node.items() if k != "enum"}
+        out["anyOf"] = [spell(v) for v in enum]
+        return out
+    return node

@@ -602,9 +602,9 @@ def to_json(instance: Any, schema: Any = None, root: Any = None) -> str:
             + "]"
         )
     if isinstance(instance, float):
-        if instance == int(instance) and abs(instance) < 1e17:
-            return str(int(instance))
-        return format(Decimal(repr(instance)), "f")
+        # the shortest repr's digits, positional; integral ones without a fraction (1.0 -> 1,
+        # 1e+16 -> 10000000000000000); zero as 0 (-0.0 is the same JSON-Schema value)
+        return "0" if instance == 0 else format(Decimal(repr(instance)).normalize(), "f")
     return json.dumps(instance, ensure_ascii=False)
 
 
@@ -712,6 +712,18 @@ def has_unconstrained(schema: Any, root: bool = True) -> bool:
     return any(has_unconstrained(x, False) for x in subs if x is not None and x is not False)
 
 
+OUTLINES_SLOW = frozenset(
+    {
+        "jsonschemabench/Github_medium/o9770",
+        "jsonschemabench/Snowplow/sp_3_Normalized",
+        "jsonschemabench/Github_easy/o6167",
+    }
+)
+"""Schemas whose outlines-core index takes over 10 s to build (2 cores, SmolLM2; the first two
+past 60 s): the quick run leaves them out for outlines (counted as skipped), the full run
+compiles them under the time limit (counted as timeouts when they pass it)."""
+
+
 @dataclass
 class Tally:
     """Counts of one backend on one corpus. Schema outcomes: ``compiled``, ``warned`` (compiled
@@ -760,10 +772,18 @@ def where_refused(backend: Any, compiled: Any, ids: list[int]) -> str:
 
 
 def run_case(
-    backend: Any, case: Case, toks: Tokenizations, tally: Tally, *, skip_open: bool
+    backend: Any,
+    case: Case,
+    toks: Tokenizations,
+    tally: Tally,
+    *,
+    skip_open: bool,
+    skip: frozenset = frozenset(),
 ) -> None:
-    """Compile ``case.spec`` on ``backend`` and judge every document (see :class:`Tally`)."""
-    if skip_open and has_unconstrained(case.schema):
+    """Compile ``case.spec`` on ``backend`` and judge every document (see :class:`Tally`).
+    ``skip_open``: leave out schemas with an unconstrained value (:func:`has_unconstrained`);
+    ``skip``: ``corpus/key`` names left out."""
+    if (skip_open and has_unconstrained(case.schema)) or f"{case.corpus}/{case.key}" in skip:
         tally.add("skipped")
         return
     try:
@@ -838,14 +858,18 @@ def build_cases(corpus: str, plan: Plan) -> list[Case]:
     return cases
 
 
-def run_backend(backend: Any, cases_by_corpus: dict[str, list[Case]]) -> dict[str, Tally]:
-    """Tallies of ``backend`` per corpus."""
+def run_backend(
+    backend: Any, cases_by_corpus: dict[str, list[Case]], *, quick: bool = False
+) -> dict[str, Tally]:
+    """Tallies of ``backend`` per corpus (``quick``: leave out :data:`OUTLINES_SLOW` too)."""
     toks = Tokenizations(backend.tokenizer_info)
     out: dict[str, Tally] = {}
+    outlines = backend.name == "outlines"
+    skip = OUTLINES_SLOW if outlines and quick else frozenset()
     for corpus, cases in cases_by_corpus.items():
         t = out[corpus] = Tally()
         for case in cases:
-            run_case(backend, case, toks, t, skip_open=backend.name == "outlines")
+            run_case(backend, case, toks, t, skip_open=outlines, skip=skip)
     return out
 
 
@@ -936,7 +960,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.backend or ["xgrammar", "llguidance", "outlines"]:
         t0 = time.perf_counter()
         b = get_backend(name, tok, vocab_size=width, compile_timeout_s=args.compile_timeout)
-        results[name] = run_backend(b, cases)
+        results[name] = run_backend(b, cases, quick=args.quick)
         print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for corpus, t in results[name].items():
             for line in t.defects[: args.defects]:
