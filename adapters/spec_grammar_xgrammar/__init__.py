@@ -156,6 +156,50 @@ _UNTYPED_REFUSES = (
 )
 
 
+def _type_into_branches(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its ``type`` copied into each ``anyOf`` / ``oneOf`` / ``allOf`` branch
+    that has none (the same instances pass: the outer ``type`` applies to them anyway).
+    xgrammar 0.2.9 takes the branches' own types instead of intersecting: with
+    ``{"type": "string", "anyOf": [{"maxLength": 2}, ...]}`` the split branches let other
+    types through (``3`` was accepted)."""
+    t = node.get("type")
+    if t is None:
+        return node
+    out = dict(node)
+    for k in ("anyOf", "oneOf", "allOf"):
+        branches = node.get(k)
+        if isinstance(branches, list):
+            out[k] = [
+                {**b, "type": t}
+                if isinstance(b, dict)
+                and not any(x in b for x in ("type", "$ref", "enum", "const"))
+                else b
+                for b in branches
+            ]
+    return node if out == node else out
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BOUNDED_NUMBER = (
+    "xgrammar 0.2.9 writes a bounded number with at most about 10 fraction digits and no "
+    "exponent: smaller magnitudes (0.00000000001) are refused"
+)
+
+_ESCAPED_NAME = (
+    "xgrammar 0.2.9 does not match a property whose name needs a JSON escape while other "
+    "properties are allowed: such a key is taken as an additional property and its value is "
+    "not checked"
+)
+
+
+def _escaped_names_note(node: dict[str, Any], where: str, notes: list[str]) -> None:
+    props = node.get("properties")
+    if not isinstance(props, dict) or node.get("additionalProperties") is False:
+        return
+    if any(json.dumps(k, ensure_ascii=False)[1:-1] != k for k in props):
+        notes.append(f"properties at {where or '/'}: {_ESCAPED_NAME}")
+
+
 def _typed(schema: Any) -> tuple[Any, list[str]]:
     """``schema`` with every untyped subschema split by type (:func:`split_by_type`), and the
     warnings of those that could not be split (xgrammar ignores their type-specific keywords
@@ -163,6 +207,12 @@ def _typed(schema: Any) -> tuple[Any, list[str]]:
     notes: list[str] = []
 
     def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        n = _type_into_branches(n)
+        _escaped_names_note(n, where, notes)
+        if n.get("type") not in ("integer", ["integer"]):
+            for k in _BOUNDS:
+                if k in n:
+                    notes.append(f"{k}:refuses at {where or '/'}: {_BOUNDED_NUMBER}")
         out = split_by_type(n)
         if out is None:
             at = where or "/"
@@ -368,6 +418,7 @@ class XGrammarBackend(GrammarBackend):
                 "xgrammar 0.2.9 reads it as items / additionalProperties of its own subschema, "
                 "refusing what a sibling applicator evaluated",
             ),
+            "patternProperties": "xgrammar 0.2.9 refuses some keys a pattern allows",
         },
     )
 

@@ -167,15 +167,28 @@ def oracle(schema: Any) -> jsonschema.protocols.Validator:
 
 def failing_keywords(validator: Any, instance: Any) -> frozenset[str]:
     """Every keyword ``validator`` reports failing for ``instance``, with the keywords on the
-    way to it (``ValidationError.absolute_schema_path``: a ``type`` failing behind a ``$ref``
-    or inside an ``allOf`` counts for those too) and the errors inside ``anyOf`` / ``oneOf`` /
-    ``allOf`` branches (``ValidationError.context``)."""
+    way to it (``ValidationError.absolute_schema_path``: a ``type`` failing inside an ``allOf``
+    counts for it too) and the errors inside ``anyOf`` / ``oneOf`` / ``allOf`` branches
+    (``ValidationError.context``). ``jsonschema`` leaves ``$ref`` / ``$dynamicRef`` out of
+    the path, so an error whose path does not lead from the root to the subschema that
+    raised it came through a reference and counts for those too."""
     out: set[str] = set()
+    root = validator.schema
     stack = list(validator.iter_errors(instance))
     while stack:
         e = stack.pop()
         out.add(str(e.validator))
-        out.update(p for p in e.absolute_schema_path if isinstance(p, str))
+        path = list(e.absolute_schema_path)
+        out.update(p for p in path if isinstance(p, str))
+        node: Any = root
+        for p in path[:-1]:
+            try:
+                node = node[p]
+            except (KeyError, IndexError, TypeError):
+                node = None
+                break
+        if node is not e.schema:
+            out.update(("$ref", "$dynamicRef"))
         stack.extend(e.context or ())
     return frozenset(out)
 
