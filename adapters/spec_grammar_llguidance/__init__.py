@@ -45,7 +45,7 @@ from spec_grammar.errors import (
     GrammarStateError,
     UnsupportedGrammarError,
 )
-from spec_grammar.json_schema.rewrite import rewrite_patterns
+from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
 from spec_grammar.json_schema.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
@@ -346,6 +346,12 @@ class LLGuidanceBackend(GrammarBackend):
             "oneOf": "llguidance 1.9 treats oneOf as anyOf unless the branches are provably disjoint",
             REMOTE_REF: "llguidance 1.9 resolves only local '#/...' references",
         },
+        restricted={
+            "format": (
+                "llguidance 1.9 asserts the formats it knows, where Draft 2020-12 makes `format` an "
+                "annotation: strings off the format are refused"
+            )
+        },
     )
 
     def __init__(
@@ -397,7 +403,11 @@ class LLGuidanceBackend(GrammarBackend):
                 # llguidance searches with ASCII \d \w \s; the translation spells out Python's
                 # classes (what jsonschema checks) and anchors the whole alternation
                 rewritten, notes = rewrite_patterns(
-                    spec.json_schema, "value", anchor=True, why=_PATTERN_WHY, property_patterns=True
+                    ref_siblings_dropped(spec.json_schema),
+                    "value",
+                    anchor=True,
+                    why=_PATTERN_WHY,
+                    property_patterns=True,
                 )
                 self._notes.notes = notes
                 if rewritten is not spec.json_schema:

@@ -48,6 +48,7 @@ from spec_grammar.json_schema.rewrite import (
     const_within_enum,
     enum_within_type,
     map_subschemas,
+    ref_siblings_dropped,
     rewrite_patterns,
 )
 from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
@@ -125,6 +126,7 @@ def _for_outlines(schema: Any) -> Any:
     concatenated: ``{"a": 1}{"b": "x"}``) and a subschema ``enum: []`` (an empty pattern:
     ``{"e": }``)."""
     # two walks: the checks name pointers with the names as written, before they are escaped
+    schema = ref_siblings_dropped(schema)
     return map_subschemas(map_subschemas(schema, _checked_node), _escaped_names)
 
 
@@ -553,6 +555,12 @@ class OutlinesBackend(GrammarBackend):
             "maxProperties": "outlines-core 0.2.14 ignores maxProperties",
             REQUIRED_UNDECLARED: "outlines-core 0.2.14 ignores required names that properties does not define",
             REMOTE_REF: "outlines-core 0.2.14 resolves only local '#/...' references",
+        },
+        restricted={
+            "format": (
+                "outlines-core 0.2.14 asserts the formats it knows, where Draft 2020-12 makes `format` an "
+                "annotation: strings off the format are refused"
+            )
         },
     )
 

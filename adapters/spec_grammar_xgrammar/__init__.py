@@ -31,6 +31,7 @@ from spec_grammar.json_schema.rewrite import (
     enum_within_type,
     literal_as_schema,
     map_subschemas,
+    ref_siblings_dropped,
     rewrite_patterns,
     split_by_type,
 )
@@ -143,7 +144,7 @@ def _draft2020(schema: Any) -> Any:
     values outside the node's ``type`` dropped (:func:`enum_within_type`), ``const`` next to
     ``enum`` reduced to what both allow (:func:`const_within_enum`). Returns ``schema``
     itself (the same object) when nothing needs rewriting."""
-    return map_subschemas(schema, _draft2020_node)
+    return map_subschemas(ref_siblings_dropped(schema), _draft2020_node)
 
 
 _UNTYPED = (
@@ -408,6 +409,10 @@ class XGrammarBackend(GrammarBackend):
         },
         # untyped subschemas: split by type, or declared, by the adapter (_typed)
         restricted={
+            "format": (
+                "xgrammar 0.2.9 asserts the formats it knows, where Draft 2020-12 makes `format` an "
+                "annotation: strings off the format are refused"
+            ),
             **dict.fromkeys(
                 ("minLength", "maxLength"),
                 "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values "

@@ -19,6 +19,7 @@ __all__ = [
     "rewrite_patterns",
     "split_by_type",
     "literal_as_schema",
+    "ref_siblings_dropped",
 ]
 
 _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER
@@ -243,3 +244,26 @@ def literal_as_schema(node: dict[str, Any]) -> dict[str, Any]:
         out["anyOf"] = [spell(v) for v in enum]
         return out
     return node
+
+
+_OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
+_KEPT_NEXT_TO_REF = ("$ref", "definitions", "$defs", "$id", "id", "$schema")
+
+
+def ref_siblings_dropped(schema: Any) -> Any:
+    """``schema`` with the keywords next to each ``$ref`` removed when its ``$schema`` names
+    draft 3 to 7, where "all other properties in a $ref object MUST be ignored" (draft-07
+    Core, section 8.3); the libraries apply them as draft 2019-09+ does (llguidance 1.9 refused
+    ``true`` for a draft-04 ``{"$ref": ..., "type": "object"}``). Definitions, ids and
+    ``$schema`` stay (references resolve against them). Returns ``schema`` itself otherwise."""
+    if not isinstance(schema, dict) or not any(
+        d in str(schema.get("$schema", "")) for d in _OLD_DRAFTS
+    ):
+        return schema
+
+    def node(n: dict[str, Any], _where: str) -> dict[str, Any]:
+        if isinstance(n.get("$ref"), str) and any(k not in _KEPT_NEXT_TO_REF for k in n):
+            return {k: v for k, v in n.items() if k in _KEPT_NEXT_TO_REF}
+        return n
+
+    return map_subschemas(schema, node)

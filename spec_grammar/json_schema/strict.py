@@ -81,6 +81,7 @@ _OTHER_KEYWORDS = frozenset(
         "else",
         "$ref",
         "$dynamicRef",
+        "format",
     }
 )
 
