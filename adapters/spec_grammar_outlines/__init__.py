@@ -133,6 +133,9 @@ def _for_outlines(schema: Any) -> Any:
 def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
     # before the checks: a narrowed enum can be empty
     node = enum_within_type(const_within_enum(node))
+    if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
+        # outlines writes the length bound and drops the pattern: keep the pattern (declared)
+        node = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
     at = where or "/"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise UnsupportedGrammarError(
@@ -162,6 +165,13 @@ def _refusals(schema: Any) -> list[str]:
     refs: list[tuple[str, str]] = []
 
     def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        if isinstance(n.get("pattern"), str):
+            for k in ("minLength", "maxLength"):
+                if k in n:
+                    notes.append(
+                        f"{k} at {where or '/'}: outlines-core 0.2.14 keeps the length bound and drops "
+                        "the pattern next to it; the adapter keeps the pattern and leaves the bound out"
+                    )
         if isinstance(n.get("properties"), dict) and n["properties"]:
             if n.get("additionalProperties", True) is not False:
                 notes.append(

@@ -195,6 +195,11 @@ _ESCAPED_NAME = (
 
 def _escaped_names_note(node: dict[str, Any], where: str, notes: list[str]) -> None:
     props = node.get("properties")
+    if isinstance(props, dict) and node.get("patternProperties"):
+        notes.append(
+            f"properties at {where or '/'}: xgrammar 0.2.9 does not apply the property schemas "
+            "next to patternProperties"
+        )
     if not isinstance(props, dict) or node.get("additionalProperties") is False:
         return
     if any(json.dumps(k, ensure_ascii=False)[1:-1] != k for k in props):
@@ -424,6 +429,10 @@ class XGrammarBackend(GrammarBackend):
                 "refusing what a sibling applicator evaluated",
             ),
             "patternProperties": "xgrammar 0.2.9 refuses some keys a pattern allows",
+            **dict.fromkeys(
+                ("minContains", "maxContains"),
+                "xgrammar 0.2.9 reads it without `contains` as a count of items",
+            ),
         },
     )
 
