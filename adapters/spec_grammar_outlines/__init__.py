@@ -130,9 +130,15 @@ def _for_outlines(schema: Any) -> Any:
     return map_subschemas(map_subschemas(schema, _checked_node), _escaped_names)
 
 
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
 def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
     # before the checks: a narrowed enum can be empty
     node = enum_within_type(const_within_enum(node))
+    counts = [k for k in _COUNTS if isinstance(node.get(k), float) and node[k] == int(node[k])]
+    if counts:  # outlines ignores a count written as a float (2.0): the same bound as an int
+        node = {**node, **{k: int(node[k]) for k in counts}}
     if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
         # outlines writes the length bound and drops the pattern: keep the pattern (declared)
         node = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}

@@ -76,25 +76,7 @@ OUTLINES_QUICK_FILES = frozenset(
     }
 )
 
-_FLOAT_COUNT = (
-    "outlines-core 0.2.14 ignores a length/count bound written as a float (2.0; valid JSON Schema)"
-)
-_ESCAPED_KEY = (
-    'xgrammar 0.2.9 does not match a property whose name needs a JSON escape (\\n, \\", \\\\): the key '
-    "is taken as an additional property and its value is not checked"
-)
-KNOWN_UNSOUND: dict[str, dict[str, str]] = {
-    "xgrammar": {
-        "properties.json#3+type:object/1": _ESCAPED_KEY,
-        "ref.json#12+type:object/1": _ESCAPED_KEY,
-    },
-    "outlines": {
-        "maxItems.json#1+type:array/1": _FLOAT_COUNT,
-        "minItems.json#1+type:array/1": _FLOAT_COUNT,
-        "maxLength.json#1+type:string/1": _FLOAT_COUNT,
-        "minLength.json#1+type:string/1": _FLOAT_COUNT,
-    },
-}
+KNOWN_UNSOUND: dict[str, dict[str, str]] = {}
 """backend -> {test-suite key -> why an instance jsonschema rejects is accepted although the
 strict compile passed}. Each entry is a library fault found by this test, reported upstream."""
 
