@@ -49,6 +49,7 @@ import argparse
 import copy
 import json
 import random
+import re
 import sys
 import time
 import warnings
@@ -286,7 +287,7 @@ def _hypothesis_jsonschema_compat() -> None:
     hjs.cu = view
 
 
-def hypothesis_instances(schema: Any, n: int, seed: int = 0) -> list[Any]:
+def hypothesis_instances(schema: Any, n: int) -> list[Any]:
     """Up to ``n`` distinct instances hypothesis-jsonschema draws for ``schema``
     (derandomized: the same list every run); empty when it cannot build a strategy."""
     from hypothesis import HealthCheck, Phase, given, settings
@@ -340,7 +341,7 @@ def add_documents(case: Case, *, generated: int, neighbours_per_doc: int, seed: 
             case.docs.append(d)
 
     if generated:
-        for inst in hypothesis_instances(case.schema, generated, seed):
+        for inst in hypothesis_instances(case.schema, generated):
             add(label(v, inst, "hypothesis"))
     rng = random.Random(f"{seed}:{case.corpus}:{case.key}")
     for d in [d for d in case.docs if d.valid]:
@@ -370,7 +371,7 @@ def neighbours(instance: Any, schema: Any) -> Iterator[tuple[str, Any]]:
     node, chosen from the keywords of the subschemas that apply there (``$ref`` to local
     pointers followed, ``allOf`` and the ``anyOf`` / ``oneOf`` branches the node satisfies).
     They are candidates: the oracle labels each."""
-    for kind, (path, value) in _node_neighbours(instance, schema, schema, (), set()):
+    for kind, (path, value) in _node_neighbours(instance, schema, schema, ()):
         yield kind, _replace(instance, path, value)
 
 
@@ -447,9 +448,7 @@ def _num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _node_neighbours(
-    node: Any, schema: Any, root: Any, path: tuple, seen: set
-) -> Iterator[tuple[str, Any]]:
+def _node_neighbours(node: Any, schema: Any, root: Any, path: tuple) -> Iterator[tuple[str, Any]]:
     subs = applicable(schema, node, root)
     # wrong type at every node
     for other in _OTHER_TYPES:
@@ -467,15 +466,13 @@ def _node_neighbours(
                     child_schemas.append(props[k])
                 for pat, ps in (s.get("patternProperties") or {}).items():
                     try:
-                        import re
-
                         if re.search(pat, k):
                             child_schemas.append(ps)
                     except Exception:
                         pass
                 if k not in props and isinstance(s.get("additionalProperties"), dict):
                     child_schemas.append(s["additionalProperties"])
-            yield from _child(v, child_schemas, root, path + (k,), seen)
+            yield from _child(v, child_schemas, root, path + (k,))
     elif isinstance(node, list):
         for i, v in enumerate(node):
             child_schemas = []
@@ -488,12 +485,12 @@ def _node_neighbours(
                     child_schemas.append(prefix[i])
                 elif isinstance(items, dict):
                     child_schemas.append(items)
-            yield from _child(v, child_schemas, root, path + (i,), seen)
+            yield from _child(v, child_schemas, root, path + (i,))
 
 
-def _child(value: Any, schemas: list, root: Any, path: tuple, seen: set) -> Iterator:
+def _child(value: Any, schemas: list, root: Any, path: tuple) -> Iterator:
     merged = {"allOf": schemas} if schemas else {}
-    yield from _node_neighbours(value, merged, root, path, seen)
+    yield from _node_neighbours(value, merged, root, path)
 
 
 def _keyword_neighbours(node: Any, s: dict[str, Any], path: tuple) -> Iterator:
