@@ -14,14 +14,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
-from .json_schema.check import check_json_schema
+from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.strict import unenforced_keywords
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
 if TYPE_CHECKING:
     from .protocol import GrammarBackend
 
-__all__ = ["CompiledGrammar", "CompileCache", "compile_spec"]
+__all__ = ["CompiledGrammar", "CompileCache", "compile_spec", "LibraryResult"]
+
+
+@dataclass(frozen=True)
+class LibraryResult:
+    """What an adapter's ``_compile`` may return instead of the bare native object when the
+    compile enforces less than the spec asks: ``warnings`` are lines in the form of
+    :func:`~spec_grammar.json_schema.strict.unenforced_keywords` (``"<keyword> at <pointer>:
+    <why>"``), from the library's own warnings or log lines and from the adapter's rewrites
+    (a ``pattern`` left out, ...). :func:`compile_spec` appends them to
+    :attr:`CompiledGrammar.warnings`; in strict mode it raises :class:`UnsupportedGrammarError`
+    instead."""
+
+    native: Any
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -123,7 +137,8 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
     (:class:`UnsupportedGrammarError`) and specs over ``max_grammar_bytes``
     (:class:`GrammarCompileError`); then, once per cache key: ``ToolCalls`` -> its
     :class:`JsonSchema`, the meta-schema check, strict mode (refuse unenforced keywords) or
-    warnings, ``backend._compile`` under ``compile_timeout_s``. Errors are cached too; library
+    warnings, ``backend._compile`` under ``compile_timeout_s`` (a :class:`LibraryResult` adds
+    the adapter's warnings, or raises in strict mode). Errors are cached too; library
     exceptions become :class:`GrammarCompileError` with the library's reason.
     """
     if not isinstance(spec, GrammarSpec):
@@ -157,6 +172,12 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         try:
             if isinstance(target, JsonSchema):
                 check_json_schema(target.json_schema)
+                if not has_finite_document(target.json_schema):
+                    raise GrammarCompileError(
+                        "the schema has no finite document: every valid document would be infinitely "
+                        "deep (a required property or item refers back to its own schema, or meets "
+                        "`false` / `enum: []`)"
+                    )
                 ignored = unenforced_keywords(target.json_schema, backend.json_schema_support)
                 if ignored and target.strict:
                     raise UnsupportedGrammarError(
@@ -165,6 +186,17 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
                         + ("; ..." if len(ignored) > 5 else "")
                     )
             native = _compile_with_timeout(backend, target)
+            if isinstance(native, LibraryResult):
+                extra = [w for w in native.warnings if w not in ignored]
+                native = native.native
+                strict = isinstance(target, JsonSchema) and target.strict
+                if extra and strict:
+                    raise UnsupportedGrammarError(
+                        f"strict mode: {len(extra)} keyword use(s) would not be enforced: "
+                        + "; ".join(extra[:5])
+                        + ("; ..." if len(extra) > 5 else "")
+                    )
+                ignored = ignored + extra
         except SpecGrammarError as e:
             if isinstance(e, GrammarCompileError) and e.backend is None:
                 raise type(e)(str(e), backend=backend.name, reason=e.reason) from e

@@ -27,6 +27,7 @@ Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llgu
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import threading
@@ -38,11 +39,13 @@ import numpy as np
 import torch
 
 from spec_grammar.bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
+from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import (
     GrammarCompileError,
     GrammarStateError,
     UnsupportedGrammarError,
 )
+from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
 from spec_grammar.json_schema.strict import REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
@@ -66,6 +69,14 @@ _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 # keyword is refused even when not strict, since ignoring it would accept invalid documents.
 # Unknown ``format`` values are always ignored when not strict (JSON Schema annotations).
 _IGNORABLE_KEYWORDS = frozenset({"uniqueItems"})
+
+_PATTERN_WHY = (
+    "is not enforced: llguidance 1.9 has no equivalent for this construct (the pattern is left out)"
+)
+
+# Warnings of llguidance that need no compile warning: an unknown `format` is ignored, as Draft
+# 2020-12 makes `format` an annotation (the oracle's reading too).
+_NO_WARNING = re.compile(r"^Unknown format: ")
 
 # llguidance messages for valid input it cannot represent (as opposed to invalid input).
 _EXCERPT = re.compile(r"^\s*(\^+|\d+ \|.*)\s*$")
@@ -348,6 +359,12 @@ class LLGuidanceBackend(GrammarBackend):
             "oneOf": "llguidance 1.9 treats oneOf as anyOf unless the branches are provably disjoint",
             REMOTE_REF: "llguidance 1.9 resolves only local '#/...' references",
         },
+        restricted={
+            "format": (
+                "llguidance 1.9 asserts the formats it knows, where Draft 2020-12 makes `format` an "
+                "annotation: strings off the format are refused"
+            )
+        },
     )
 
     def __init__(
@@ -372,6 +389,7 @@ class LLGuidanceBackend(GrammarBackend):
         self.num_threads = int(num_threads) if num_threads else max(1, min(32, cpus * 4 // 5))
         self._executor: Any = None
         self._lazy_lock = threading.Lock()
+        self._notes = threading.local()  # rewrite warnings of the compile running in this thread
 
     @classmethod
     def library_version(cls) -> str:
@@ -394,6 +412,19 @@ class LLGuidanceBackend(GrammarBackend):
                 raise GrammarCompileError("the schema `false` accepts no document")
             # llguidance applies options only to object schemas: `true` is spelled `{}`.
             schema = "{}" if spec.json_schema is True else spec.schema_json()
+            if spec.json_schema is not True:
+                # llguidance searches with ASCII \d \w \s; the translation spells out Python's
+                # classes (what jsonschema checks) and anchors the whole alternation
+                rewritten, notes = rewrite_patterns(
+                    ref_siblings_dropped(spec.json_schema),
+                    "value",
+                    anchor=True,
+                    why=_PATTERN_WHY,
+                    property_patterns=True,
+                )
+                self._notes.notes = notes
+                if rewritten is not spec.json_schema:
+                    schema = json.dumps(rewritten, ensure_ascii=False)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if isinstance(spec, Regex):
             return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
@@ -419,8 +450,10 @@ class LLGuidanceBackend(GrammarBackend):
     def _library_error_reason(cls, error: Exception) -> str:
         return _one_line(str(error))
 
-    def _compile(self, spec: GrammarSpec) -> _Grammar:
+    def _compile(self, spec: GrammarSpec) -> _Grammar | LibraryResult:
+        self._notes.notes = []
         text = self._grammar_text(spec)
+        notes = list(self._notes.notes)
         prototype = llguidance.LLMatcher(self._llg_tokenizer, text, log_level=0)
         if prototype.is_error():
             reason = _one_line(prototype.get_error())
@@ -438,7 +471,14 @@ class LLGuidanceBackend(GrammarBackend):
                     "would accept documents the schema rejects",
                     reason=f"Unimplemented keys: {sorted(ignored)}",
                 )
-        return _Grammar(text, prototype)
+            # every other warning the library gives becomes a compile warning (never dropped)
+            notes += [
+                f"library at /: llguidance {self.library_version()} warned {w!r}"
+                for w in prototype.get_grammar_warnings()
+                if "Unimplemented keys:" not in w and not _NO_WARNING.match(w)
+            ]
+        grammar = _Grammar(text, prototype)
+        return LibraryResult(grammar, tuple(notes)) if notes else grammar
 
     def _matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, compiled.native.new_matcher())

@@ -42,8 +42,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.rewrite import (
+    const_within_enum,
+    enum_within_type,
+    map_subschemas,
+    ref_siblings_dropped,
+    rewrite_patterns,
+)
 from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
 from spec_grammar.protocol import (
     Capabilities,
@@ -85,6 +92,23 @@ _SENTINEL_BYTES = SENTINEL.encode("utf-8")
 _TERMINATED = -1  # state-list sentinel after an accepted stop token (DFA states are u32)
 _MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
 
+_STRING_CHAR = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
+"""outlines-core 0.2.14's regex for one character of a JSON string: it leaves out U+007F..U+009F
+(JSON allows them raw) and every ``\\uXXXX`` escape, so a string holding a control character
+other than \\b \\f \\n \\r \\t could not be written at all (JSON has no other spelling)."""
+
+_JSON_STRING_CHAR = r'([^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u00[01][0-9a-fA-F])'
+"""One character of a JSON string: any character but ``"``, ``\\`` and U+0000..U+001F raw, a
+short escape, or ``\\u00XX`` for a control character (the only spelling JSON has for most of
+them). Other ``\\uXXXX`` spellings of characters that can be written raw are left out: they add
+states to every string position of the index (a length-bounded string repeats them) for no
+value that could not be written otherwise."""
+
+_PATTERN_WHY = (
+    "is not enforced: outlines-core 0.2.14 writes the pattern into its regex as it stands, "
+    "and this construct has no translation (the pattern is left out)"
+)
+
 # JsonSchema.whitespace -> outlines' whitespace_pattern (None = outlines' default, `[ ]?`).
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
 
@@ -100,11 +124,22 @@ def _for_outlines(schema: Any) -> Any:
     concatenated: ``{"a": 1}{"b": "x"}``) and a subschema ``enum: []`` (an empty pattern:
     ``{"e": }``)."""
     # two walks: the checks name pointers with the names as written, before they are escaped
+    schema = ref_siblings_dropped(schema)
     return map_subschemas(map_subschemas(schema, _checked_node), _escaped_names)
 
 
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
 def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
-    node = enum_within_type(node)  # before the checks: a narrowed enum can be empty
+    # before the checks: a narrowed enum can be empty
+    node = enum_within_type(const_within_enum(node))
+    counts = [k for k in _COUNTS if isinstance(node.get(k), float) and node[k] == int(node[k])]
+    if counts:  # outlines ignores a count written as a float (2.0): the same bound as an int
+        node = {**node, **{k: int(node[k]) for k in counts}}
+    if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
+        # outlines writes the length bound and drops the pattern: keep the pattern (declared)
+        node = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
     at = where or "/"
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise UnsupportedGrammarError(
@@ -117,6 +152,64 @@ def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
             "pattern (the output would not be JSON)"
         )
     return node
+
+
+_MAX_RECURSION_DEPTH = 3
+"""outlines-core 0.2.14's ``build_regex_from_schema(max_recursion_depth=3)``: a regex has no
+recursion, so a recursive reference is unrolled this many levels and refused below."""
+
+
+def _refusals(schema: Any) -> list[str]:
+    """What outlines-core 0.2.14 refuses that the schema allows, one line per use (as
+    :func:`~spec_grammar.json_schema.strict.unenforced_keywords` writes them, tag ``refuses``):
+    objects with ``properties`` get no other property (``additionalProperties`` other than
+    ``false`` is ignored there), and recursive references stop after
+    :data:`_MAX_RECURSION_DEPTH` levels."""
+    notes: list[str] = []
+    refs: list[tuple[str, str]] = []
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        if isinstance(n.get("pattern"), str):
+            for k in ("minLength", "maxLength"):
+                if k in n:
+                    notes.append(
+                        f"{k} at {where or '/'}: outlines-core 0.2.14 keeps the length bound and drops "
+                        "the pattern next to it; the adapter keeps the pattern and leaves the bound out"
+                    )
+        if isinstance(n.get("properties"), dict) and n["properties"]:
+            if n.get("additionalProperties", True) is not False:
+                notes.append(
+                    f"additionalProperties:refuses at {where or '/'}: outlines-core 0.2.14 writes "
+                    "the declared properties only, other property names are refused"
+                )
+        ref = n.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            refs.append((where, ref[1:]))
+        return n
+
+    map_subschemas(schema, node)
+    targets = {t for _, t in refs}
+    inside = {
+        t: {t2 for w, t2 in refs if w == t or w.startswith(t + "/") or t == ""} for t in targets
+    }
+    for where, t in refs:
+        seen, todo = set(), list(inside.get(t, ()))
+        while todo:
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                todo.extend(inside.get(x, ()))
+        if t in seen:
+            at = where or "/"
+            notes.append(
+                f"$ref:refuses at {at}: outlines-core 0.2.14 unrolls a recursive reference "
+                f"{_MAX_RECURSION_DEPTH} levels deep, deeper documents are refused"
+            )
+            notes.append(
+                f"$ref at {at}: outlines-core 0.2.14 writes an empty object where the unrolled "
+                "reference stops (`{}` is accepted there whatever the referenced schema says)"
+            )
+    return list(dict.fromkeys(notes))
 
 
 def _escaped_names(node: dict[str, Any], _where: str) -> dict[str, Any]:
@@ -477,6 +570,12 @@ class OutlinesBackend(GrammarBackend):
             REQUIRED_UNDECLARED: "outlines-core 0.2.14 ignores required names that properties does not define",
             REMOTE_REF: "outlines-core 0.2.14 resolves only local '#/...' references",
         },
+        restricted={
+            "format": (
+                "outlines-core 0.2.14 asserts the formats it knows, where Draft 2020-12 makes `format` an "
+                "annotation: strings off the format are refused"
+            )
+        },
     )
 
     def __init__(
@@ -494,21 +593,31 @@ class OutlinesBackend(GrammarBackend):
     def library_version(cls) -> str:
         return importlib.metadata.version("outlines-core")
 
-    def _regex_of(self, spec: GrammarSpec) -> str:
+    def _regex_of(self, spec: GrammarSpec) -> tuple[str, list[str]]:
+        """The regex of ``spec`` and the warnings of its rewrites."""
         if isinstance(spec, Regex):
-            return spec.pattern
+            return spec.pattern, []
         if isinstance(spec, JsonSchema):
             if spec.json_schema is False:
                 raise GrammarCompileError("the schema `false` accepts no document")
-            schema = (
-                "{}"
-                if spec.json_schema is True
-                else json.dumps(_for_outlines(spec.json_schema), ensure_ascii=False)
-            )
-            try:
-                return build_regex_from_schema(
-                    schema, whitespace_pattern=_WHITESPACE[spec.whitespace]
+            notes: list[str] = []
+            if spec.json_schema is True:
+                schema = "{}"
+            else:
+                # outlines writes a pattern between the string's quotes as it stands: give it
+                # the JSON-text regex of what jsonschema's re.search accepts
+                rewritten, notes = rewrite_patterns(
+                    _for_outlines(spec.json_schema), "json", anchor=False, why=_PATTERN_WHY
                 )
+                notes += _refusals(spec.json_schema)
+                schema = json.dumps(rewritten, ensure_ascii=False)
+            try:
+                regex = build_regex_from_schema(
+                    schema,
+                    whitespace_pattern=_WHITESPACE[spec.whitespace],
+                    max_recursion_depth=_MAX_RECURSION_DEPTH,
+                )
+                return regex.replace(_STRING_CHAR, _JSON_STRING_CHAR), notes
             except ValueError as e:
                 # outlines says "Unsupported ..." / "... is not supported by Outlines" for
                 # valid schemas it cannot express.
@@ -521,9 +630,10 @@ class OutlinesBackend(GrammarBackend):
                 ) from e
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by outlines-core (regex only)")
 
-    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
+    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar | LibraryResult:
+        regex, notes = self._regex_of(spec)
         try:
-            index = oc.Index(f"(?:{self._regex_of(spec)}){SENTINEL}", self._vocab.vocabulary)
+            index = oc.Index(f"(?:{regex}){SENTINEL}", self._vocab.vocabulary)
         except ValueError as e:
             if "NFA" not in str(e):
                 raise
@@ -541,7 +651,7 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarCompileError(
                 "the schema accepts no JSON document (outlines built an empty pattern)"
             )
-        return grammar
+        return LibraryResult(grammar, tuple(notes)) if notes else grammar
 
     def _matcher(self, compiled: CompiledGrammar) -> OutlinesMatcher:
         return OutlinesMatcher(self, compiled.native)

@@ -8,23 +8,38 @@ since xgrammar 0.2.9 has no non-mutating validate.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
+import os
 import re
+import tempfile
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from spec_grammar.bitmask import bitmask_width
+from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
-from spec_grammar.json_schema.rewrite import enum_within_type, map_subschemas
+from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
+from spec_grammar.json_schema.rewrite import (
+    const_within_enum,
+    enum_within_type,
+    literal_as_schema,
+    map_subschemas,
+    ref_siblings_dropped,
+    rewrite_patterns,
+    split_by_type,
+)
 from spec_grammar.json_schema.strict import (
     LENGTH_WITH_PATTERN,
     REMOTE_REF,
     REQUIRED_UNDECLARED,
+    TYPE_KEYWORDS,
     KeywordSupport,
 )
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
@@ -44,15 +59,179 @@ _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's C++ errors start with its log prefix ``[hh:mm:ss] /path/file.cc:94: ``."""
 
+_PATTERN_WHY = (
+    "is not enforced: xgrammar 0.2.9 would read the pattern against the string's JSON text "
+    "and ignore this construct (the pattern is left out)"
+)
+
+_PATTERN_REFUSES = (
+    "xgrammar 0.2.9 misreads escape sequences inside an optional or repeated part of a pattern "
+    '(`a(?:\\\\n)?` refused "a\\n"), so pattern strings are written without them: values holding '
+    '`"`, `\\` or a control character are refused'
+)
+
+_STDERR_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _library_log() -> Iterator[list[str]]:
+    """Collect what xgrammar's C++ code writes to the process's stderr meanwhile (its
+    ``Warning:`` lines for ignored regex constructs are printed there, never raised or
+    returned): file descriptor 2 goes to a temporary file, restored afterwards; the lines are
+    appended to the yielded list on exit. One capture at a time (a lock): output other threads
+    write to stderr meanwhile lands in the same file and is written back to stderr after."""
+    lines: list[str] = []
+    with _STDERR_LOCK, tempfile.TemporaryFile() as tmp:
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to capture
+            yield lines
+            return
+        try:
+            os.dup2(tmp.fileno(), 2)
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode("utf-8", "replace")
+            other = []
+            for line in text.splitlines():
+                (lines if "Warning" in line and _LOG_PREFIX.match(line) else other).append(line)
+            if other:  # not ours: give it back
+                os.write(2, ("\n".join(other) + "\n").encode())
+
+
+def _regex_for_xgrammar(pattern: str) -> tuple[str, list[str]]:
+    """A ``Regex`` pattern as xgrammar 0.2.9 should get it, with the warnings of the rewrite.
+
+    xgrammar accepts the stop token before anything is written when the pattern starts with a
+    character set holding U+0000 (``[^a]+`` and ``(?:[\\x00-z])+`` matched the empty string).
+    The pattern is rewritten by :func:`spec_grammar.json_schema.pattern.translate_ex` (explicit
+    sets, the same language as ``re.fullmatch``) without U+0000, which a warning then declares;
+    a pattern the translation does not support goes to xgrammar as written (it fails or logs,
+    and a logged construct is refused)."""
+    try:
+        r, dropped = translate_ex(f"^(?:{pattern})\\Z", "value", exclude=((0, 0),))
+    except (re.error, UnsupportedPattern):
+        return pattern, []
+    if r is None:
+        return pattern, []
+    notes = (
+        [
+            "regex:refuses at /: xgrammar 0.2.9 matches the empty string when a character set holds "
+            "U+0000, so U+0000 is left out of the pattern's sets"
+        ]
+        if dropped
+        else []
+    )
+    return r, notes
+
+
+def _log_warnings(lines: list[str]) -> list[str]:
+    """xgrammar's log lines as compile warnings (``pattern`` for its regex messages)."""
+    out = []
+    for line in lines:
+        msg = _LOG_PREFIX.sub("", line).strip()
+        keyword = "pattern" if "regex" in msg.lower() else "library"
+        out.append(f"{keyword} at /: xgrammar 0.2.9 logged {msg!r}")
+    return list(dict.fromkeys(out))
+
 
 def _draft2020(schema: Any) -> Any:
     """``schema`` with the draft-04..2019-09 forms xgrammar 0.2.9 refuses rewritten to their
     draft 2020-12 equivalents (the same instances pass): array ``items`` (a tuple) ->
     ``prefixItems`` + ``items`` = ``additionalItems``; boolean ``exclusiveMinimum`` /
     ``exclusiveMaximum`` (draft 04) -> the number of ``minimum`` / ``maximum``; and ``enum``
-    values outside the node's ``type`` dropped (:func:`enum_within_type`). Returns ``schema``
+    values outside the node's ``type`` dropped (:func:`enum_within_type`), ``const`` next to
+    ``enum`` reduced to what both allow (:func:`const_within_enum`). Returns ``schema``
     itself (the same object) when nothing needs rewriting."""
-    return map_subschemas(schema, _draft2020_node)
+    return map_subschemas(ref_siblings_dropped(schema), _draft2020_node)
+
+
+_UNTYPED = (
+    "xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type` "
+    "(here it could not be split by type: anyOf/oneOf/allOf/$ref next to it)"
+)
+_UNTYPED_REFUSES = (
+    "xgrammar 0.2.9 takes such a subschema for the keyword's type only: instances of other "
+    "types are refused"
+)
+
+
+def _type_into_branches(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with its ``type`` copied into each ``anyOf`` / ``oneOf`` / ``allOf`` branch
+    that has none (the same instances pass: the outer ``type`` applies to them anyway).
+    xgrammar 0.2.9 takes the branches' own types instead of intersecting: with
+    ``{"type": "string", "anyOf": [{"maxLength": 2}, ...]}`` the split branches let other
+    types through (``3`` was accepted)."""
+    t = node.get("type")
+    if t is None:
+        return node
+    out = dict(node)
+    for k in ("anyOf", "oneOf", "allOf"):
+        branches = node.get(k)
+        if isinstance(branches, list):
+            out[k] = [
+                {**b, "type": t}
+                if isinstance(b, dict)
+                and not any(x in b for x in ("type", "$ref", "enum", "const"))
+                else b
+                for b in branches
+            ]
+    return node if out == node else out
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BOUNDED_NUMBER = (
+    "xgrammar 0.2.9 writes a bounded number with at most about 10 fraction digits and no "
+    "exponent: smaller magnitudes (0.00000000001) are refused"
+)
+
+_ESCAPED_NAME = (
+    "xgrammar 0.2.9 does not match a property whose name needs a JSON escape while other "
+    "properties are allowed: such a key is taken as an additional property and its value is "
+    "not checked"
+)
+
+
+def _escaped_names_note(node: dict[str, Any], where: str, notes: list[str]) -> None:
+    props = node.get("properties")
+    if isinstance(props, dict) and node.get("patternProperties"):
+        notes.append(
+            f"properties at {where or '/'}: xgrammar 0.2.9 does not apply the property schemas "
+            "next to patternProperties"
+        )
+    if not isinstance(props, dict) or node.get("additionalProperties") is False:
+        return
+    if any(json.dumps(k, ensure_ascii=False)[1:-1] != k for k in props):
+        notes.append(f"properties at {where or '/'}: {_ESCAPED_NAME}")
+
+
+def _typed(schema: Any) -> tuple[Any, list[str]]:
+    """``schema`` with every untyped subschema split by type (:func:`split_by_type`), and the
+    warnings of those that could not be split (xgrammar ignores their type-specific keywords
+    for instances of that type and refuses instances of other types)."""
+    notes: list[str] = []
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        n = _type_into_branches(n)
+        _escaped_names_note(n, where, notes)
+        if n.get("type") not in ("integer", ["integer"]):
+            for k in _BOUNDS:
+                if k in n:
+                    notes.append(f"{k}:refuses at {where or '/'}: {_BOUNDED_NUMBER}")
+        out = split_by_type(n)
+        if out is None:
+            at = where or "/"
+            for k in n:
+                if k in TYPE_KEYWORDS:
+                    notes.append(f"{k} at {at} (no `type` next to it): {_UNTYPED}")
+                    notes.append(f"{k}:refuses at {at} (no `type` next to it): {_UNTYPED_REFUSES}")
+            return n
+        return out
+
+    return map_subschemas(schema, node), notes
 
 
 def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
@@ -65,7 +244,7 @@ def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
         if isinstance(out.get(excl), bool):
             if out.pop(excl) and bound in out:
                 out[excl] = out.pop(bound)
-    out = enum_within_type(out)
+    out = literal_as_schema(enum_within_type(const_within_enum(out)))
     return node if out == node else out
 
 
@@ -78,7 +257,8 @@ class XGrammarMatcher(SpecGrammar):
         self._m = matcher
 
     def _accept_token(self, token: int) -> bool:
-        return self._m.accept_token(token)
+        # special ids are refused here: xgrammar would log a line for each
+        return token not in self._backend._special_set and self._m.accept_token(token)
 
     def _accept_tokens(self, tokens: list[int]) -> int:
         # xgrammar refuses every token once terminated: no termination check per token
@@ -235,7 +415,28 @@ class XGrammarBackend(GrammarBackend):
             LENGTH_WITH_PATTERN: "xgrammar 0.2.9 ignores minLength/maxLength next to pattern or format",
             REMOTE_REF: "xgrammar 0.2.9 resolves only local '#/...' references (others match anything)",
         },
-        untyped="xgrammar 0.2.9 applies type-specific keywords only where the subschema declares `type`",
+        # untyped subschemas: split by type, or declared, by the adapter (_typed)
+        restricted={
+            "format": (
+                "xgrammar 0.2.9 asserts the formats it knows, where Draft 2020-12 makes `format` an "
+                "annotation: strings off the format are refused"
+            ),
+            **dict.fromkeys(
+                ("minLength", "maxLength"),
+                "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values "
+                'holding `"`, `\\` or a control character are refused',
+            ),
+            **dict.fromkeys(
+                ("unevaluatedItems", "unevaluatedProperties"),
+                "xgrammar 0.2.9 reads it as items / additionalProperties of its own subschema, "
+                "refusing what a sibling applicator evaluated",
+            ),
+            "patternProperties": "xgrammar 0.2.9 refuses some keys a pattern allows",
+            **dict.fromkeys(
+                ("minContains", "maxContains"),
+                "xgrammar 0.2.9 reads it without `contains` as a count of items",
+            ),
+        },
     )
 
     def __init__(
@@ -252,21 +453,35 @@ class XGrammarBackend(GrammarBackend):
             warnings.simplefilter("ignore")
             if is_rust_tokenizer(info.hf_tokenizer):
                 # xgrammar's from_huggingface takes transformers tokenizers only ("Unsupported
-                # tokenizer type"): hand it the tokens' bytes, which is what it decodes a
-                # transformers tokenizer's vocabulary to (the same table for SmolLM2)
-                self._xgr_info = xgr.TokenizerInfo(
-                    list(info.token_bytes),
-                    xgr.VocabType.RAW,
-                    vocab_size=info.tokenizer_vocab_size,
-                    stop_token_ids=list(info.stop_token_ids),
-                )
+                # tokenizer type"): the tokens' bytes are what it decodes a transformers
+                # tokenizer's vocabulary to (the same table for SmolLM2)
+                decoded = list(info.token_bytes)
+                add_prefix_space = False
             else:
-                self._xgr_info = xgr.TokenizerInfo.from_huggingface(
+                hf_info = xgr.TokenizerInfo.from_huggingface(
                     info.hf_tokenizer,
                     vocab_size=info.tokenizer_vocab_size,
                     stop_token_ids=list(info.stop_token_ids),
                 )
+                decoded = list(hf_info.decoded_vocab)
+                add_prefix_space = hf_info.add_prefix_space
         self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
+        # xgrammar 0.2.9 reads added tokens (<|im_start|>, <repo_name>, ...) as their text, so
+        # a JSON string allowed them, and a stop token too (`[^a]+` accepted <|im_end|> as its
+        # first "characters", without terminating); it treats tokens that decode to nothing as
+        # special and never allows those as text, so every special id (stop tokens included:
+        # those it still knows from stop_token_ids) is given empty text.
+        self._special_set = frozenset(info.special_token_ids) - self._stop_set
+        for t in self._special_set | self._stop_set:
+            if t < len(decoded):
+                decoded[t] = b""
+        self._xgr_info = xgr.TokenizerInfo(
+            decoded,
+            xgr.VocabType.RAW,
+            vocab_size=info.tokenizer_vocab_size,
+            stop_token_ids=list(info.stop_token_ids),
+            add_prefix_space=add_prefix_space,
+        )
         # xgrammar's masks cover the tokenizer's ids only: told about the model's padding ids
         # too, it treats them as special tokens that every mask rejects one by one, and a model
         # head wider than its tokenizer (here: 128k rows, a 49k tokenizer) made tree fills ~15x
@@ -317,17 +532,42 @@ class XGrammarBackend(GrammarBackend):
                 raise GrammarCompileError("the schema `false` accepts no document")
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
             older = _draft2020(spec.json_schema)
+            older, untyped = _typed(older)
+            # xgrammar matches a pattern in full against the JSON text of the string: give it
+            # the translated JSON-text regex of what jsonschema's re.search accepts
+            older, notes = rewrite_patterns(
+                older,
+                "json",
+                anchor=False,
+                why=_PATTERN_WHY,
+                escapes=False,
+                refuses=_PATTERN_REFUSES,
+            )
+            notes = untyped + notes
             if older is not spec.json_schema:
                 schema = json.dumps(older, ensure_ascii=False)
             flexible = spec.whitespace == "flexible"
-            return c.compile_json_schema(
-                schema,
-                any_whitespace=flexible,
-                separators=None if flexible else _SEPARATORS[spec.whitespace],
-                strict_mode=False,
-            )
+            with _library_log() as log:
+                native = c.compile_json_schema(
+                    schema,
+                    any_whitespace=flexible,
+                    separators=None if flexible else _SEPARATORS[spec.whitespace],
+                    strict_mode=False,
+                )
+            notes += _log_warnings(log)
+            return LibraryResult(native, tuple(notes)) if notes else native
         if isinstance(spec, Regex):
-            return c.compile_regex(spec.pattern)
+            pattern, notes = _regex_for_xgrammar(spec.pattern)
+            with _library_log() as log:
+                native = c.compile_regex(pattern)
+            if log:
+                # a Regex has no lenient mode: a construct xgrammar ignores makes another
+                # language, so the spec is refused rather than weakened
+                raise UnsupportedGrammarError(
+                    "xgrammar 0.2.9 would ignore part of the regex: "
+                    + "; ".join(_LOG_PREFIX.sub("", x).strip() for x in log[:3])
+                )
+            return LibraryResult(native, tuple(notes)) if notes else native
         if isinstance(spec, Ebnf):
             return c.compile_grammar(spec.text, root_rule_name=spec.root)
         if isinstance(spec, Lark):

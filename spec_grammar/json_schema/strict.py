@@ -82,6 +82,7 @@ _OTHER_KEYWORDS = frozenset(
         "else",
         "$ref",
         "$dynamicRef",
+        "format",
     }
 )
 
@@ -124,10 +125,14 @@ class KeywordSupport:
             A keyword listed here may still be partly enforced; listing it means "not always".
         untyped: why type-specific keywords (:data:`TYPE_KEYWORDS`) are ignored in a subschema
             that has no ``type``; ``None`` when the library enforces them there too.
+        restricted: keyword -> why the library refuses some documents the keyword allows (the
+            other side of the same promise: a valid document refused). Reported as
+            ``"<keyword>:refuses at <pointer>: <reason>"``; strict mode refuses them too.
     """
 
     unenforced: Mapping[str, str] = field(default_factory=dict)
     untyped: str | None = None
+    restricted: Mapping[str, str] = field(default_factory=dict)
 
 
 def unenforced_keywords(schema: Any, support: KeywordSupport) -> list[str]:
@@ -163,6 +168,8 @@ def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> N
             and LENGTH_WITH_PATTERN in support.unenforced
         ):
             name = LENGTH_WITH_PATTERN
+        if name is not None and name in support.restricted:
+            out.append(f"{name}:refuses at {at}: {support.restricted[name]}")
         if name is not None:
             if name in support.unenforced:
                 out.append(f"{name} at {at}: {support.unenforced[name]}")

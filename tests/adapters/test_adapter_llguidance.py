@@ -527,7 +527,8 @@ def test_tool_calls_compile_and_force_the_call_head(tok, backend):
         (Ebnf('root ::= "a"\nexpr ::= "b"', root="expr"), UnsupportedGrammarError),
         (JsonSchema({"type": "integer", "minimum": 5, "maximum": 2}), GrammarCompileError),
         (JsonSchema(False), GrammarCompileError),
-        (JsonSchema({"type": "string", "pattern": "(?=a)b"}), UnsupportedGrammarError),
+        # look-around has no translation: left out with a warning, refused in strict mode
+        (JsonSchema({"type": "string", "pattern": "(?=a)b"}, strict=True), UnsupportedGrammarError),
         (JsonSchema({"type": "array", "uniqueItems": True}, strict=True), UnsupportedGrammarError),
     ],
 )

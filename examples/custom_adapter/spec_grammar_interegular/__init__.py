@@ -21,12 +21,14 @@ multi-token accept.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import threading
 from typing import Any
 
 import numpy as np
 import torch
 
+from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
 from spec_grammar.protocol import (
     Capabilities,
@@ -45,6 +47,12 @@ except ImportError as e:  # pragma: no cover - exercised when the dependency is 
 from .bytedfa import DEAD, ByteDFA, EmptyLanguageError, TokenTable
 
 __all__ = ["InteregularBackend", "InteregularMatcher", "RegexGrammar"]
+
+_CLASS_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\[dDwWsS]")
+_ASCII_CLASSES = (
+    "regex:refuses at /: interegular 0.3 reads \\d \\w \\s (and their negations) as ASCII "
+    "classes, where Python's re takes them Unicode-wide: other letters, digits and spaces are refused"
+)
 
 _TERMINATED = -1
 """History entry meaning "a stop token was accepted"."""
@@ -183,7 +191,7 @@ class InteregularBackend(GrammarBackend):
                 self._tokens = TokenTable(info.token_bytes, excluded)
             return self._tokens
 
-    def _compile(self, spec: GrammarSpec) -> RegexGrammar:
+    def _compile(self, spec: GrammarSpec) -> RegexGrammar | LibraryResult:
         if not isinstance(spec, Regex):
             raise UnsupportedGrammarError(
                 f"{spec.kind} is not supported by interegular (regex only)"
@@ -198,7 +206,11 @@ class InteregularBackend(GrammarBackend):
             dfa = ByteDFA.from_fsm(fsm)
         except EmptyLanguageError as e:
             raise GrammarCompileError(f"regex {spec.pattern!r}: {e}") from e
-        return RegexGrammar(dfa, self.token_table(), self.tokenizer_info)
+        grammar = RegexGrammar(dfa, self.token_table(), self.tokenizer_info)
+        if _CLASS_ESCAPE.search(spec.pattern):
+            # declared, never silent: Python's re (the Regex spec's reading) takes them Unicode-wide
+            return LibraryResult(grammar, (_ASCII_CLASSES,))
+        return grammar
 
     def _matcher(self, compiled: CompiledGrammar) -> InteregularMatcher:
         grammar: RegexGrammar = compiled.native
