@@ -172,11 +172,12 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         try:
             if isinstance(target, JsonSchema):
                 check_json_schema(target.json_schema)
+                if target.json_schema is False:
+                    raise GrammarCompileError("the schema `false` accepts no document")
                 if not has_finite_document(target.json_schema):
                     raise GrammarCompileError(
-                        "the schema has no finite document: every valid document would be infinitely "
-                        "deep (a required property or item refers back to its own schema, or meets "
-                        "`false` / `enum: []`)"
+                        "the schema accepts no finite document (a required property or item "
+                        "refers back to its own schema, or meets `false` / `enum: []`)"
                     )
                 ignored = unenforced_keywords(target.json_schema, backend.json_schema_support)
                 if ignored and target.strict:

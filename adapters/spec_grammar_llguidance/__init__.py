@@ -408,8 +408,6 @@ class LLGuidanceBackend(GrammarBackend):
                 "key_separator": key_sep,
                 "lenient": not spec.strict,
             }
-            if spec.json_schema is False:
-                raise GrammarCompileError("the schema `false` accepts no document")
             # llguidance applies options only to object schemas: `true` is spelled `{}`.
             schema = "{}" if spec.json_schema is True else spec.schema_json()
             if spec.json_schema is not True:

@@ -598,8 +598,6 @@ class OutlinesBackend(GrammarBackend):
         if isinstance(spec, Regex):
             return spec.pattern, []
         if isinstance(spec, JsonSchema):
-            if spec.json_schema is False:
-                raise GrammarCompileError("the schema `false` accepts no document")
             notes: list[str] = []
             if spec.json_schema is True:
                 schema = "{}"

@@ -24,7 +24,7 @@ import torch
 
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.compile import LibraryResult
-from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.errors import UnsupportedGrammarError
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
@@ -528,8 +528,6 @@ class XGrammarBackend(GrammarBackend):
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler
         if isinstance(spec, JsonSchema):
-            if spec.json_schema is False:
-                raise GrammarCompileError("the schema `false` accepts no document")
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
             older = _draft2020(spec.json_schema)
             older, untyped = _typed(older)
