@@ -164,7 +164,8 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         try:
             if isinstance(target, JsonSchema):
                 check_json_schema(target.json_schema)
-                if not has_finite_document(target.json_schema):
+                schema = target.json_schema
+                if isinstance(schema, dict) and not has_finite_document(schema):
                     raise GrammarCompileError(
                         "the schema has no finite document: every valid document would be infinitely "
                         "deep (a required property or item refers back to its own schema, or meets "

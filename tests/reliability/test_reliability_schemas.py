@@ -182,7 +182,10 @@ def test_mixed_real_world_batch_is_valid_typed_and_equal_to_plain_decoding(name)
         assert res.finish_reason in ("grammar", "length"), res
         assert res.token_ids == ref[req.rid].token_ids, (req.rid, res.text, ref[req.rid].text)
         assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
-        if res.finish_reason != "grammar" or res.warnings:
+        # a warning that only declares refusals (`<keyword>:refuses at ...`) weakens nothing:
+        # such outputs are validated too
+        weakened = [w for w in res.warnings if not w.split(" ", 1)[0].endswith(":refuses")]
+        if res.finish_reason != "grammar" or weakened:
             continue
         completed += 1
         doc = json.loads(res.text)
@@ -264,7 +267,8 @@ def test_tool_refs_are_rebased_only_where_they_are_schema_refs():
             "allOf with 2 branches at /properties/x",
         ),
         (
-            {"type": "object", "properties": {"e": {"enum": []}}, "required": ["e"]},
+            # optional: a required `e` would leave no document at all (refused before outlines)
+            {"type": "object", "properties": {"e": {"enum": []}}},
             "enum: [] at /properties/e",
         ),
     ],
@@ -364,7 +368,9 @@ def test_cli_batch_lines_with_odd_grammar_values_fail_alone(capsys, tmp_path):
             "or a bound {m,n} with m > n (such as minItems > maxItems)",
         ),
         (
-            {"type": "string", "pattern": "(?<=a)b"},
+            # a pattern Python's re cannot read reaches outlines as written (one it can read but
+            # that has look-around is left out with a warning)
+            {"type": "string", "pattern": "\\p{L}(?<=a)b"},
             GrammarCompileError,
             "lacks (look-around, backreference)",
         ),
