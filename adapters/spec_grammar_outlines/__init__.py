@@ -128,12 +128,32 @@ def _for_outlines(schema: Any) -> Any:
     return map_subschemas(map_subschemas(schema, _checked_node), _escaped_names)
 
 
+def _integral_literal(v: Any) -> bool:
+    return isinstance(v, float) and v == v and abs(v) != float("inf") and v == int(v)
+
+
+def _integral_literals(node: dict[str, Any]) -> dict[str, Any]:
+    """``node`` with each integral float of ``const`` / ``enum`` (``-2.0``) listed with its
+    integer spelling too: outlines-core writes literals as ``json.dumps`` does, so ``-2`` (the
+    same JSON-Schema value) was refused."""
+    values = [node["const"]] if "const" in node else node.get("enum")
+    if not isinstance(values, list) or not any(_integral_literal(v) for v in values):
+        return node
+    out = {k: v for k, v in node.items() if k not in ("const", "enum")}
+    listed = []
+    for v in values:
+        listed += [int(v), v] if _integral_literal(v) else [v]
+    out["enum"] = listed
+    return out
+
+
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
 def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
     # before the checks: a narrowed enum can be empty
     node = enum_within_type(const_within_enum(node))
+    node = _integral_literals(node)
     counts = [k for k in _COUNTS if isinstance(node.get(k), float) and node[k] == int(node[k])]
     if counts:  # outlines ignores a count written as a float (2.0): the same bound as an int
         node = {**node, **{k: int(node[k]) for k in counts}}

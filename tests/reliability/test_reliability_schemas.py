@@ -182,7 +182,10 @@ def test_mixed_real_world_batch_is_valid_typed_and_equal_to_plain_decoding(name)
         assert res.finish_reason in ("grammar", "length"), res
         assert res.token_ids == ref[req.rid].token_ids, (req.rid, res.text, ref[req.rid].text)
         assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
-        if res.finish_reason != "grammar" or res.warnings:
+        # a warning that only declares refusals (`<keyword>:refuses at ...`) weakens nothing:
+        # such outputs are validated too
+        weakened = [w for w in res.warnings if not w.split(" ", 1)[0].endswith(":refuses")]
+        if res.finish_reason != "grammar" or weakened:
             continue
         completed += 1
         doc = json.loads(res.text)
@@ -363,6 +366,13 @@ def test_cli_batch_lines_with_odd_grammar_values_fail_alone(capsys, tmp_path):
             {"type": "array", "items": {"type": "integer"}, "minItems": 5, "maxItems": 2},
             GrammarCompileError,
             "or a bound {m,n} with m > n (such as minItems > maxItems)",
+        ),
+        (
+            # a pattern Python's re cannot read reaches outlines as written (one it can read but
+            # that has look-around is left out with a warning)
+            {"type": "string", "pattern": "\\p{L}(?<=a)b"},
+            GrammarCompileError,
+            "lacks (look-around, backreference)",
         ),
     ],
 )
