@@ -245,6 +245,17 @@ class SpecGrammar(ABC):
         before = self._num_accepted
         valid = self._fill_tree_bitmask(tree, bitmask, row_offset)
         self._num_accepted = before
+        if not (
+            isinstance(valid, torch.Tensor)
+            and valid.shape == (tree.num_nodes,)
+            and valid.dtype == torch.bool
+        ):
+            raise GrammarStateError(
+                f"{type(self).__name__}._fill_tree_bitmask must return a ({tree.num_nodes},) bool "
+                f"tensor, got {type(valid).__name__} "
+                f"{tuple(valid.shape) if isinstance(valid, torch.Tensor) else ''}"
+                f"{valid.dtype if isinstance(valid, torch.Tensor) else ''}".rstrip()
+            )
         clear_padding_bits(
             bitmask, row_offset, row_offset + tree.num_nodes, self.info.tokenizer_vocab_size
         )

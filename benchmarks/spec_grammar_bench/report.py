@@ -9,6 +9,7 @@ which); nothing is typed by hand. Each kind has one renderer (:mod:`.masks_repor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -146,15 +147,30 @@ def write_docs(
         "",
     ]
     results = load_results(dirs)
-    for _, res in results:
-        if res["kind"] in HEADLINES:
-            parts += HEADLINES[res["kind"]](res) + [""]
     for path, res in results:
-        if replot and res["kind"] in WRITERS:
-            WRITERS[res["kind"]](res, path.parent)
-        image_dir = os.path.relpath(path.parent, docs.parent)
-        parts.append(f"Source: `{os.path.relpath(path, docs.parent)}`")
-        parts.append("")
-        parts.append(RENDERERS[res["kind"]](res, image_dir))
+        if res["kind"] in HEADLINES:
+            with _readable(path, res):
+                parts += HEADLINES[res["kind"]](res) + [""]
+    for path, res in results:
+        with _readable(path, res):
+            if replot and res["kind"] in WRITERS:
+                WRITERS[res["kind"]](res, path.parent)
+            image_dir = os.path.relpath(path.parent, docs.parent)
+            parts.append(f"Source: `{os.path.relpath(path, docs.parent)}`")
+            parts.append("")
+            parts.append(RENDERERS[res["kind"]](res, image_dir))
     docs.write_text("\n".join(parts), encoding="utf-8")
     return docs
+
+
+@contextlib.contextmanager
+def _readable(path: Path, res: dict[str, Any]):
+    """A result file that says its kind but lacks what its renderer reads (cut short, or
+    written by another version) is a ValueError naming the file, not a KeyError traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(
+            f"{path}: a {res['kind']!r} result file this version cannot read "
+            f"({type(e).__name__}: {e}); rerun its benchmark"
+        ) from e

@@ -169,6 +169,10 @@ def _read_text(path: str, what: str) -> str:
         if not p.is_file():
             raise FileNotFoundError(f"{what} file not found: {path}")
         return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:  # its message names no file
+        raise ValueError(
+            f"{what} file {path} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     except OSError as e:  # e.g. a name too long for the file system (inline text taken for a path)
         if isinstance(e, FileNotFoundError) and e.filename is None:
             raise

@@ -89,9 +89,9 @@ class GrammarPlacement:
     """
 
     def __init__(self, *, explore_every: int = 50, explore_share: float = 0.1, alpha: float = 0.2):
-        if not 0.0 <= explore_share <= 1.0:
+        if not 0.0 <= _number("explore_share", explore_share) <= 1.0:
             raise ValueError(f"explore_share must be in [0, 1], got {explore_share}")
-        if not 0.0 < alpha <= 1.0:
+        if not 0.0 < _number("alpha", alpha) <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self._explore = Exploration(explore_every)
         self.explore_share = explore_share
@@ -153,11 +153,11 @@ class EarlyMask:
     """
 
     def __init__(self, *, margin: float = 2.0, min_share: float = 0.05, alpha: float = 0.2):
-        if not margin >= 1.0:
+        if not _number("margin", margin) >= 1.0:
             raise ValueError(f"margin must be >= 1, got {margin}")
-        if not 0.0 <= min_share <= 1.0:
+        if not 0.0 <= _number("min_share", min_share) <= 1.0:
             raise ValueError(f"min_share must be in [0, 1], got {min_share}")
-        if not 0.0 < alpha <= 1.0:
+        if not 0.0 < _number("alpha", alpha) <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.margin, self.min_share, self.alpha = margin, min_share, alpha
         self.forward_ms: float | None = None  # GPU time of a forward
@@ -231,11 +231,11 @@ class LazyGrammar:
         explore_every: int = 50,
         alpha: float = 0.2,
     ):
-        if not 0.0 < hide <= 1.0:
+        if not 0.0 < _number("hide", hide) <= 1.0:
             raise ValueError(f"hide must be in (0, 1], got {hide}")
-        if not 0.0 <= slack < 1.0:
+        if not 0.0 <= _number("slack", slack) < 1.0:
             raise ValueError(f"slack must be in [0, 1), got {slack}")
-        if not 0.0 < alpha <= 1.0:
+        if not 0.0 < _number("alpha", alpha) <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self._explore = Exploration(explore_every)
         self.hide, self.slack, self.alpha = hide, slack, alpha
@@ -273,6 +273,14 @@ class LazyGrammar:
         _checked("grammar_ms", grammar_ms)
         if requests > 0:
             self.request_ms = _ema(self.request_ms, grammar_ms / requests, self.alpha)
+
+
+def _number(name: str, value: object) -> float:
+    """``value`` when it is a real number (not a bool); else ``ValueError`` naming ``name``
+    (a string compared with a bound raised a TypeError that named nothing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {value!r:.40}")
+    return value
 
 
 def _checked(name: str, ms: float) -> float:

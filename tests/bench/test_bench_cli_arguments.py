@@ -123,3 +123,14 @@ def test_e2e_counts_are_checked_in_one_line(capsys, tmp_path, no_bench_run, flag
     rc = main(["bench", "e2e", "--quick", "--out", str(out), *flags])
     one_error_line(capsys, rc, *needles)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["masks", "e2e"])
+def test_report_of_an_unreadable_result_file_is_one_line(capsys, tmp_path, kind):
+    """A result file that names its kind but lacks what its renderer reads (cut short, or from
+    another version) ended ``bench report`` with a KeyError traceback."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / f"{kind}.json").write_text(f'{{"kind": "{kind}"}}')
+    rc = main(["bench", "report", "--from", str(results), "--docs", str(tmp_path / "b.md")])
+    one_error_line(capsys, rc, f"{results / (kind + '.json')}: a '{kind}' result file")

@@ -181,3 +181,13 @@ def test_batch_lines_are_split_at_newlines_only(capsys, monkeypatch, tmp_path):
     assert [r["rid"] for r in res] == [f"line-{n}" for n in range(1, 6)]
     for r, p in zip(res, prompts):
         assert r["error"] is None and p in r["text"], r
+
+
+@pytest.mark.parametrize("flag", ["--batch-file", "--json-schema", "--ebnf"])
+def test_a_file_that_is_not_text_is_named(capsys, no_model_load, tmp_path, flag):
+    """Was "'utf-8' codec can't decode byte 0x89 in position 0: invalid start byte", naming
+    neither the file nor the flag."""
+    f = tmp_path / "image.png"
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    rc = main(["generate", flag, str(f), *([] if flag == "--batch-file" else ["hi"])])
+    one_error_line(capsys, rc, f"file {f} is not UTF-8 text")

@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 
 from spec_grammar import Regex
 from spec_grammar.cli import main
@@ -177,3 +178,32 @@ def test_tool_calls_need_json_schema_support():
     with pytest.raises(UnsupportedGrammarError, match="tool_calls grammars are not supported"):
         backend.compile(ToolCalls(tools))
     assert backend.compile(Regex("a")).native == Regex("a")
+
+
+@pytest.mark.parametrize(
+    "valid",
+    [
+        lambda n: [True] * n,
+        lambda n: torch.ones(n, dtype=torch.int32),
+        lambda n: torch.ones(n + 1, dtype=torch.bool),
+        lambda n: None,
+    ],
+)
+def test_a_tree_fill_hook_returning_no_valid_mask_is_named(valid):
+    """The worker reads ``valid`` as an ``(N,)`` bool tensor: a list or an int tensor failed
+    (or read wrong) in the middle of a step."""
+    from spec_grammar import allocate_token_bitmask
+    from spec_grammar.tree import DraftTree
+
+    class OddTreeFill(AnyToken):
+        def _fill_tree_bitmask(self, tree, bitmask, row_offset):
+            super()._fill_tree_bitmask(tree, bitmask, row_offset)
+            return valid(tree.num_nodes)
+
+    tree = DraftTree([1, 2, 3], [-1, 0, 0])
+    bitmask = allocate_token_bitmask(3, INFO.vocab_size)
+    with pytest.raises(
+        GrammarStateError, match=r"OddTreeFill\._fill_tree_bitmask must return a \(3,\) bool"
+    ):
+        OddTreeFill(INFO).fill_tree_bitmask(tree, bitmask)
+    assert AnyToken(INFO).fill_tree_bitmask(tree, bitmask).tolist() == [True, True, True]

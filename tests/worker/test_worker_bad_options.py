@@ -250,3 +250,22 @@ def test_an_unknown_grammar_backend_fails_before_the_model_loads(no_model_load, 
         api.build_worker(grammar_backend=name)
     with pytest.raises(BackendNotFoundError):
         api.generate("hi", grammar_backend=name)
+
+
+@pytest.mark.parametrize(
+    "cls, option, value",
+    [
+        (GrammarPlacement, "explore_share", "0.5"),
+        (GrammarPlacement, "alpha", None),
+        (EarlyMask, "margin", "2"),
+        (EarlyMask, "min_share", True),
+        (LazyGrammar, "hide", True),
+        (LazyGrammar, "slack", [0.1]),
+        (LazyGrammar, "alpha", float("nan")),
+    ],
+)
+def test_policy_settings_of_the_wrong_type_are_named(cls, option, value):
+    """A string or None met a bound comparison and raised a TypeError naming nothing
+    ("'<=' not supported between instances of 'float' and 'str'"); True passed for 1."""
+    with pytest.raises(ValueError, match=option):
+        cls(**{option: value})
