@@ -46,7 +46,7 @@ from spec_grammar.errors import (
     UnsupportedGrammarError,
 )
 from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
-from spec_grammar.json_schema.strict import REMOTE_REF, KeywordSupport
+from spec_grammar.json_schema.strict import NOT_CONTEXT_FREE_KEYWORDS, REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
@@ -337,22 +337,7 @@ class LLGuidanceBackend(GrammarBackend):
     json_schema_support = KeywordSupport(
         unenforced={
             **dict.fromkeys(
-                (
-                    "not",
-                    "if",
-                    "then",
-                    "else",
-                    "contains",
-                    "minContains",
-                    "maxContains",
-                    "dependentRequired",
-                    "dependentSchemas",
-                    "dependencies",
-                    "propertyNames",
-                    "unevaluatedItems",
-                    "unevaluatedProperties",
-                    "$dynamicRef",
-                ),
+                NOT_CONTEXT_FREE_KEYWORDS,
                 "not enforced by llguidance 1.9 (refused when not lenient, ignored when lenient)",
             ),
             "uniqueItems": "llguidance 1.9 ignores uniqueItems (not context-free)",

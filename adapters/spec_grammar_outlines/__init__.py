@@ -51,7 +51,12 @@ from spec_grammar.json_schema.rewrite import (
     ref_siblings_dropped,
     rewrite_patterns,
 )
-from spec_grammar.json_schema.strict import REMOTE_REF, REQUIRED_UNDECLARED, KeywordSupport
+from spec_grammar.json_schema.strict import (
+    NOT_CONTEXT_FREE_KEYWORDS,
+    REMOTE_REF,
+    REQUIRED_UNDECLARED,
+    KeywordSupport,
+)
 from spec_grammar.protocol import (
     Capabilities,
     CompiledGrammar,
@@ -558,22 +563,7 @@ class OutlinesBackend(GrammarBackend):
     json_schema_support = KeywordSupport(
         unenforced={
             **dict.fromkeys(
-                (
-                    "not",
-                    "if",
-                    "then",
-                    "else",
-                    "contains",
-                    "minContains",
-                    "maxContains",
-                    "dependentRequired",
-                    "dependentSchemas",
-                    "dependencies",
-                    "propertyNames",
-                    "unevaluatedItems",
-                    "unevaluatedProperties",
-                    "$dynamicRef",
-                ),
+                NOT_CONTEXT_FREE_KEYWORDS,
                 "not translated by outlines-core 0.2.14's schema-to-regex (ignored)",
             ),
             **dict.fromkeys(

@@ -37,6 +37,7 @@ from spec_grammar.json_schema.rewrite import (
 )
 from spec_grammar.json_schema.strict import (
     LENGTH_WITH_PATTERN,
+    NOT_CONTEXT_FREE_KEYWORDS,
     REMOTE_REF,
     REQUIRED_UNDECLARED,
     TYPE_KEYWORDS,
@@ -386,22 +387,7 @@ class XGrammarBackend(GrammarBackend):
     json_schema_support = KeywordSupport(
         unenforced={
             **dict.fromkeys(
-                (
-                    "not",
-                    "if",
-                    "then",
-                    "else",
-                    "contains",
-                    "minContains",
-                    "maxContains",
-                    "dependentRequired",
-                    "dependentSchemas",
-                    "dependencies",
-                    "propertyNames",
-                    "unevaluatedItems",
-                    "unevaluatedProperties",
-                    "$dynamicRef",
-                ),
+                NOT_CONTEXT_FREE_KEYWORDS,
                 "not converted by xgrammar 0.2.9's JSON-schema converter (ignored)",
             ),
             "uniqueItems": "xgrammar 0.2.9 ignores uniqueItems (not context-free)",

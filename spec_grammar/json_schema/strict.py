@@ -27,6 +27,7 @@ __all__ = [
     "REMOTE_REF",
     "REQUIRED_UNDECLARED",
     "LENGTH_WITH_PATTERN",
+    "NOT_CONTEXT_FREE_KEYWORDS",
 ]
 
 TYPE_KEYWORDS: Mapping[str, str] = {
@@ -95,6 +96,25 @@ REQUIRED_UNDECLARED = "required:undeclared"
 does not define."""
 
 LENGTH_WITH_PATTERN = "length:with-pattern"
+
+NOT_CONTEXT_FREE_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "propertyNames",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "$dynamicRef",
+)
+"""Keywords that none of the built-in libraries turns into grammar (negation, conditionals,
+counting and evaluation-dependent applicators): each adapter declares them unenforced."""
 """Pseudo-keyword reported for a ``minLength`` / ``maxLength`` in a subschema that also has a
 ``pattern`` or a ``format``."""
 
