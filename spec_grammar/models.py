@@ -129,10 +129,28 @@ def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Any:
     return AutoTokenizer.from_pretrained(str(src))
 
 
+def _dedup_tied(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The state dict with each shared tensor (tied weights) stored once, under its first name.
+
+    State-dict order is module order, so a tied embedding keeps ``model.embed_tokens.weight``
+    (the name every loader reads; ``lm_head.weight`` is the one they re-tie and may skip),
+    where ``safetensors.torch.save_model`` would keep whichever name it picks.
+    """
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.contiguous()
+    return out
+
+
 def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
     """Dequantize a GGUF model and save it as plain fp32 safetensors + config."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
@@ -140,9 +158,12 @@ def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    # What is written must be a complete Hugging Face model directory for any loader (vLLM, TGI,
+    # llama.cpp's converter): without `architectures` vLLM builds a pooling model.
+    config.architectures = [type(model).__name__]
     tmp = model_dir.with_name(model_dir.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(tmp / "model.safetensors"))
+    save_file(_dedup_tied(model.state_dict()), str(tmp / "model.safetensors"), {"format": "pt"})
     config.save_pretrained(str(tmp))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(tmp))
