@@ -151,7 +151,7 @@ def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
     """Dequantize a GGUF model and save it as plain fp32 safetensors + config."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=gguf, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; its dequantized weights are plain tensors.
@@ -167,6 +167,8 @@ def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
     config.save_pretrained(str(tmp))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(tmp))
+    # the tokenizer too, so the directory alone serves (vLLM's LLM(model_dir))
+    AutoTokenizer.from_pretrained(str(src), gguf_file=gguf).save_pretrained(str(tmp))
     tmp.rename(model_dir)
 
 
