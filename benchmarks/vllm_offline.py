@@ -1,11 +1,12 @@
-"""One offline vLLM run for tests/integrations/test_vllm.py, in its own process (vLLM spawns an
-engine process per ``LLM`` and keeps global state; a fresh process per engine configuration
-keeps runs independent and frees the memory).
+"""One offline vLLM run for tests/integrations/test_vllm.py and benchmarks/bench_vllm.py, in its
+own process (vLLM spawns an engine process per ``LLM`` and keeps global state; a fresh process
+per engine configuration keeps runs independent and frees the memory).
 
 ``python vllm_offline.py JOB`` where JOB is a JSON object: ``model`` (a model directory),
 ``structured_backend`` (vLLM's ``structured_outputs_config.backend``), ``speculative`` (a vLLM
 ``speculative_config`` or null) and ``requests`` (a list of ``{"prompt", "max_tokens",
-"structured"}``, ``structured`` holding one ``StructuredOutputsParams`` field). Prints one line
+"structured"}``, ``structured`` holding one ``StructuredOutputsParams`` field) and optionally
+``max_num_seqs`` (default 8). Prints one line
 ``RESULT {json}``: per request ``text``, ``token_ids``, ``finish_reason``; plus ``seconds`` (the
 generate call) and ``spec`` (vLLM's speculative-decoding counters, when it ran with a drafter).
 Our backend is picked by ``$SPEC_GRAMMAR_VLLM_BACKEND``, as in production.
@@ -34,7 +35,7 @@ def main(job: dict) -> dict:
         job["model"],
         dtype="float32",
         max_model_len=1024,
-        max_num_seqs=8,
+        max_num_seqs=job.get("max_num_seqs", 8),
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,

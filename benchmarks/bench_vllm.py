@@ -1,0 +1,146 @@
+"""vLLM with its own xgrammar backend vs vLLM with our backends, both with vLLM's n-gram
+drafter, vs our own ``spec-grammar generate``, on the same JSONSchemaBench requests.
+
+Requests: the first ``--n`` schemas of a JSONSchemaBench subset, the schema written into the
+chat prompt (:func:`spec_grammar.worker.schema_prompt`), greedy, ``--max-tokens`` each, one
+batch. Each vLLM configuration runs in its own process (``benchmarks/vllm_offline.py``; vLLM
+0.32 CPU build, SmolLM2 float32 from the directory our loader writes). Per row: the batch's
+wall time (generate call only, engine start excluded), output tokens, tokens/s, mean accept
+length (1 + accepted drafts per drafting step, vLLM's counters), outputs that are complete and
+valid under the schema (jsonschema). ``spec-grammar generate`` runs the same prompts
+(``--no-schema-in-prompt``, the prompt already holding the schema) with its default n-gram
+tree drafter and ``--json`` stats, when ``--spec-grammar CMD`` names its executable.
+
+Run from the vLLM venv (scripts/test_vllm.sh builds one), e.g.::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --n 8 --spec-grammar .venv/bin/spec-grammar
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jsonschema
+
+from spec_grammar.datasets import jsonschemabench_sample
+from spec_grammar.worker.api import schema_prompt
+
+HERE = Path(__file__).resolve().parent
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# (row label, vLLM backend name, our backend or None for vLLM's own)
+CONFIGS = [
+    ("vLLM xgrammar + n-gram", "xgrammar", None),
+    ("vLLM + ours (xgrammar) + n-gram", "guidance", "xgrammar"),
+    ("vLLM + ours (llguidance) + n-gram", "guidance", "llguidance"),
+]
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+        return False
+    return True
+
+
+def run_vllm(model: str, backend: str, ours: str | None, requests: list[dict]) -> dict:
+    env = dict(os.environ)
+    env.pop("SPEC_GRAMMAR_VLLM_BACKEND", None)
+    if ours:
+        env["SPEC_GRAMMAR_VLLM_BACKEND"] = ours
+    job = {"model": model, "structured_backend": backend, "speculative": NGRAM}
+    job["requests"] = requests
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_offline.py"), json.dumps(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(proc.stderr[-4000:])
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def run_ours(cmd: str, prompts: list[str], schemas: list[dict], max_tokens: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        batch = Path(d) / "batch.jsonl"
+        batch.write_text(
+            "".join(
+                json.dumps({"prompt": p, "json_schema": s, "max_new_tokens": max_tokens}) + "\n"
+                for p, s in zip(prompts, schemas)
+            )
+        )
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [cmd, "generate", "--batch-file", str(batch), "--no-schema-in-prompt", "--json"],
+            capture_output=True,
+            text=True,
+        )
+        wall = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(proc.stderr[-4000:])
+    return {"wall": wall, "out": json.loads(proc.stdout)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--subset", default="Github_easy")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--spec-grammar", help="the spec-grammar executable (its own venv)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "vllm-cpu.json")
+    args = ap.parse_args()
+
+    from spec_grammar.models import load_model
+
+    model = load_model("smollm2").name_or_path
+    cases = jsonschemabench_sample(args.subset)[: args.n]
+    schemas = [c["schema"] for c in cases]
+    prompts = [schema_prompt(s) for s in schemas]
+    requests = [
+        {"prompt": p, "max_tokens": args.max_tokens, "structured": {"json": s}}
+        for p, s in zip(prompts, schemas)
+    ]
+    rows = []
+    for label, backend, ours in CONFIGS:
+        r = run_vllm(model, backend, ours, requests)
+        outs = r["outputs"]
+        tokens = sum(len(o["token_ids"]) for o in outs)
+        spec = r["spec"] or {}
+        drafts = spec.get("num_drafts", 0)
+        rows.append(
+            {
+                "config": label,
+                "seconds": r["seconds"],
+                "tokens": tokens,
+                "tok_s": tokens / r["seconds"],
+                "accept_length": 1 + spec.get("num_accepted_tokens", 0) / drafts
+                if drafts
+                else None,
+                "valid": sum(
+                    o["finish_reason"] == "stop" and valid(o["text"], s)
+                    for o, s in zip(outs, schemas)
+                ),
+                "token_ids": [o["token_ids"] for o in outs],
+            }
+        )
+        print(rows[-1]["config"], {k: v for k, v in rows[-1].items() if k != "token_ids"})
+    if args.spec_grammar:
+        r = run_ours(args.spec_grammar, prompts, schemas, args.max_tokens)
+        print(json.dumps(r["out"])[:2000])
+        rows.append({"config": "spec-grammar generate", "raw": r["out"], "wall": r["wall"]})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"subset": args.subset, "n": args.n, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
