@@ -134,9 +134,34 @@ def main() -> None:
         )
         print(rows[-1]["config"], {k: v for k, v in rows[-1].items() if k != "token_ids"})
     if args.spec_grammar:
-        r = run_ours(args.spec_grammar, prompts, schemas, args.max_tokens)
-        print(json.dumps(r["out"])[:2000])
-        rows.append({"config": "spec-grammar generate", "raw": r["out"], "wall": r["wall"]})
+        r = run_ours(args.spec_grammar, prompts, schemas, args.max_tokens)["out"]
+        summary = r["summary"]
+        rows.append(
+            {
+                "config": "spec-grammar generate (xgrammar)",
+                "seconds": summary["wall_s"],
+                "tokens": summary["output_tokens"],
+                "tok_s": summary["tokens_per_s"],
+                "accept_length": summary["accept_length"],
+                "valid": sum(
+                    o["error"] is None and valid(o["text"], s)
+                    for o, s in zip(r["results"], schemas)
+                ),
+                "token_ids": [o["token_ids"] for o in r["results"]],
+            }
+        )
+        print(rows[-1]["config"], {k: v for k, v in rows[-1].items() if k != "token_ids"})
+    base = rows[1]["token_ids"]  # same grammar (our xgrammar, spaced JSON) as generate
+    print(f"\n{len(cases)} {args.subset} schemas, greedy, max {args.max_tokens} tokens, one batch")
+    print("| config | s | tokens | tok/s | accept length | valid | same tokens as row 2 |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        same = sum(a == b for a, b in zip(row["token_ids"], base))
+        al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
+        print(
+            f"| {row['config']} | {row['seconds']:.1f} | {row['tokens']} | {row['tok_s']:.1f} "
+            f"| {al} | {row['valid']}/{len(cases)} | {same}/{len(cases)} |"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"subset": args.subset, "n": args.n, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
