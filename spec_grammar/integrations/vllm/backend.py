@@ -126,7 +126,10 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         self.max_rollback_tokens = max(DEFAULT_MAX_ROLLBACK_TOKENS, num_spec + 1)
         self._backends: dict[frozenset[int], GrammarBackend] = {}
         self._lock = threading.Lock()  # vLLM compiles in a thread pool
-        self._backend_for(None)  # a bad backend name or tokenizer fails at engine start
+        # built now for the usual stop set (EOS): a tokenizer the backend refuses fails at
+        # engine start, and the first request does not pay for the vocabulary scan
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self._backend_for({eos} if isinstance(eos, int) else None)
 
     def _backend_for(self, stop_token_ids: set[int] | None) -> GrammarBackend:
         key = frozenset(stop_token_ids or ())
