@@ -170,12 +170,21 @@ def main() -> None:
             }
         )
         print(rows[-1]["config"], {k: v for k, v in rows[-1].items() if k != "token_ids"})
-    base = rows[1]["token_ids"]  # same grammar (our xgrammar, spaced JSON) as generate
+    # same grammar (our xgrammar, spaced JSON) as generate; vLLM's ids end with the stop token,
+    # generate's do not
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model).eos_token_id
+
+    def strip_eos(ids: list[int]) -> list[int]:
+        return ids[:-1] if ids and ids[-1] == eos else ids
+
+    base = [strip_eos(t) for t in rows[1]["token_ids"]]
     print(f"\n{len(cases)} {args.subset} schemas, greedy, max {args.max_tokens} tokens, one batch")
     print("| config | s | tokens | tok/s | accept length | valid | same tokens as row 2 |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        same = sum(a == b for a, b in zip(row["token_ids"], base))
+        same = sum(strip_eos(a) == b for a, b in zip(row["token_ids"], base))
         al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
         print(
             f"| {row['config']} | {row['seconds']:.1f} | {row['tokens']} | {row['tok_s']:.1f} "
