@@ -1,7 +1,8 @@
 """The model directory the loader writes for a GGUF model is a complete Hugging Face model:
-``config.json`` names the architecture and the tied embedding is stored as
-``model.embed_tokens.weight``, so a loader given the directory alone (transformers here, vLLM in
-``tests/integrations/test_vllm.py``) builds the same causal LM as our loader.
+``config.json`` names the architecture, the tied embedding is stored as
+``model.embed_tokens.weight`` and the tokenizer is saved next to them, so a loader given the
+directory alone (transformers here, vLLM in ``tests/integrations/test_vllm.py``) builds the same
+causal LM as our loader.
 
 Before: no ``architectures`` (vLLM built a pooling model) and the tied weight saved only as
 ``lm_head.weight`` (vLLM skipped it and generated token 0 forever)."""
@@ -43,6 +44,14 @@ def test_exported_smollm2_directory_loads_alone_with_the_gguf_logits(tmp_path, m
     assert torch.equal(stored_embedding, reference.get_input_embeddings().weight)
     assert exported.get_output_embeddings().weight.data_ptr() == (
         exported.get_input_embeddings().weight.data_ptr()
+    )
+
+    # the tokenizer is in the directory too (vLLM's LLM(model_dir) reads it from there)
+    from transformers import AutoTokenizer
+
+    text = 'Hello, {"name": "Ada"}\n'
+    assert AutoTokenizer.from_pretrained(str(model_dir)).encode(text) == (
+        models.load_tokenizer("smollm2").encode(text)
     )
 
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30, 2]])
