@@ -1,0 +1,1 @@
+"""Integrations of spec-grammar into serving engines (each subpackage imports its engine)."""
