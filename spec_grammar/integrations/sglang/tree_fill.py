@@ -133,14 +133,16 @@ def generate_token_bitmask(
     for backend, group in jobs.values():
         valids = backend.fill_tree_bitmasks(group, mask)
         for (m, tree, off), valid in zip(group, valids):
-            v = valid.numpy()
-            stops = np.isin(np.asarray(tree.token_list), list(m.info.stop_token_ids))
-            stops[0] = False  # the root is never the terminating node here
-            rows = np.flatnonzero(~v | stops)
-            if len(rows):
-                dead.extend((rows + off).tolist())
+            stops = m.info.stop_token_ids
+            tokens = tree.token_list
+            # rejected nodes, and nodes whose (stop) token terminated the grammar; not the root
+            dead.extend(
+                off + k
+                for k, ok in enumerate(valid.tolist())
+                if not ok or (k and tokens[k] in stops)
+            )
     if dead:
-        mask[dead] = -1
+        mask.numpy()[np.array(dead)] = -1  # numpy: torch's list indexing costs ms here
     if walk:
         # imported here: spec_utils pulls in SGLang's kernels, which registration must not
         from sglang.srt.speculative.spec_utils import traverse_tree
