@@ -170,18 +170,24 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
                     if keep is not None and keep.numel() == diff.shape[1]:
                         diff &= keep
                     differ = int(diff.any(dim=1).sum())
+                    # rows each side filled (the others stay all-allowed): llguidance's own
+                    # masks allow only canonical spellings, so SGLang's walk rejects (and skips)
+                    # draft nodes our llguidance adapter accepts and fills
+                    filled_ours = int((m_ours != -1).any(dim=1).sum())
+                    filled_theirs = int((m_theirs != -1).any(dim=1).sum())
                     row = {
                         "model": model, "library": library, "draft_tokens": n, "batch": bs,
                         "sglang_ms": 1e3 * statistics.median(t_theirs),
                         "ours_ms": 1e3 * statistics.median(t_ours),
                         "rows": bs * n, "rows_differ": differ,
+                        "filled_sglang": filled_theirs, "filled_ours": filled_ours,
                     }  # fmt: skip
                     row["ratio"] = row["sglang_ms"] / row["ours_ms"]
                     rows.append(row)
                     print(
                         f"{model:8s} {library:10s} N={n:3d} bs={bs:3d}  sglang {row['sglang_ms']:9.2f} ms"
                         f"  ours {row['ours_ms']:8.2f} ms  ratio {row['ratio']:6.2f}x"
-                        f"  rows differ {differ}/{bs * n}",
+                        f"  rows differ {differ}/{bs * n}  filled {filled_theirs} vs {filled_ours}",
                         flush=True,
                     )
     return rows
@@ -190,14 +196,15 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
 def markdown(rows: list[dict]) -> str:
     """The table of :func:`run`'s rows."""
     out = [
-        "| model | library | draft tokens | batch | SGLang walk (ms) | our hook (ms) | ratio | rows differing |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | library | draft tokens | batch | SGLang walk (ms) | our hook (ms) | ratio | rows differing "
+        "| rows filled (SGLang / ours) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         out.append(
             f"| {r['model']} | {r['library']} | {r['draft_tokens']} | {r['batch']} | "
             f"{r['sglang_ms']:.2f} | {r['ours_ms']:.2f} | {r['ratio']:.2f}x | "
-            f"{r['rows_differ']}/{r['rows']} |"
+            f"{r['rows_differ']}/{r['rows']} | {r['filled_sglang']} / {r['filled_ours']} |"
         )
     return "\n".join(out)
 

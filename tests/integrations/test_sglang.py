@@ -474,3 +474,59 @@ def test_tree_fill_hook_can_be_left_out(monkeypatch, sgl_tok):
     monkeypatch.setattr(HookRegistry, "_hooks", type(HookRegistry._hooks)(list))
     plugin.register()
     assert TARGET not in HookRegistry._hooks
+
+
+# -- a speculative loop on SGLang's functions -------------------------------------------------------
+@pytest.mark.parametrize("name", BACKENDS)
+def test_greedy_tree_speculation_through_sglang_yields_valid_output(sgl_backends, sgl_tok, name):
+    """Draft trees -> our tree fill -> SGLang's GrammarMask.apply on random logits -> greedy
+    tree verify -> SGLang's accept path, until the grammar terminates: every output matches
+    the regex. outlines-core included, which SGLang's own outlines backend cannot serve (it
+    has no rollback)."""
+    import re
+
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as P,
+    )
+
+    pattern = r"(yes|no),[0-9]{1,2}(;(yes|no),[0-9]{1,2}){0,2}"
+    eos, V = sgl_tok.eos_token_id, len(sgl_tok)
+    pieces = ["yes", "no", ",", ";", "1", "2", "7", "42", "y", "es"]
+    cands = sorted({t for p in pieces for t in sgl_tok.encode(p, add_special_tokens=False)} | {eos})
+    rng = np.random.default_rng(hash(name) % 1000)
+    proto = sgl_backends[name].dispatch_regex(pattern)
+    for _ in range(3):
+        req = SimpleNamespace(grammar=proto.copy(), rid=name, to_finish=None)
+        out: list[int] = []
+        last = eos  # the root token: any id (its row is the grammar's current state)
+        for _step in range(40):
+            n = 8
+            parents = [-1] + [int(rng.integers(0, c)) for c in range(1, n)]
+            ids = [last] + [int(rng.choice(cands)) for _ in range(1, n)]
+            nxt, sib = _links(parents, False)
+            mask, handle = generate_token_bitmask(
+                [req], torch.tensor([nxt]), torch.tensor([sib]), torch.tensor([ids]), V
+            )
+            gm = sgl_base.GrammarMask(handle, handle.move_vocab_mask(mask, "cpu"))
+            logits = torch.from_numpy(rng.standard_normal((n, V)).astype(np.float32))
+            logits[:, cands] += 4.0  # a model that likes the candidate tokens
+            gm.apply(logits)
+            target = logits.argmax(dim=1).tolist()
+            node, accepted = 0, []
+            while True:  # greedy tree verify: follow the child equal to the target token
+                child = next(
+                    (c for c in range(1, n) if parents[c] == node and ids[c] == target[node]), None
+                )
+                if child is None:
+                    accepted.append(target[node])  # the bonus token
+                    break
+                accepted.append(ids[child])
+                node = child
+            kept = P._accept_grammar_tokens(None, req, accepted)
+            assert req.to_finish is None, req.to_finish
+            out += kept
+            last = kept[-1]
+            if req.grammar.is_terminated():
+                break
+        assert req.grammar.is_terminated() and out[-1] == eos
+        assert re.fullmatch(pattern, sgl_tok.decode(out[:-1])), sgl_tok.decode(out)
