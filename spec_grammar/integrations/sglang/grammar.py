@@ -50,6 +50,16 @@ keyword the backend would not enforce is rejected, the request aborted, instead 
 a logged warning)."""
 
 
+def allocate_mask(vocab_size: int, rows: int, device: Any = "cpu") -> torch.Tensor:
+    """An uninitialized ``(rows, ceil(vocab_size / 32))`` int32 mask on ``device``, pinned on
+    the host when CUDA is present (the tree fill writes every row itself)."""
+    dev = torch.device(device)
+    pin = dev.type == "cpu" and torch.cuda.is_available()
+    return torch.empty(
+        (rows, bitmask_width(vocab_size)), dtype=torch.int32, device=dev, pin_memory=pin
+    )
+
+
 class SGLangGrammar(BaseGrammarObject):
     """One request's grammar state for SGLang, delegating to a spec-grammar matcher.
 
@@ -107,15 +117,7 @@ class SGLangGrammar(BaseGrammarObject):
         """A ``(batch_size, ceil(vocab_size / 32))`` int32 mask on ``device``, all -1 (every
         token allowed); pinned on the host when CUDA is present, so the later upload can be
         non-blocking."""
-        dev = torch.device(device)
-        pin = dev.type == "cpu" and torch.cuda.is_available()
-        return torch.full(
-            (batch_size, bitmask_width(vocab_size)),
-            -1,
-            dtype=torch.int32,
-            device=dev,
-            pin_memory=pin,
-        )
+        return allocate_mask(vocab_size, batch_size, device).fill_(-1)
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Write the allowed set of the current state into row ``idx`` of the CPU mask.

@@ -17,7 +17,9 @@ parent's row, or not below ``vocab_size``), of nodes below them, and of nodes wh
 terminated the grammar keep the all-allowed ``-1`` of the allocation (verification never
 reaches them), as do the rows of requests without a grammar or whose grammar is already
 terminated. Requests whose grammar is another backend's object, or whose tree links are not
-parent-before-child, go through SGLang's own ``traverse_tree`` unchanged.
+parent-before-child, go through SGLang's own ``traverse_tree`` unchanged. When the first grammar
+is ours the mask is allocated uninitialized (as ``allocate_vocab_mask`` would, without its -1
+pass): the tree fills write their rows, every other row is set to -1 afterwards.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from ...bitmask import bitmask_width
 from ...tree import DraftTree
-from .grammar import SGLangGrammar
+from .grammar import SGLangGrammar, allocate_mask
 
 TARGET = "sglang.srt.speculative.spec_utils.generate_token_bitmask"
 """The SGLang function :func:`generate_token_bitmask` replaces."""
@@ -89,22 +91,31 @@ def generate_token_bitmask(
     assert len(reqs) == retrieve_next_token_cpu.shape[0]
     mask = None
     grammar = None
+    untouched: list[int] = []  # requests whose rows no tree fill writes (all-allowed)
     jobs: dict[int, tuple[Any, list]] = {}  # id(backend) -> (backend, [(matcher, tree, row)])
     walk: list[int] = []  # requests left to SGLang's traverse_tree
     tokens = nxt = sib = None
     for i, req in enumerate(reqs):
         g = req.grammar
         if g is None:
+            untouched.append(i)
             continue
         if mask is None:
-            mask = g.allocate_vocab_mask(
-                vocab_size=vocab_size, batch_size=draft_tokens_cpu.numel(), device="cpu"
-            )
+            if isinstance(g, SGLangGrammar):
+                # what SGLang's walk gets from allocate_vocab_mask, minus the -1 pass over rows
+                # that the tree fills overwrite: the rows left are set to -1 below
+                mask = allocate_mask(vocab_size, draft_tokens_cpu.numel())
+            else:
+                mask = g.allocate_vocab_mask(
+                    vocab_size=vocab_size, batch_size=draft_tokens_cpu.numel(), device="cpu"
+                )
         grammar = g
         if not isinstance(g, SGLangGrammar):
+            untouched.append(i)
             walk.append(i)
             continue
         if g.matcher.is_terminated():
+            untouched.append(i)
             continue  # SGLang's walk fills nothing below a terminated root
         backend = g.backend
         info = g.matcher.info
@@ -113,6 +124,7 @@ def generate_token_bitmask(
             or mask.device.type != "cpu"
             or mask.shape[1] != bitmask_width(info.vocab_size)
         ):
+            untouched.append(i)
             walk.append(i)
             continue
         if tokens is None:
@@ -122,6 +134,7 @@ def generate_token_bitmask(
         # tokens >= V are rejected as SGLang's walk does; the tree keeps them as invalid nodes
         tree = _tree([t if t < vocab_size else -1 for t in tokens[i]], nxt[i], sib[i])
         if tree is None:
+            untouched.append(i)
             walk.append(i)
             continue
         key = id(backend)
@@ -134,13 +147,14 @@ def generate_token_bitmask(
         valids = backend.fill_tree_bitmasks(group, mask)
         for (m, tree, off), valid in zip(group, valids):
             stops = m.info.stop_token_ids
-            tokens = tree.token_list
+            ids = tree.token_list
             # rejected nodes, and nodes whose (stop) token terminated the grammar; not the root
             dead.extend(
-                off + k
-                for k, ok in enumerate(valid.tolist())
-                if not ok or (k and tokens[k] in stops)
+                off + k for k, ok in enumerate(valid.tolist()) if not ok or (k and ids[k] in stops)
             )
+    if mask is None:
+        return None, None
+    dead.extend(r for i in untouched for r in range(i * n, (i + 1) * n))
     if dead:
         mask.numpy()[np.array(dead)] = -1  # numpy: torch's list indexing costs ms here
     if walk:
