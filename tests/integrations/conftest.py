@@ -46,8 +46,11 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install_torchvision_stub() -> None:
-    """Stub ``torchvision`` when it is not installed (idempotent)."""
+    """Stub ``torchvision`` when SGLang is installed and torchvision is not (idempotent);
+    elsewhere (CI's venv) nothing changes."""
     if any(isinstance(f, _StubFinder) for f in sys.meta_path):
+        return
+    if importlib.util.find_spec("sglang") is None:
         return
     if importlib.util.find_spec("torchvision") is not None:
         return
