@@ -165,11 +165,11 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
                         t_ours.append(t2 - t1)
                     # SGLang's xgrammar grammars allow special tokens (<|im_start|>, ...) as text
                     # in strings, ours never do: rows are compared on the other tokens
-                    keep = ~torch.from_numpy(np.packbits(prep["special"], bitorder="little"))
-                    keep = keep.view(torch.int32) if keep.numel() % 4 == 0 else None
-                    diff = m_ours ^ m_theirs
-                    if keep is not None and keep.numel() == diff.shape[1]:
-                        diff &= keep
+                    special = np.zeros(32 * m_ours.shape[1], dtype=bool)
+                    special[: len(prep["special"])] = prep["special"]
+                    special[vocab:] = True  # padding bits past the logits width
+                    keep = ~torch.from_numpy(np.packbits(special, bitorder="little"))
+                    diff = (m_ours ^ m_theirs) & keep.view(torch.int32)
                     differ = int(diff.any(dim=1).sum())
                     # rows each side filled (the others stay all-allowed): llguidance's own
                     # masks allow only canonical spellings, so SGLang's walk rejects (and skips)
