@@ -1,0 +1,172 @@
+"""The draft-tree mask of SGLang's speculative workers, filled by spec-grammar.
+
+Every SGLang speculative worker (EAGLE family, STANDALONE, NGRAM, DFLASH, ...) builds its
+grammar mask through ``sglang.srt.speculative.spec_utils.generate_token_bitmask``: a Python
+depth-first walk per request (``traverse_tree``, SGLang PR #6499) that calls
+``accept_token`` / ``fill_vocab_mask`` / ``rollback`` on the request's grammar object once per
+node and tests each child's bit in its parent's row with tensor indexing.
+:func:`generate_token_bitmask` here replaces it (through SGLang's plugin ``HookRegistry``,
+see :func:`spec_grammar.integrations.sglang.register`) with one call per backend to
+:meth:`~spec_grammar.protocol.GrammarBackend.fill_tree_bitmasks` over every request whose
+grammar is a :class:`~.grammar.SGLangGrammar`: each adapter's native tree fill (xgrammar's
+draft-tree traversal, llguidance's parallel level-by-level fill), no per-node Python.
+
+The rows are SGLang's, bit for bit: row ``i * N + n`` holds the tokens allowed after the path
+root..n of request ``i``; rows of nodes the grammar rejects (their token not allowed by the
+parent's row, or not below ``vocab_size``), of nodes below them, and of nodes whose token
+terminated the grammar keep the all-allowed ``-1`` of the allocation (verification never
+reaches them), as do the rows of requests without a grammar or whose grammar is already
+terminated. Requests whose grammar is another backend's object, or whose tree links are not
+parent-before-child, go through SGLang's own ``traverse_tree`` unchanged. When the first grammar
+is ours the mask is allocated uninitialized (as ``allocate_vocab_mask`` would, without its -1
+pass): the tree fills write their rows, every other row is set to -1 afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...bitmask import bitmask_width
+from ...tree import DraftTree
+from .grammar import SGLangGrammar, allocate_mask
+
+TARGET = "sglang.srt.speculative.spec_utils.generate_token_bitmask"
+"""The SGLang function :func:`generate_token_bitmask` replaces."""
+
+
+def _tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> DraftTree | None:
+    """The draft tree given by SGLang's first-child / next-sibling links, or None when a node
+    is unreachable from the root or comes before its parent (SGLang's walk takes those)."""
+    n = len(tokens)
+    parents = [-2] * n
+    parents[0] = -1
+    stack = [0]
+    while stack:
+        p = stack.pop()
+        c = next_token[p]
+        while c != -1:
+            if not p < c < n or parents[c] != -2:
+                return None
+            parents[c] = p
+            stack.append(c)
+            c = next_sibling[c]
+    if -2 in parents:
+        return None
+    return DraftTree(tokens, parents)
+
+
+def generate_token_bitmask(
+    reqs: list[Any],
+    retrieve_next_token_cpu: torch.Tensor,
+    retrieve_next_sibling_cpu: torch.Tensor,
+    draft_tokens_cpu: torch.Tensor,
+    vocab_size: int,
+) -> tuple[torch.Tensor | None, Any]:
+    """SGLang's ``generate_token_bitmask`` (same arguments, same result), filled by
+    spec-grammar's tree fills.
+
+    Args:
+        reqs: the batch's ``Req`` objects, ``bs`` of them; ``req.grammar`` is a grammar object
+            or None.
+        retrieve_next_token_cpu: ``(bs, N)`` int64, first child of each node (-1: none).
+        retrieve_next_sibling_cpu: ``(bs, N)`` int64, next sibling of each node (-1: none).
+        draft_tokens_cpu: ``(bs, N)`` int64 token ids; column 0 is each request's root, the
+            token already committed.
+        vocab_size: the logits width ``V``; tokens ``>= V`` (n-gram padding) are rejected.
+
+    Returns:
+        ``(mask, grammar)``: ``mask`` is ``(bs * N, ceil(V / 32))`` int32 on the CPU, allocated
+        by the first grammar's ``allocate_vocab_mask`` (all -1), with the rows described in the
+        module docstring; ``grammar`` is the batch's last grammar object (SGLang's handle for
+        the static apply). ``(None, None)`` when no request has a grammar.
+
+    Raises what the backends raise on a broken matcher
+    (:class:`~spec_grammar.errors.GrammarStateError`); every grammar is left in the state it
+    had.
+    """
+    n = draft_tokens_cpu.shape[-1]
+    assert len(reqs) == retrieve_next_token_cpu.shape[0]
+    mask = None
+    grammar = None
+    untouched: list[int] = []  # requests whose rows no tree fill writes (all-allowed)
+    jobs: dict[int, tuple[Any, list]] = {}  # id(backend) -> (backend, [(matcher, tree, row)])
+    walk: list[int] = []  # requests left to SGLang's traverse_tree
+    tokens = nxt = sib = None
+    for i, req in enumerate(reqs):
+        g = req.grammar
+        if g is None:
+            untouched.append(i)
+            continue
+        if mask is None:
+            if isinstance(g, SGLangGrammar):
+                # what SGLang's walk gets from allocate_vocab_mask, minus the -1 pass over rows
+                # that the tree fills overwrite: the rows left are set to -1 below
+                mask = allocate_mask(vocab_size, draft_tokens_cpu.numel())
+            else:
+                mask = g.allocate_vocab_mask(
+                    vocab_size=vocab_size, batch_size=draft_tokens_cpu.numel(), device="cpu"
+                )
+        grammar = g
+        if not isinstance(g, SGLangGrammar):
+            untouched.append(i)
+            walk.append(i)
+            continue
+        if g.matcher.is_terminated():
+            untouched.append(i)
+            continue  # SGLang's walk fills nothing below a terminated root
+        backend = g.backend
+        info = g.matcher.info
+        if (
+            mask.dtype != torch.int32
+            or mask.device.type != "cpu"
+            or mask.shape[1] != bitmask_width(info.vocab_size)
+        ):
+            untouched.append(i)
+            walk.append(i)
+            continue
+        if tokens is None:
+            tokens = draft_tokens_cpu.reshape(len(reqs), n).tolist()
+            nxt = retrieve_next_token_cpu.tolist()
+            sib = retrieve_next_sibling_cpu.tolist()
+        # tokens >= V are rejected as SGLang's walk does; the tree keeps them as invalid nodes
+        tree = _tree([t if t < vocab_size else -1 for t in tokens[i]], nxt[i], sib[i])
+        if tree is None:
+            untouched.append(i)
+            walk.append(i)
+            continue
+        key = id(backend)
+        if key not in jobs:
+            jobs[key] = (backend, [])
+        jobs[key][1].append((g.matcher, tree, i * n))
+
+    dead: list[int] = []  # rows SGLang's walk leaves all-allowed
+    for backend, group in jobs.values():
+        valids = backend.fill_tree_bitmasks(group, mask)
+        for (m, tree, off), valid in zip(group, valids):
+            stops = m.info.stop_token_ids
+            ids = tree.token_list
+            # rejected nodes, and nodes whose (stop) token terminated the grammar; not the root
+            dead.extend(
+                off + k for k, ok in enumerate(valid.tolist()) if not ok or (k and ids[k] in stops)
+            )
+    if mask is None:
+        return None, None
+    dead.extend(r for i in untouched for r in range(i * n, (i + 1) * n))
+    if dead:
+        mask.numpy()[np.array(dead)] = -1  # numpy: torch's list indexing costs ms here
+    if walk:
+        # imported here: spec_utils pulls in SGLang's kernels, which registration must not
+        from sglang.srt.speculative.spec_utils import traverse_tree
+    for i in walk:
+        traverse_tree(
+            retrieve_next_token_cpu[i],
+            retrieve_next_sibling_cpu[i],
+            draft_tokens_cpu[i],
+            reqs[i].grammar,
+            mask[i * n : (i + 1) * n],
+            vocab_size=vocab_size,
+        )
+    return mask, grammar
