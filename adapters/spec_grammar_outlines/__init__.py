@@ -4,10 +4,11 @@ outlines-core 0.2.14 compiles a regex (JSON Schema through ``build_regex_from_sc
 ``Index``: a token-level DFA over the vocabulary. Its ``Guide`` is not used: copying one pickles
 the whole Index (60 ms .. 1.3 s), its rollback is a ring of 32 states, ``reset()`` keeps that
 history and ``advance(EOS)`` raises even in a final state (outlines-core issue #227). Instead
-the matcher tracks the integer DFA state itself (``Index.get_next_state``) and keeps the list
+the matcher tracks the integer DFA state itself (``Index.get_next_state``) and keeps the chain
 of past states, so every protocol operation is emulated cheaply:
 
-- rollback(k): pop k states; fork: a copy of the (bounded) state list;
+- rollback(k): k steps up a chain of past states; fork: the same chain (O(1), entries are
+  immutable and shared; each matcher keeps at most ``2 * (max_rollback_tokens + 1)``);
 - termination: a stop token accepted where the grammar can end;
 - masks: ``Index.get_allowed_tokens(state)`` packed into the protocol's int32 layout once per
   DFA state and kept in a bounded LRU on the compiled grammar (tree walks revisit the same
@@ -412,28 +413,56 @@ class OutlinesGrammar:
         return row, forced
 
 
+class _StateNode:
+    """One entry of a matcher's state history: the DFA state after a token, the entry before it
+    (None at the start of the chain) and how many entries the chain holds down to here.
+    Entries are never changed, so a matcher and its forks share them."""
+
+    __slots__ = ("parent", "state", "height")
+
+    def __init__(self, parent: _StateNode | None, state: int):
+        self.parent = parent
+        self.state = state
+        self.height = 1 if parent is None else parent.height + 1
+
+
 class OutlinesMatcher(SpecGrammar):
     """:class:`SpecGrammar` over an outlines-core ``Index``, tracking the integer DFA state.
 
-    State: the list of DFA states after each accepted token (``_TERMINATED`` after a stop
-    token), trimmed to the last ``max_rollback_tokens + 1`` entries, so rollback, fork and
-    termination are exact and O(1) / O(max_rollback_tokens).
+    State: the DFA states after each accepted token (``_TERMINATED`` after a stop token) as a
+    chain of immutable :class:`_StateNode` entries that forks share: ``fork`` is O(1) and
+    rollback O(k). A matcher's chain is cut to its last ``max_rollback_tokens + 1`` entries
+    (copied into a new chain, amortized O(1) per token) once it holds twice that, so the
+    history a matcher keeps alive is bounded whatever the output's length.
     """
 
     def __init__(
-        self, backend: OutlinesBackend, grammar: OutlinesGrammar, states: list[int] | None = None
+        self, backend: OutlinesBackend, grammar: OutlinesGrammar, top: _StateNode | None = None
     ):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._g = grammar
-        self._states = [grammar.initial_state] if states is None else states
+        self._top = _StateNode(None, grammar.initial_state) if top is None else top
         self._keep = self._max_rollback_tokens + 1
 
+    @property
+    def history_length(self) -> int:
+        """Entries of the state history this matcher keeps alive (at most
+        ``2 * (max_rollback_tokens + 1)``)."""
+        return self._top.height
+
     def _push(self, state: int) -> None:
-        states = self._states
-        states.append(state)
-        if len(states) > 2 * self._keep:  # amortized O(1) trim of history nobody can roll back to
-            del states[: -self._keep]
+        top = _StateNode(self._top, state)
+        if top.height > 2 * self._keep:  # cut what nobody can roll back to any more
+            states = []
+            node: _StateNode | None = top
+            for _ in range(self._keep):
+                states.append(node.state)  # type: ignore[union-attr]
+                node = node.parent  # type: ignore[union-attr]
+            top = None
+            for st in reversed(states):
+                top = _StateNode(top, st)
+        self._top = top  # type: ignore[assignment]
 
     def _step(self, state: int, token: int) -> int | None:
         """The state after ``token`` (``_TERMINATED`` for an accepted stop token) or None."""
@@ -442,7 +471,7 @@ class OutlinesMatcher(SpecGrammar):
         return self._g.next_state(state, token)
 
     def _accept_token(self, token: int) -> bool:
-        nxt = self._step(self._states[-1], token)
+        nxt = self._step(self._top.state, token)
         if nxt is None:
             return False
         self._push(nxt)
@@ -451,7 +480,7 @@ class OutlinesMatcher(SpecGrammar):
     def _accept_tokens(self, tokens: list[int]) -> int:
         n = 0
         for t in tokens:
-            state = self._states[-1]
+            state = self._top.state
             if state == _TERMINATED:
                 break
             nxt = self._step(state, t)
@@ -462,7 +491,7 @@ class OutlinesMatcher(SpecGrammar):
         return n
 
     def _validate_tokens(self, tokens: list[int]) -> int:
-        state = self._states[-1]
+        state = self._top.state
         n = 0
         for t in tokens:
             if state == _TERMINATED:
@@ -474,20 +503,23 @@ class OutlinesMatcher(SpecGrammar):
         return n
 
     def _rollback(self, num_tokens: int) -> None:
-        del self._states[-num_tokens:]
+        top = self._top
+        for _ in range(num_tokens):
+            top = top.parent  # type: ignore[assignment]
+        self._top = top
 
     def _fork(self) -> OutlinesMatcher:
-        return OutlinesMatcher(self._backend, self._g, list(self._states))
+        return OutlinesMatcher(self._backend, self._g, self._top)
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask.numpy()[row] = self._g.row(self._states[-1])
+        bitmask.numpy()[row] = self._g.row(self._top.state)
 
     def _is_terminated(self) -> bool:
-        return self._states[-1] == _TERMINATED
+        return self._top.state == _TERMINATED
 
     def _forced_tokens(self) -> list[int]:
         # A final state is never forced: the stop token is an alternative there.
-        state = self._states[-1]
+        state = self._top.state
         forced: list[int] = []
         while len(forced) < _MAX_FORCED:
             t = self._g.forced(state)
@@ -511,7 +543,7 @@ class OutlinesMatcher(SpecGrammar):
         n_tok = self.info.tokenizer_vocab_size
         g = self._g
         node_state: list[int | None] = [None] * n
-        node_state[0] = self._states[-1]
+        node_state[0] = self._top.state
         rows[0] = g.row(node_state[0])
         valid = [False] * n
         valid[0] = True

@@ -44,6 +44,7 @@ from spec_grammar.json_schema.strict import (
     KeywordSupport,
 )
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
+from spec_grammar.shared_native import PathNode, SharedNative
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
 from spec_grammar.vocab import is_rust_tokenizer
@@ -249,45 +250,105 @@ def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
     return node if out == node else out
 
 
-class XGrammarMatcher(SpecGrammar):
-    """:class:`SpecGrammar` over ``xgrammar.GrammarMatcher``."""
+def _native_accept(m: xgr.GrammarMatcher, token: int) -> bool:
+    return m.accept_token(token)
 
-    def __init__(self, backend: XGrammarBackend, matcher: xgr.GrammarMatcher):
+
+def _native_rollback(m: xgr.GrammarMatcher, k: int) -> None:
+    m.rollback(k)
+
+
+def _native_copy(m: xgr.GrammarMatcher) -> xgr.GrammarMatcher:
+    return m.fork()
+
+
+class XGrammarMatcher(SpecGrammar):
+    """:class:`SpecGrammar` over ``xgrammar.GrammarMatcher``.
+
+    The library matcher is shared with this matcher's forks (:mod:`spec_grammar.shared_native`):
+    xgrammar 0.2.9's own ``fork`` copies every token accepted so far, so a fork here is O(1)
+    and the library matcher is moved (rollback + replay) to whichever view is used.
+    ``shared`` / ``node``: the view's place when it is a fork (left out: a new shared native
+    over ``matcher``)."""
+
+    def __init__(
+        self,
+        backend: XGrammarBackend,
+        matcher: xgr.GrammarMatcher | None = None,
+        *,
+        shared: SharedNative | None = None,
+        node: PathNode | None = None,
+    ):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
-        self._m = matcher
+        if shared is None:
+            shared = SharedNative(
+                matcher,
+                accept=_native_accept,
+                rollback=_native_rollback,
+                copy=_native_copy,
+                detach_after=max(self._max_rollback_tokens, 64),
+            )
+        self._shared = shared
+        self._node = shared.root if node is None else node
+
+    def _enter(self) -> xgr.GrammarMatcher:
+        """The library matcher, moved to this view (the caller holds ``self._shared.lock``)."""
+        self._shared, self._node = self._shared.enter(self._node)
+        return self._shared.native
+
+    @property
+    def _m(self) -> xgr.GrammarMatcher:
+        """The library matcher at this view's state (valid until another view is used)."""
+        with self._shared.lock:
+            return self._enter()
 
     def _accept_token(self, token: int) -> bool:
         # special ids are refused here: xgrammar would log a line for each
-        return token not in self._backend._special_set and self._m.accept_token(token)
+        if token in self._backend._special_set:
+            return False
+        with self._shared.lock:
+            if not self._enter().accept_token(token):
+                return False
+            self._node = self._shared.pushed(self._node, token)
+            return True
 
     def _accept_tokens(self, tokens: list[int]) -> int:
         # xgrammar refuses every token once terminated: no termination check per token
-        accept, n = self._accept_token, 0
-        for t in tokens:
-            if not accept(t):
-                break
-            n += 1
-        return n
+        special = self._backend._special_set
+        with self._shared.lock:
+            m = self._enter()
+            shared, node, n = self._shared, self._node, 0
+            for t in tokens:
+                if t in special or not m.accept_token(t):
+                    break
+                node = shared.pushed(node, t)
+                n += 1
+            self._node = node
+            return n
 
     def _rollback(self, num_tokens: int) -> None:
-        self._m.rollback(num_tokens)
+        # the library matcher follows when this view is next used
+        self._node = self._node.up(num_tokens)
 
     def _fork(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._backend, self._m.fork())
+        return XGrammarMatcher(self._backend, shared=self._shared, node=self._node)
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._fill_rows(
-            bitmask[row : row + 1], lambda rows: self._m.fill_next_token_bitmask(rows, 0)
-        )
+        with self._shared.lock:
+            m = self._enter()
+            self._fill_rows(bitmask[row : row + 1], lambda rows: m.fill_next_token_bitmask(rows, 0))
 
     def _is_terminated(self) -> bool:
-        return self._m.is_terminated()
+        with self._shared.lock:
+            return self._enter().is_terminated()
 
     def _forced_tokens(self) -> list[int]:
         # xgrammar drops a trailing token that could be the prefix of a longer one, so every
         # returned token is forced; stop tokens are never part of a jump-forward string.
-        return [t for t in self._m.find_jump_forward_tokens() if not self.is_stop_token(t)]
+        with self._shared.lock:
+            tokens = self._enter().find_jump_forward_tokens()
+        return [t for t in tokens if not self.is_stop_token(t)]
 
     def _fill_tree_bitmask(
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
@@ -312,9 +373,11 @@ class XGrammarMatcher(SpecGrammar):
         # tensors, which dominated the fill of a small tree with the validity pass
         first_child = np.array(tree.first_child_list, dtype=np.int64)
         next_sibling = np.array(tree.next_sibling_list, dtype=np.int64)
-        self._fill_rows(
-            rows, lambda out: self._m.traverse_draft_tree(first_child, next_sibling, tokens, out)
-        )
+        with self._shared.lock:
+            m = self._enter()
+            self._fill_rows(
+                rows, lambda out: m.traverse_draft_tree(first_child, next_sibling, tokens, out)
+            )
         return rows.numpy()
 
     def _fill_rows(self, rows: torch.Tensor, fill) -> None:
