@@ -33,8 +33,9 @@ __all__ = ["PathNode", "SharedNative"]
 
 
 class PathNode:
-    """A position in the tree of accepted-token paths: ``token`` accepted after ``parent``;
-    ``depth`` tokens below the shared native's root (the root: ``parent`` None, ``token`` -1)."""
+    """A position in the tree of accepted-token paths: ``token`` accepted after ``parent``
+    (-1: not recorded), ``depth`` counted from where the library matcher was handed over (the
+    first node: ``parent`` None)."""
 
     __slots__ = ("parent", "token", "depth")
 
@@ -46,13 +47,6 @@ class PathNode:
     def child(self, token: int) -> PathNode:
         """The node after accepting ``token`` here."""
         return PathNode(self, token, self.depth + 1)
-
-    def up(self, k: int) -> PathNode:
-        """The node ``k`` tokens back (``k`` <= ``depth``)."""
-        node = self
-        for _ in range(k):
-            node = node.parent  # type: ignore[assignment]
-        return node
 
 
 def _route(src: PathNode, dst: PathNode) -> tuple[int, list[int]]:
@@ -114,6 +108,11 @@ class SharedNative:
         if up:
             self._rollback(native, up)
         for t in down:
+            if t < 0:
+                raise GrammarStateError(
+                    "a fork needs tokens accepted before its library matcher was handed over, "
+                    "which were not recorded"
+                )
             if not self._accept(native, t):
                 raise GrammarStateError(
                     f"the library refused token {t} while replaying a path it had accepted"
@@ -147,7 +146,29 @@ class SharedNative:
             max_spares=self.max_spares,
         )
         self.copies += 1
-        return own, own.root
+        # the last detach_after tokens come along, so the copy's own forks can replay them
+        tokens = []
+        while len(tokens) < self.detach_after and node.parent is not None:
+            tokens.append(node.token)
+            node = node.parent
+        own.root.depth = -len(tokens)
+        mine = own.root
+        for t in reversed(tokens):
+            mine = mine.child(t)
+        own._at = mine
+        return own, mine
+
+    def up(self, node: PathNode, k: int) -> PathNode:
+        """The node ``k`` tokens before ``node``. Past the root (a library matcher handed over
+        with a history of its own, which rollback may undo) the root gets parents whose tokens
+        are unknown: the library matcher can roll back to them, not replay from them."""
+        with self.lock:
+            for _ in range(k):
+                if node.parent is None:
+                    node.parent = PathNode(None, -1, node.depth - 1)
+                    self.root = node.parent
+                node = node.parent
+        return node
 
     def pushed(self, node: PathNode, token: int) -> PathNode:
         """Record that :attr:`native`, at ``node``, accepted ``token``; returns the new node."""

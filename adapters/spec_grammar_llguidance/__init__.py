@@ -257,7 +257,7 @@ class LLGuidanceMatcher(SpecGrammar):
             self._terminated = False
             num_tokens -= 1
         # the library matcher follows when this view is next used
-        self._node = self._node.up(num_tokens)
+        self._node = self._shared.up(self._node, num_tokens)
 
     def _fork(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(

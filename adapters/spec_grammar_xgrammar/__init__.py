@@ -315,21 +315,17 @@ class XGrammarMatcher(SpecGrammar):
 
     def _accept_tokens(self, tokens: list[int]) -> int:
         # xgrammar refuses every token once terminated: no termination check per token
-        special = self._backend._special_set
-        with self._shared.lock:
-            m = self._enter()
-            shared, node, n = self._shared, self._node, 0
+        accept, n = self._accept_token, 0
+        with self._shared.lock:  # once for the run (reentrant)
             for t in tokens:
-                if t in special or not m.accept_token(t):
+                if not accept(t):
                     break
-                node = shared.pushed(node, t)
                 n += 1
-            self._node = node
-            return n
+        return n
 
     def _rollback(self, num_tokens: int) -> None:
         # the library matcher follows when this view is next used
-        self._node = self._node.up(num_tokens)
+        self._node = self._shared.up(self._node, num_tokens)
 
     def _fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._backend, shared=self._shared, node=self._node)
