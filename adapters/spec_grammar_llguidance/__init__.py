@@ -133,7 +133,9 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     word = int(row[np.flatnonzero(row)[0]]) & 0xFFFFFFFF
     if word & (word - 1):
         return
-    forced = matcher.compute_ff_bytes()
+    # only the first max_token_bytes + 1 bytes can begin or hold a token: a longer forced run
+    # (a 100 kB const) made every fill walk all of its prefixes (a second per row)
+    forced = matcher.compute_ff_bytes()[: vocab.max_token_bytes + 1]
     if not forced:
         return
     bits = row.view(np.uint32)
@@ -295,16 +297,26 @@ class LLGuidanceMatcher(SpecGrammar):
             return n
 
     def _forced_tokens(self) -> list[int]:
-        # compute_ff_tokens tokenizes the forced bytes. A token is kept only if its row allows
-        # it and no token allowed there is a longer spelling starting with it (then the model
-        # could write more in one token); stop tokens are never forced.
+        # The forced bytes are tokenized here, cut to what max_forced_tokens tokens can hold:
+        # llguidance's compute_ff_tokens tokenizes all of them, and each kept token fills a row,
+        # so a grammar forcing 100,000 bytes took 2 minutes (quadratic) and a longer run more.
+        # A token is kept only if its row allows it and no token allowed there is a longer
+        # spelling starting with it (then the model could write more in one token); stop
+        # tokens are never forced.
+        limit = self.max_forced_tokens
         vocab = self._backend.vocab_index
         token_bytes = self.info.token_bytes
         forced: list[int] = []
         with self._shared.lock:
             m = self._enter()
+            ff = m.compute_ff_bytes()
+            _check_native(m)
+            if not ff or limit <= 0:
+                return []
+            cut = ff[: limit * vocab.max_token_bytes]
+            candidates = self._backend._llg_tokenizer.tokenize_bytes(cut)[:limit]
             try:
-                for t in m.compute_ff_tokens():
+                for t in candidates:
                     if self.is_stop_token(t) or not self._allows(m, t):
                         break
                     row = self._scratch

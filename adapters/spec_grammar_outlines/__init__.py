@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from spec_grammar.compile import LibraryResult
-from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.errors import GrammarCompileError, GrammarLimitError, UnsupportedGrammarError
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
     enum_within_type,
@@ -58,6 +58,7 @@ from spec_grammar.json_schema.strict import (
     REQUIRED_UNDECLARED,
     KeywordSupport,
 )
+from spec_grammar.limits import regex_positions
 from spec_grammar.protocol import (
     Capabilities,
     CompiledGrammar,
@@ -81,10 +82,27 @@ __all__ = [
     "VocabularyInfo",
     "SENTINEL",
     "DEFAULT_MASK_CACHE_BYTES",
+    "DEFAULT_MAX_INDEX_BYTES",
+    "DEFAULT_MAX_INDEX_STATES",
+    "estimated_index_bytes",
 ]
 
 DEFAULT_COMPILE_CACHE_SIZE = 16
 """Compiled grammars kept by default (the protocol keeps 256): an outlines index can be large."""
+
+DEFAULT_MAX_INDEX_BYTES = 1 << 30
+"""Default of ``max_index_bytes``: the largest estimated index a compile may build (1 GiB)."""
+
+DEFAULT_MAX_INDEX_STATES = 50_000
+"""Default of ``max_index_states``: the most automaton states (positions of the unrolled
+pattern) a compile may build; each costs a walk of the vocabulary (1-4 ms with SmolLM2 on a
+busy 2-core host: ``a{20000}`` took 72 s), and a build past ``compile_timeout_s`` still runs
+to its end in its thread."""
+
+INDEX_BYTES_PER_ENTRY = 12
+"""Bytes the outlines-core 0.2.14 index spends per (state, allowed token) transition, measured
+with SmolLM2 (arrays of length-bounded strings: 97-300 MB for 200-500 wide positions, 0.5-0.6
+MB per wide state at 49,152 tokens)."""
 
 DEFAULT_MASK_CACHE_BYTES = 32 << 20
 """Per compiled grammar: bytes of packed mask rows kept (SmolLM2: ~5,400 DFA states; a
@@ -96,7 +114,6 @@ we know has a token containing all of its UTF-8 bytes, which the backend checks)
 _SENTINEL_BYTES = SENTINEL.encode("utf-8")
 
 _TERMINATED = -1  # state-list sentinel after an accepted stop token (DFA states are u32)
-_MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
 
 _STRING_CHAR = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
 """outlines-core 0.2.14's regex for one character of a JSON string: it leaves out U+007F..U+009F
@@ -248,6 +265,19 @@ def _escaped_names(node: dict[str, Any], _where: str) -> dict[str, Any]:
     if isinstance(out.get("required"), list):
         out["required"] = [esc(n) for n in out["required"]]
     return node if out == node else out
+
+
+def estimated_index_bytes(regex: str, vocab_size: int) -> int | None:
+    """Bytes outlines-core 0.2.14's ``Index`` of ``regex`` would take, estimated before it is
+    built: its automaton has a state per position of the unrolled pattern, and a state inside
+    a wide character set (a JSON string's characters, ``.``) keeps a transition for nearly
+    every token of the vocabulary (:func:`spec_grammar.limits.regex_positions` with
+    ``wide_only``), at :data:`INDEX_BYTES_PER_ENTRY` bytes each; narrow states (digits,
+    literals) are left out. None when the pattern cannot be read (no estimate). Measured
+    against real builds (SmolLM2): 236 MB estimated / 218 MB used for ten strings of <= 40
+    characters, 295 / 300 MB for five of <= 100."""
+    wide = regex_positions(regex, wide_only=True)
+    return None if wide is None else wide * vocab_size * INDEX_BYTES_PER_ENTRY
 
 
 class VocabularyInfo:
@@ -521,7 +551,7 @@ class OutlinesMatcher(SpecGrammar):
         # A final state is never forced: the stop token is an alternative there.
         state = self._top.state
         forced: list[int] = []
-        while len(forced) < _MAX_FORCED:
+        while len(forced) < self.max_forced_tokens:
             t = self._g.forced(state)
             if t < 0:
                 break
@@ -579,8 +609,14 @@ class OutlinesBackend(GrammarBackend):
     single spaces after ``{``/``[`` and before ``:``/``,``/``]``/``}``); ``flexible`` ->
     outlines' default pattern (``[ ]?`` in 0.2.14, so currently the same as ``spaced``).
 
-    Extra option: ``mask_cache_bytes`` (default :data:`DEFAULT_MASK_CACHE_BYTES`), bytes of
-    packed mask rows each compiled grammar keeps.
+    Extra options: ``mask_cache_bytes`` (default :data:`DEFAULT_MASK_CACHE_BYTES`), bytes of
+    packed mask rows each compiled grammar keeps; ``max_index_bytes`` (default
+    :data:`DEFAULT_MAX_INDEX_BYTES`, None = no limit): a spec whose index is estimated larger
+    (:func:`estimated_index_bytes`) is refused with :class:`GrammarLimitError` before the
+    index is built (the build cannot be interrupted: an array of 50 strings of <= 200
+    characters took 6.3 GB and 38 s); ``max_index_states`` (default
+    :data:`DEFAULT_MAX_INDEX_STATES`, None = no limit): the same for the automaton's estimated
+    states (:func:`spec_grammar.limits.regex_positions`), which bound the build's time.
     """
 
     name = "outlines"
@@ -621,7 +657,13 @@ class OutlinesBackend(GrammarBackend):
     )
 
     def __init__(
-        self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any
+        self,
+        tokenizer: Any,
+        *,
+        mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES,
+        max_index_bytes: int | None = DEFAULT_MAX_INDEX_BYTES,
+        max_index_states: int | None = DEFAULT_MAX_INDEX_STATES,
+        **kwargs: Any,
     ):
         # an outlines index keeps a transition table per DFA state: hundreds of MB for JSON with an
         # unconstrained value, 6.3 GB for an array of <= 50 strings of <= 200 characters (SmolLM2):
@@ -629,6 +671,8 @@ class OutlinesBackend(GrammarBackend):
         kwargs.setdefault("compile_cache_size", DEFAULT_COMPILE_CACHE_SIZE)
         super().__init__(tokenizer, **kwargs)
         self.mask_cache_bytes = int(mask_cache_bytes)
+        self.max_index_bytes = None if max_index_bytes is None else int(max_index_bytes)
+        self.max_index_states = None if max_index_states is None else int(max_index_states)
         self._vocab = VocabularyInfo(self.tokenizer_info)
 
     @classmethod
@@ -672,6 +716,25 @@ class OutlinesBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar | LibraryResult:
         regex, notes = self._regex_of(spec)
+        states = regex_positions(regex)
+        if self.max_index_states is not None and (states or 0) > self.max_index_states:
+            raise GrammarLimitError(
+                f"{spec.kind}: the outlines-core index would have about {states:,} states (over "
+                f"max_index_states={self.max_index_states:,}), each a walk of the vocabulary: "
+                "lower the repetition counts / length bounds, raise max_index_states, or use "
+                "the xgrammar or llguidance backend",
+                reason=f"estimated {states} index states > max_index_states {self.max_index_states}",
+            )
+        estimate = estimated_index_bytes(regex, self.tokenizer_info.tokenizer_vocab_size)
+        if self.max_index_bytes is not None and (estimate or 0) > self.max_index_bytes:
+            raise GrammarLimitError(
+                f"{spec.kind}: the outlines-core index would take about {estimate / 2**20:,.0f} MiB "
+                f"(over max_index_bytes={self.max_index_bytes / 2**20:,.0f} MiB): its automaton "
+                "has a state for every character of every repeated item or string up to its bound "
+                "(maxItems x maxLength); lower those bounds, raise max_index_bytes, or use the "
+                "xgrammar or llguidance backend",
+                reason=f"estimated index {estimate} bytes > max_index_bytes {self.max_index_bytes}",
+            )
         try:
             index = oc.Index(f"(?:{regex}){SENTINEL}", self._vocab.vocabulary)
         except ValueError as e:
