@@ -43,6 +43,7 @@ from spec_grammar.bitmask import check_bitmask, check_bitmask_rows, clear_paddin
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import (
     GrammarCompileError,
+    GrammarLimitError,
     GrammarStateError,
     UnsupportedGrammarError,
 )
@@ -93,6 +94,9 @@ def _one_line(text: str) -> str:
     group``."""
     return " ".join(ln.strip() for ln in text.splitlines() if ln.strip() and not _EXCERPT.match(ln))
 
+
+_LIMIT = re.compile(r"too big|too many|TooComplex|limit for this grammar|fuel", re.IGNORECASE)
+"""llguidance's messages for a grammar past its ``LLParserLimits``."""
 
 _UNSUPPORTED = re.compile(
     r"Unimplemented keys|not supported|Unknown format|not present in a registry", re.IGNORECASE
@@ -398,7 +402,10 @@ class LLGuidanceBackend(GrammarBackend):
     Extra options: ``num_threads`` of the ``LLExecutor`` that fills many requests' tree rows
     in parallel (default: llguidance's rule, 80 % of the CPUs up to 32; with one thread the
     requests are filled one after another); ``slices`` for the tokenizer's mask slicer
-    (``None`` = llguidance's general slices, ``[]`` = off; see G5).
+    (``None`` = llguidance's general slices, ``[]`` = off; see G5); ``parser_limits``, keyword
+    arguments of ``llguidance.LLParserLimits`` (lexer states, lexer fuel, Earley items per step,
+    grammar size; default: the library's), which bound a compile's and a mask's time and memory:
+    a grammar past them raises :class:`GrammarLimitError`.
 
     Raises ``ValueError`` when the tokenizer is not a fast Hugging Face tokenizer or when the
     logits width is smaller than the tokenizer (llguidance needs ``vocab_size >= len(tokenizer)``).
@@ -437,9 +444,13 @@ class LLGuidanceBackend(GrammarBackend):
         *,
         num_threads: int | None = None,
         slices: Sequence[str] | None = None,
+        parser_limits: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         super().__init__(tokenizer, **kwargs)
+        # the library's own resource limits (lexer states, fuel, Earley items per step): its
+        # defaults unless given; a grammar past them is a GrammarLimitError at compile
+        self._limits = None if parser_limits is None else llguidance.LLParserLimits(**parser_limits)
         info = self.tokenizer_info
         n_tok = tokenizer_len(info.hf_tokenizer)
         if info.tokenizer_vocab_size < n_tok:
@@ -516,9 +527,17 @@ class LLGuidanceBackend(GrammarBackend):
         self._notes.notes = []
         text = self._grammar_text(spec)
         notes = list(self._notes.notes)
-        prototype = llguidance.LLMatcher(self._llg_tokenizer, text, log_level=0)
+        prototype = llguidance.LLMatcher(
+            self._llg_tokenizer, text, log_level=0, limits=self._limits
+        )
         if prototype.is_error():
             reason = _one_line(prototype.get_error())
+            if _LIMIT.search(reason):
+                raise GrammarLimitError(
+                    f"{spec.kind} failed to compile: llguidance's parser limits refuse it "
+                    f"({reason[:300]}); raise them with parser_limits or simplify the grammar",
+                    reason=reason,
+                )
             err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
             raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
         if isinstance(spec, JsonSchema):
