@@ -294,3 +294,27 @@ def test_long_forced_runs_and_huge_grammars_under_a_memory_cap(name, tok):
     for rid, spec in (("person", PERSON), ("person_again", PERSON_COMPACT)):
         want = backend.matcher(backend.compile(spec)).forced_tokens()[:8]
         assert out[rid]["forced"] == want, rid
+
+
+def test_regex_estimates_count_the_unrolled_pattern_without_unrolling_it():
+    """A counted repetition counts as its copies written out (the same positions as the
+    unrolled pattern, which Python's parser also reads); the forced bound counts only the
+    minimum copies plus one; unreadable patterns give None; a huge count costs nothing."""
+    from spec_grammar.limits import regex_forced_bound, regex_positions
+
+    for short, unrolled in [
+        ("(ab){3}", "ababab"),
+        ("x[0-9]{2}y?", "x[0-9][0-9]y?"),
+        ("a|bc", "a|bc"),
+    ]:
+        assert (
+            regex_positions(short)
+            == regex_positions(unrolled)
+            == len(unrolled.replace("[0-9]", "d").replace("?", "").replace("|", ""))
+        )
+    assert regex_positions("[^a]{4}", wide_only=True) == 4
+    assert regex_positions("[a-c]{4}", wide_only=True) == 0
+    assert regex_forced_bound("(ab){2,9}") == 6  # 2 copies forced, plus one entered partway
+    assert regex_forced_bound("a|bcd") == 3
+    assert regex_positions("a{100000000}") == 100_000_000
+    assert regex_positions("(?<name>a)") is None  # not Python syntax: no estimate
