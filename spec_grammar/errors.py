@@ -26,6 +26,12 @@ class GrammarCompileError(SpecGrammarError, ValueError):
         self.reason = reason or message
 
 
+class GrammarLimitError(GrammarCompileError):
+    """Compiling the spec would pass one of the backend's resource limits (an estimated index
+    size, the library's own parser limits): refused before it takes the process's memory. The
+    message names the limit and how to raise it."""
+
+
 class UnsupportedGrammarError(GrammarCompileError):
     """The spec is valid but this backend cannot represent it (grammar kind or keyword missing)."""
 

@@ -38,11 +38,16 @@ __all__ = [
     "SpecGrammar",
     "GrammarBackend",
     "DEFAULT_MAX_ROLLBACK_TOKENS",
+    "DEFAULT_MAX_FORCED_TOKENS",
 ]
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 256
 """Default rollback depth: a draft tree's depth plus the tokens a delayed (overlapped) grammar
 advance may need to undo, with ample margin."""
+
+DEFAULT_MAX_FORCED_TOKENS = 64
+"""Default of ``max_forced_tokens``: the most tokens one :meth:`SpecGrammar.forced_tokens`
+returns (a draft tree takes far fewer; a grammar forcing a longer run gives it in pieces)."""
 
 
 def _as_index(value: Any, what: str, error: type[Exception]) -> int:
@@ -97,6 +102,7 @@ class SpecGrammar(ABC):
     ):
         self.info = info
         self._max_rollback_tokens = int(max_rollback_tokens)
+        self.max_forced_tokens = DEFAULT_MAX_FORCED_TOKENS  # the backend's, set by matcher()
         self._num_accepted = 0
         self._stop_ids = frozenset(info.stop_token_ids)
 
@@ -207,6 +213,7 @@ class SpecGrammar(ABC):
             )
         child._num_accepted = self._num_accepted
         child._max_rollback_tokens = self._max_rollback_tokens
+        child.max_forced_tokens = self.max_forced_tokens
         return child
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
@@ -271,10 +278,12 @@ class SpecGrammar(ABC):
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces from here (jump-forward), possibly empty; never a stop
-        token. The state is unchanged."""
+        token; at most :attr:`max_forced_tokens` (the first ones of a longer run: adapters
+        stop their search there, so a grammar forcing a run of any length costs a bounded
+        time and memory). The state is unchanged."""
         if self.is_terminated():
             return []
-        return list(self._forced_tokens())
+        return list(self._forced_tokens())[: self.max_forced_tokens]
 
     # -- required hooks -----------------------------------------------------------------------
     @abstractmethod
@@ -313,7 +322,7 @@ class SpecGrammar(ABC):
         return fill_tree_bitmask_dfs(self, tree, bitmask, row_offset)
 
     def _forced_tokens(self) -> list[int]:
-        return forced_tokens_by_mask(self)
+        return forced_tokens_by_mask(self, self.max_forced_tokens)
 
 
 class GrammarBackend(ABC):
@@ -336,8 +345,11 @@ class GrammarBackend(ABC):
             (the library call cannot be interrupted: it finishes in a daemon thread and its
             result is dropped). ``None`` (or ``inf``) waits forever.
         max_grammar_bytes: specs whose serialized form is larger are refused before compiling.
+        max_forced_tokens: the most tokens a matcher's ``forced_tokens()`` returns (and
+            searches for).
 
-    Raises ``ValueError`` for a negative ``max_rollback_tokens`` or ``compile_cache_size``, a
+    Raises ``ValueError`` for a negative ``max_rollback_tokens``, ``compile_cache_size`` or
+    ``max_forced_tokens``, a
     ``compile_timeout_s`` that is not None or a number > 0, a ``max_grammar_bytes`` < 1, a
     count that is not an int, and for tokenizer arguments
     :meth:`TokenizerInfo.from_huggingface` refuses.
@@ -358,6 +370,7 @@ class GrammarBackend(ABC):
         compile_cache_size: int = 256,
         compile_timeout_s: float | None = 60.0,
         max_grammar_bytes: int = 4_000_000,
+        max_forced_tokens: int = DEFAULT_MAX_FORCED_TOKENS,
     ):
         self.tokenizer_info = (
             tokenizer
@@ -379,6 +392,9 @@ class GrammarBackend(ABC):
         self.max_grammar_bytes = _as_index(max_grammar_bytes, "max_grammar_bytes", ValueError)
         if self.max_grammar_bytes < 1:
             raise ValueError(f"max_grammar_bytes must be >= 1, got {max_grammar_bytes}")
+        self.max_forced_tokens = _as_index(max_forced_tokens, "max_forced_tokens", ValueError)
+        if self.max_forced_tokens < 0:
+            raise ValueError(f"max_forced_tokens must be >= 0, got {max_forced_tokens}")
 
     @classmethod
     def library_version(cls) -> str:
@@ -417,6 +433,7 @@ class GrammarBackend(ABC):
             raise GrammarStateError(
                 f"{type(self).__name__}._matcher must return a SpecGrammar, got {type(m).__name__}"
             )
+        m.max_forced_tokens = self.max_forced_tokens
         return m
 
     def fill_tree_bitmasks(

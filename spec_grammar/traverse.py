@@ -20,8 +20,6 @@ from .tree import DraftTree
 if TYPE_CHECKING:
     from .protocol import SpecGrammar
 
-_MAX_FORCED = 64
-
 
 def fill_tree_bitmask_dfs(
     matcher: SpecGrammar, tree: DraftTree, bitmask: torch.Tensor, row_offset: int = 0
@@ -87,9 +85,12 @@ def single_allowed_token(row: np.ndarray) -> int | None:
     return int(nz[0]) * 32 + w.bit_length() - 1
 
 
-def forced_tokens_by_mask(matcher: SpecGrammar, limit: int = _MAX_FORCED) -> list[int]:
+def forced_tokens_by_mask(matcher: SpecGrammar, limit: int | None = None) -> list[int]:
     """Forced tokens found by filling masks: while exactly one non-stop token is allowed, take
-    it. Generic fallback for libraries without jump-forward; the matcher is unchanged."""
+    it, at most ``limit`` (default: the matcher's ``max_forced_tokens``) tokens, one mask fill
+    each. Generic fallback for libraries without jump-forward; the matcher is unchanged."""
+    if limit is None:
+        limit = matcher.max_forced_tokens
     from .bitmask import allocate_token_bitmask, clear_padding_bits
 
     buf = allocate_token_bitmask(1, matcher.info.vocab_size)

@@ -26,6 +26,7 @@ Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llgu
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -42,12 +43,14 @@ from spec_grammar.bitmask import check_bitmask, check_bitmask_rows, clear_paddin
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import (
     GrammarCompileError,
+    GrammarLimitError,
     GrammarStateError,
     UnsupportedGrammarError,
 )
 from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
 from spec_grammar.json_schema.strict import NOT_CONTEXT_FREE_KEYWORDS, REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
+from spec_grammar.shared_native import PathNode, SharedNative
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.tree import DraftTree
 from spec_grammar.vocab import tokenizer_len
@@ -92,6 +95,9 @@ def _one_line(text: str) -> str:
     return " ".join(ln.strip() for ln in text.splitlines() if ln.strip() and not _EXCERPT.match(ln))
 
 
+_LIMIT = re.compile(r"too big|too many|TooComplex|limit for this grammar|fuel", re.IGNORECASE)
+"""llguidance's messages for a grammar past its ``LLParserLimits``."""
+
 _UNSUPPORTED = re.compile(
     r"Unimplemented keys|not supported|Unknown format|not present in a registry", re.IGNORECASE
 )
@@ -131,7 +137,9 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     word = int(row[np.flatnonzero(row)[0]]) & 0xFFFFFFFF
     if word & (word - 1):
         return
-    forced = matcher.compute_ff_bytes()
+    # only the first max_token_bytes + 1 bytes can begin or hold a token: a longer forced run
+    # (a 100 kB const) made every fill walk all of its prefixes (a second per row)
+    forced = matcher.compute_ff_bytes()[: vocab.max_token_bytes + 1]
     if not forced:
         return
     bits = row.view(np.uint32)
@@ -158,57 +166,113 @@ class _Grammar:
             return self.prototype.deep_copy()
 
 
+def _native_accept(m: Any, token: int) -> bool:
+    return bool(m.consume_token(token)) and not m.is_error()
+
+
+def _native_rollback(m: Any, k: int) -> None:
+    if not (m.rollback(k) and not m.is_error()):
+        raise GrammarStateError(f"llguidance rollback({k}) failed: {m.get_error()}")
+
+
+def _native_copy(m: Any) -> Any:
+    return m.deep_copy()
+
+
 class LLGuidanceMatcher(SpecGrammar):
     """:class:`SpecGrammar` over ``llguidance.LLMatcher`` (see the module docstring for rows,
-    stop tokens and the error state)."""
+    stop tokens and the error state).
 
-    def __init__(self, backend: LLGuidanceBackend, matcher: Any, *, terminated: bool = False):
+    The library matcher is shared with this matcher's forks (:mod:`spec_grammar.shared_native`):
+    llguidance's ``deep_copy`` copies every token consumed so far, so a fork here is O(1) and
+    the library matcher is moved (rollback + replay) to whichever view is used. ``shared`` /
+    ``node``: the view's place when it is a fork (left out: a new shared native over
+    ``matcher``)."""
+
+    def __init__(
+        self,
+        backend: LLGuidanceBackend,
+        matcher: Any = None,
+        *,
+        terminated: bool = False,
+        shared: SharedNative | None = None,
+        node: PathNode | None = None,
+    ):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
-        self._m = matcher
+        if shared is None:
+            shared = SharedNative(
+                matcher,
+                accept=_native_accept,
+                rollback=_native_rollback,
+                copy=_native_copy,
+                detach_after=max(self._max_rollback_tokens, 64),
+            )
+        self._shared = shared
+        self._node = shared.root if node is None else node
         self._terminated = terminated
         self._scratch: np.ndarray | None = None
 
     # -- helpers ------------------------------------------------------------------------------
-    def _row(self) -> np.ndarray:
-        """The current state's row in a per-matcher ``(W,)`` int32 buffer."""
+    def _enter(self) -> Any:
+        """The library matcher, moved to this view (the caller holds ``self._shared.lock``)."""
+        self._shared, self._node = self._shared.enter(self._node)
+        return self._shared.native
+
+    @property
+    def _m(self) -> Any:
+        """The library matcher at this view's state (valid until another view is used)."""
+        with self._shared.lock:
+            return self._enter()
+
+    def _consume(self, m: Any, token: int) -> None:
+        """Consume an allowed ``token`` on ``m`` (this view's library matcher) and record it."""
+        _consume_native(m, token)
+        self._node = self._shared.pushed(self._node, token)
+
+    def _row(self, m: Any) -> np.ndarray:
+        """The row of ``m``'s state (this view's library matcher) in a per-matcher ``(W,)``
+        int32 buffer."""
         if self._scratch is None:
             self._scratch = np.zeros(self.info.bitmask_width, dtype=np.int32)
-        _fill_row(self._m, self._scratch, self._backend.vocab_index)
+        _fill_row(m, self._scratch, self._backend.vocab_index)
         return self._scratch
 
-    def _allows(self, token: int) -> bool:
-        return bool((int(self._row()[token >> 5]) >> (token & 31)) & 1)
+    def _allows(self, m: Any, token: int) -> bool:
+        return bool((int(self._row(m)[token >> 5]) >> (token & 31)) & 1)
 
     # -- required hooks -----------------------------------------------------------------------
     def _accept_token(self, token: int) -> bool:
-        # The parser's verdict is cheap and wider than the row: it settles refusals without
-        # filling a row.
-        if not self.is_stop_token(token) and self._m.validate_tokens([token]) != 1:
-            return False
-        if not self._allows(token):
-            return False
-        if self.is_stop_token(token):
-            self._terminated = True
-        else:
-            _consume_native(self._m, token)
-        return True
+        with self._shared.lock:
+            m = self._enter()
+            # The parser's verdict is cheap and wider than the row: it settles refusals
+            # without filling a row.
+            if not self.is_stop_token(token) and m.validate_tokens([token]) != 1:
+                return False
+            if not self._allows(m, token):
+                return False
+            if self.is_stop_token(token):
+                self._terminated = True
+            else:
+                self._consume(m, token)
+            return True
 
     def _rollback(self, num_tokens: int) -> None:
         if self._terminated:
             # The stop token never reached the native matcher.
             self._terminated = False
             num_tokens -= 1
-        if num_tokens and not (self._m.rollback(num_tokens) and not self._m.is_error()):
-            raise GrammarStateError(
-                f"llguidance rollback({num_tokens}) failed: {self._m.get_error()}"
-            )
+        # the library matcher follows when this view is next used
+        self._node = self._shared.up(self._node, num_tokens)
 
     def _fork(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._backend, self._m.deep_copy(), terminated=self._terminated)
+        return LLGuidanceMatcher(
+            self._backend, terminated=self._terminated, shared=self._shared, node=self._node
+        )
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        _fill_row(self._m, bitmask.numpy()[row], self._backend.vocab_index)
+        with self._shared.lock:
+            _fill_row(self._enter(), bitmask.numpy()[row], self._backend.vocab_index)
 
     def _is_terminated(self) -> bool:
         return self._terminated
@@ -218,50 +282,70 @@ class LLGuidanceMatcher(SpecGrammar):
         # llguidance's count bounds the walk (its parser accepts every row token); the exact
         # count checks each token against its state's row.
         stop_at = next((i for i, t in enumerate(tokens) if self.is_stop_token(t)), len(tokens))
-        bound = self._m.validate_tokens(tokens[:stop_at]) if stop_at else 0
-        if bound == stop_at < len(tokens):
-            bound += 1  # the stop token, checked against the row below
-        n = consumed = 0
-        try:
-            while n < bound and self._allows(tokens[n]):
-                n += 1
-                if n > stop_at:
-                    break
-                _consume_native(self._m, tokens[n - 1])
-                consumed += 1
-        finally:
-            if consumed:
-                self._m.rollback(consumed)
-        return n
+        with self._shared.lock:
+            m = self._enter()
+            bound = m.validate_tokens(tokens[:stop_at]) if stop_at else 0
+            if bound == stop_at < len(tokens):
+                bound += 1  # the stop token, checked against the row below
+            n = consumed = 0
+            try:
+                while n < bound and self._allows(m, tokens[n]):
+                    n += 1
+                    if n > stop_at:
+                        break
+                    _consume_native(m, tokens[n - 1])
+                    consumed += 1
+            finally:
+                if consumed:
+                    m.rollback(consumed)
+            return n
 
     def _forced_tokens(self) -> list[int]:
-        # compute_ff_tokens tokenizes the forced bytes. A token is kept only if its row allows
-        # it and no token allowed there is a longer spelling starting with it (then the model
-        # could write more in one token); stop tokens are never forced.
+        # The forced bytes are tokenized here, cut to what max_forced_tokens tokens can hold:
+        # llguidance's compute_ff_tokens tokenizes all of them, and each kept token fills a row,
+        # so a grammar forcing 100,000 bytes took 2 minutes (quadratic) and a longer run more.
+        # A token is kept only if its row allows it and no token allowed there is a longer
+        # spelling starting with it (then the model could write more in one token); stop
+        # tokens are never forced.
+        limit = self.max_forced_tokens
         vocab = self._backend.vocab_index
         token_bytes = self.info.token_bytes
         forced: list[int] = []
-        try:
-            for t in self._m.compute_ff_tokens():
-                if self.is_stop_token(t) or not self._allows(t):
-                    break
-                row = self._scratch
-                longer = (
-                    u
-                    for u, b in vocab.starting_with(token_bytes[t])
-                    if len(b) > len(token_bytes[t])
-                )
-                if any((int(row[u >> 5]) >> (u & 31)) & 1 for u in longer):
-                    break
-                _consume_native(self._m, t)
-                forced.append(t)
-        finally:
-            if forced:
-                self._m.rollback(len(forced))
+        with self._shared.lock:
+            m = self._enter()
+            ff = m.compute_ff_bytes()
+            _check_native(m)
+            if not ff or limit <= 0:
+                return []
+            cut = ff[: limit * vocab.max_token_bytes]
+            candidates = self._backend._llg_tokenizer.tokenize_bytes(cut)[:limit]
+            try:
+                for t in candidates:
+                    if self.is_stop_token(t) or not self._allows(m, t):
+                        break
+                    row = self._scratch
+                    longer = (
+                        u
+                        for u, b in vocab.starting_with(token_bytes[t])
+                        if len(b) > len(token_bytes[t])
+                    )
+                    if any((int(row[u >> 5]) >> (u & 31)) & 1 for u in longer):
+                        break
+                    _consume_native(m, t)
+                    forced.append(t)
+            finally:
+                if forced:
+                    m.rollback(len(forced))
         return forced
 
     def _fill_tree_bitmask(
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
+        with self._shared.lock:
+            return self._fill_tree_walk(self._enter(), tree, bitmask, row_offset)
+
+    def _fill_tree_walk(
+        self, m: Any, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
     ) -> torch.Tensor:
         """Depth-first walk with consume/rollback on the native matcher; a child is entered only
         when its bit is set in its parent's row (G4), a stop-token child is valid with a zero
@@ -274,7 +358,6 @@ class LLGuidanceMatcher(SpecGrammar):
         n_tok = self.info.tokenizer_vocab_size
         stops = self._stop_ids
         vocab = self._backend.vocab_index
-        m = self._m
         words = bitmask.numpy()[row_offset : row_offset + n]
         words[:] = 0
         valid = [False] * n
@@ -319,7 +402,10 @@ class LLGuidanceBackend(GrammarBackend):
     Extra options: ``num_threads`` of the ``LLExecutor`` that fills many requests' tree rows
     in parallel (default: llguidance's rule, 80 % of the CPUs up to 32; with one thread the
     requests are filled one after another); ``slices`` for the tokenizer's mask slicer
-    (``None`` = llguidance's general slices, ``[]`` = off; see G5).
+    (``None`` = llguidance's general slices, ``[]`` = off; see G5); ``parser_limits``, keyword
+    arguments of ``llguidance.LLParserLimits`` (lexer states, lexer fuel, Earley items per step,
+    grammar size; default: the library's), which bound a compile's and a mask's time and memory:
+    a grammar past them raises :class:`GrammarLimitError`.
 
     Raises ``ValueError`` when the tokenizer is not a fast Hugging Face tokenizer or when the
     logits width is smaller than the tokenizer (llguidance needs ``vocab_size >= len(tokenizer)``).
@@ -358,9 +444,13 @@ class LLGuidanceBackend(GrammarBackend):
         *,
         num_threads: int | None = None,
         slices: Sequence[str] | None = None,
+        parser_limits: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         super().__init__(tokenizer, **kwargs)
+        # the library's own resource limits (lexer states, fuel, Earley items per step): its
+        # defaults unless given; a grammar past them is a GrammarLimitError at compile
+        self._limits = None if parser_limits is None else llguidance.LLParserLimits(**parser_limits)
         info = self.tokenizer_info
         n_tok = tokenizer_len(info.hf_tokenizer)
         if info.tokenizer_vocab_size < n_tok:
@@ -437,9 +527,17 @@ class LLGuidanceBackend(GrammarBackend):
         self._notes.notes = []
         text = self._grammar_text(spec)
         notes = list(self._notes.notes)
-        prototype = llguidance.LLMatcher(self._llg_tokenizer, text, log_level=0)
+        prototype = llguidance.LLMatcher(
+            self._llg_tokenizer, text, log_level=0, limits=self._limits
+        )
         if prototype.is_error():
             reason = _one_line(prototype.get_error())
+            if _LIMIT.search(reason):
+                raise GrammarLimitError(
+                    f"{spec.kind} failed to compile: llguidance's parser limits refuse it "
+                    f"({reason[:300]}); raise them with parser_limits or simplify the grammar",
+                    reason=reason,
+                )
             err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
             raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
         if isinstance(spec, JsonSchema):
@@ -493,11 +591,14 @@ class LLGuidanceBackend(GrammarBackend):
         :meth:`SpecGrammar.fill_tree_bitmask` per job.
 
         Level by level (breadth first over all trees at once): every valid node of the level
-        gets its own native matcher (its parent's, moved on by its token, for the first child;
-        a ``deep_copy`` for the other children) and the level's rows are computed in one
+        gets its own native matcher (its parent's, moved on by its token, for the first child; a
+        spare of the job's shared native moved along the node's path for the other children,
+        see :meth:`SharedNative.spare <spec_grammar.shared_native.SharedNative.spare>`) and the
+        level's rows are computed in one
         ``LLExecutor`` call, in parallel with the GIL released. Each job's own matcher follows
         its first branch and is rolled back afterwards. With ``num_threads == 1``, and for jobs
-        whose matcher is not this backend's or is shared, each job goes through
+        whose matcher is not this backend's or shares its native matcher with an earlier job (a
+        fork of it), each job goes through
         :meth:`SpecGrammar.fill_tree_bitmask` instead.
 
         Raises :class:`BitmaskError` on a bad buffer or rows that do not fit, and
@@ -511,8 +612,12 @@ class LLGuidanceBackend(GrammarBackend):
             check_bitmask_rows(bitmask, off, tree.num_nodes)
             if m.is_terminated():
                 raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
-            if isinstance(m, LLGuidanceMatcher) and m._backend is self and id(m) not in seen:
-                seen.add(id(m))
+            if (
+                isinstance(m, LLGuidanceMatcher)
+                and m._backend is self
+                and id(m._shared) not in seen
+            ):
+                seen.add(id(m._shared))  # views of one library matcher are filled one by one
                 par.append(i)
         if len(par) > 1 and self.num_threads > 1:
             for i, valid in zip(par, self._fill_trees_par([jobs[i] for i in par], bitmask)):
@@ -525,20 +630,36 @@ class LLGuidanceBackend(GrammarBackend):
     def _fill_trees_par(
         self, jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]], bitmask: torch.Tensor
     ) -> list[torch.Tensor]:
+        with contextlib.ExitStack() as locks:
+            for m, _, _ in sorted(jobs, key=lambda job: id(job[0]._shared)):
+                locks.enter_context(m._shared.lock)
+            return self._fill_trees_locked(jobs, bitmask)
+
+    def _fill_trees_locked(
+        self, jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]], bitmask: torch.Tensor
+    ) -> list[torch.Tensor]:
         words = bitmask.numpy()
         executor = self.executor
         vocab = self.vocab_index
         n_tok = self.tokenizer_info.tokenizer_vocab_size
         stops = frozenset(self.tokenizer_info.stop_token_ids)
         valids: list[list[bool]] = []
-        moved = [0] * len(jobs)  # tokens each job's own matcher consumed along its first branch
+        # tokens each library matcher consumed during the fill: id -> [matcher, count]
+        consumed: dict[int, list[Any]] = {}
+        spares_used = [0] * len(jobs)
         level: list[tuple[int, int, Any]] = []  # (job, node, native matcher at that node)
         for j, (m, tree, off) in enumerate(jobs):
             words[off : off + tree.num_nodes] = 0
             v = [False] * tree.num_nodes
             v[0] = True
             valids.append(v)
-            level.append((j, 0, m._m))
+            level.append((j, 0, m._enter()))
+
+        def consume(nm: Any, tokens: list[int]) -> None:
+            for t in tokens:
+                _consume_native(nm, t)
+            consumed.setdefault(id(nm), [nm, 0])[1] += len(tokens)
+
         try:
             while level:
                 executor.unsafe_compute_mask_ptr(
@@ -562,23 +683,41 @@ class LLGuidanceBackend(GrammarBackend):
                     for c in kids:
                         valids[j][c] = True
                     kids = [c for c in kids if tree.token_list[c] not in stops]
-                    # Copies first: the first child then takes the parent's matcher over.
+                    # Other children get a spare library matcher moved from the job's root along
+                    # the path (a copy of the whole history only while the pool warms up); the
+                    # first child then takes the parent's matcher over.
                     for c in kids[1:]:
-                        cm = nm.deep_copy()
-                        _consume_native(cm, tree.token_list[c])
+                        ahead = consumed.get(id(m._shared.native), (None, 0))[1]
+                        cm = m._shared.spare(m._node, spares_used[j], ahead)
+                        spares_used[j] += 1
+                        consume(cm, _tree_path(tree, c))
                         nxt.append((j, c, cm))
                     if kids:
-                        _consume_native(nm, tree.token_list[kids[0]])
-                        if nm is m._m:
-                            moved[j] += 1
+                        consume(nm, [tree.token_list[kids[0]]])
                         nxt.append((j, kids[0], nm))
                 level = nxt
         finally:
-            for (m, _, _), k in zip(jobs, moved):
-                if k:
-                    m._m.rollback(k)
+            try:
+                for nm, k in consumed.values():
+                    if k:
+                        _native_rollback(nm, k)
+            except GrammarStateError:
+                for m, _, _ in jobs:  # which library matcher failed is unknown: none is trusted
+                    m._shared.lost()
+                    m._shared.drop_spares()
+                raise
         out = []
         for (_, tree, off), v in zip(jobs, valids):
             clear_padding_bits(bitmask, off, off + tree.num_nodes, n_tok)
             out.append(torch.tensor(v, dtype=torch.bool))
         return out
+
+
+def _tree_path(tree: DraftTree, node: int) -> list[int]:
+    """Tokens root..node of ``tree``, the root's excluded."""
+    parents, tokens = tree.parent_list, tree.token_list
+    out = []
+    while node > 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]

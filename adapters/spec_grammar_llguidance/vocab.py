@@ -107,6 +107,8 @@ class VocabIndex:
         pairs = sorted((b, t) for t, b in enumerate(info.token_bytes) if b and t not in specials)
         self._keys = [b for b, _ in pairs]
         self._ids = [t for _, t in pairs]
+        self.max_token_bytes = max((len(b) for b in self._keys), default=1)
+        """Bytes of the longest token."""
 
     def _end(self, prefix: bytes, lo: int = 0) -> int:
         """Index past the last key starting with ``prefix`` (keys are sorted)."""

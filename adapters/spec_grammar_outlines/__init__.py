@@ -4,10 +4,11 @@ outlines-core 0.2.14 compiles a regex (JSON Schema through ``build_regex_from_sc
 ``Index``: a token-level DFA over the vocabulary. Its ``Guide`` is not used: copying one pickles
 the whole Index (60 ms .. 1.3 s), its rollback is a ring of 32 states, ``reset()`` keeps that
 history and ``advance(EOS)`` raises even in a final state (outlines-core issue #227). Instead
-the matcher tracks the integer DFA state itself (``Index.get_next_state``) and keeps the list
+the matcher tracks the integer DFA state itself (``Index.get_next_state``) and keeps the chain
 of past states, so every protocol operation is emulated cheaply:
 
-- rollback(k): pop k states; fork: a copy of the (bounded) state list;
+- rollback(k): k steps up a chain of past states; fork: the same chain (O(1), entries are
+  immutable and shared; each matcher keeps at most ``2 * (max_rollback_tokens + 1)``);
 - termination: a stop token accepted where the grammar can end;
 - masks: ``Index.get_allowed_tokens(state)`` packed into the protocol's int32 layout once per
   DFA state and kept in a bounded LRU on the compiled grammar (tree walks revisit the same
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 from spec_grammar.compile import LibraryResult
-from spec_grammar.errors import GrammarCompileError, UnsupportedGrammarError
+from spec_grammar.errors import GrammarCompileError, GrammarLimitError, UnsupportedGrammarError
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
     enum_within_type,
@@ -57,6 +58,7 @@ from spec_grammar.json_schema.strict import (
     REQUIRED_UNDECLARED,
     KeywordSupport,
 )
+from spec_grammar.limits import regex_positions
 from spec_grammar.protocol import (
     Capabilities,
     CompiledGrammar,
@@ -80,10 +82,27 @@ __all__ = [
     "VocabularyInfo",
     "SENTINEL",
     "DEFAULT_MASK_CACHE_BYTES",
+    "DEFAULT_MAX_INDEX_BYTES",
+    "DEFAULT_MAX_INDEX_STATES",
+    "estimated_index_bytes",
 ]
 
 DEFAULT_COMPILE_CACHE_SIZE = 16
 """Compiled grammars kept by default (the protocol keeps 256): an outlines index can be large."""
+
+DEFAULT_MAX_INDEX_BYTES = 1 << 30
+"""Default of ``max_index_bytes``: the largest estimated index a compile may build (1 GiB)."""
+
+DEFAULT_MAX_INDEX_STATES = 50_000
+"""Default of ``max_index_states``: the most automaton states (positions of the unrolled
+pattern) a compile may build; each costs a walk of the vocabulary (1-4 ms with SmolLM2 on a
+busy 2-core host: ``a{20000}`` took 72 s), and a build past ``compile_timeout_s`` still runs
+to its end in its thread."""
+
+INDEX_BYTES_PER_ENTRY = 12
+"""Bytes the outlines-core 0.2.14 index spends per (state, allowed token) transition, measured
+with SmolLM2 (arrays of length-bounded strings: 97-300 MB for 200-500 wide positions, 0.5-0.6
+MB per wide state at 49,152 tokens)."""
 
 DEFAULT_MASK_CACHE_BYTES = 32 << 20
 """Per compiled grammar: bytes of packed mask rows kept (SmolLM2: ~5,400 DFA states; a
@@ -95,7 +114,6 @@ we know has a token containing all of its UTF-8 bytes, which the backend checks)
 _SENTINEL_BYTES = SENTINEL.encode("utf-8")
 
 _TERMINATED = -1  # state-list sentinel after an accepted stop token (DFA states are u32)
-_MAX_FORCED = 64  # same bound as spec_grammar.traverse.forced_tokens_by_mask
 
 _STRING_CHAR = r'([^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
 """outlines-core 0.2.14's regex for one character of a JSON string: it leaves out U+007F..U+009F
@@ -247,6 +265,19 @@ def _escaped_names(node: dict[str, Any], _where: str) -> dict[str, Any]:
     if isinstance(out.get("required"), list):
         out["required"] = [esc(n) for n in out["required"]]
     return node if out == node else out
+
+
+def estimated_index_bytes(regex: str, vocab_size: int) -> int | None:
+    """Bytes outlines-core 0.2.14's ``Index`` of ``regex`` would take, estimated before it is
+    built: its automaton has a state per position of the unrolled pattern, and a state inside
+    a wide character set (a JSON string's characters, ``.``) keeps a transition for nearly
+    every token of the vocabulary (:func:`spec_grammar.limits.regex_positions` with
+    ``wide_only``), at :data:`INDEX_BYTES_PER_ENTRY` bytes each; narrow states (digits,
+    literals) are left out. None when the pattern cannot be read (no estimate). Measured
+    against real builds (SmolLM2): 236 MB estimated / 218 MB used for ten strings of <= 40
+    characters, 295 / 300 MB for five of <= 100."""
+    wide = regex_positions(regex, wide_only=True)
+    return None if wide is None else wide * vocab_size * INDEX_BYTES_PER_ENTRY
 
 
 class VocabularyInfo:
@@ -412,28 +443,56 @@ class OutlinesGrammar:
         return row, forced
 
 
+class _StateNode:
+    """One entry of a matcher's state history: the DFA state after a token, the entry before it
+    (None at the start of the chain) and how many entries the chain holds down to here.
+    Entries are never changed, so a matcher and its forks share them."""
+
+    __slots__ = ("parent", "state", "height")
+
+    def __init__(self, parent: _StateNode | None, state: int):
+        self.parent = parent
+        self.state = state
+        self.height = 1 if parent is None else parent.height + 1
+
+
 class OutlinesMatcher(SpecGrammar):
     """:class:`SpecGrammar` over an outlines-core ``Index``, tracking the integer DFA state.
 
-    State: the list of DFA states after each accepted token (``_TERMINATED`` after a stop
-    token), trimmed to the last ``max_rollback_tokens + 1`` entries, so rollback, fork and
-    termination are exact and O(1) / O(max_rollback_tokens).
+    State: the DFA states after each accepted token (``_TERMINATED`` after a stop token) as a
+    chain of immutable :class:`_StateNode` entries that forks share: ``fork`` is O(1) and
+    rollback O(k). A matcher's chain is cut to its last ``max_rollback_tokens + 1`` entries
+    (copied into a new chain, amortized O(1) per token) once it holds twice that, so the
+    history a matcher keeps alive is bounded whatever the output's length.
     """
 
     def __init__(
-        self, backend: OutlinesBackend, grammar: OutlinesGrammar, states: list[int] | None = None
+        self, backend: OutlinesBackend, grammar: OutlinesGrammar, top: _StateNode | None = None
     ):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
         self._g = grammar
-        self._states = [grammar.initial_state] if states is None else states
+        self._top = _StateNode(None, grammar.initial_state) if top is None else top
         self._keep = self._max_rollback_tokens + 1
 
+    @property
+    def history_length(self) -> int:
+        """Entries of the state history this matcher keeps alive (at most
+        ``2 * (max_rollback_tokens + 1)``)."""
+        return self._top.height
+
     def _push(self, state: int) -> None:
-        states = self._states
-        states.append(state)
-        if len(states) > 2 * self._keep:  # amortized O(1) trim of history nobody can roll back to
-            del states[: -self._keep]
+        top = _StateNode(self._top, state)
+        if top.height > 2 * self._keep:  # cut what nobody can roll back to any more
+            states = []
+            node: _StateNode | None = top
+            for _ in range(self._keep):
+                states.append(node.state)  # type: ignore[union-attr]
+                node = node.parent  # type: ignore[union-attr]
+            top = None
+            for st in reversed(states):
+                top = _StateNode(top, st)
+        self._top = top  # type: ignore[assignment]
 
     def _step(self, state: int, token: int) -> int | None:
         """The state after ``token`` (``_TERMINATED`` for an accepted stop token) or None."""
@@ -442,7 +501,7 @@ class OutlinesMatcher(SpecGrammar):
         return self._g.next_state(state, token)
 
     def _accept_token(self, token: int) -> bool:
-        nxt = self._step(self._states[-1], token)
+        nxt = self._step(self._top.state, token)
         if nxt is None:
             return False
         self._push(nxt)
@@ -451,7 +510,7 @@ class OutlinesMatcher(SpecGrammar):
     def _accept_tokens(self, tokens: list[int]) -> int:
         n = 0
         for t in tokens:
-            state = self._states[-1]
+            state = self._top.state
             if state == _TERMINATED:
                 break
             nxt = self._step(state, t)
@@ -462,7 +521,7 @@ class OutlinesMatcher(SpecGrammar):
         return n
 
     def _validate_tokens(self, tokens: list[int]) -> int:
-        state = self._states[-1]
+        state = self._top.state
         n = 0
         for t in tokens:
             if state == _TERMINATED:
@@ -474,22 +533,25 @@ class OutlinesMatcher(SpecGrammar):
         return n
 
     def _rollback(self, num_tokens: int) -> None:
-        del self._states[-num_tokens:]
+        top = self._top
+        for _ in range(num_tokens):
+            top = top.parent  # type: ignore[assignment]
+        self._top = top
 
     def _fork(self) -> OutlinesMatcher:
-        return OutlinesMatcher(self._backend, self._g, list(self._states))
+        return OutlinesMatcher(self._backend, self._g, self._top)
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask.numpy()[row] = self._g.row(self._states[-1])
+        bitmask.numpy()[row] = self._g.row(self._top.state)
 
     def _is_terminated(self) -> bool:
-        return self._states[-1] == _TERMINATED
+        return self._top.state == _TERMINATED
 
     def _forced_tokens(self) -> list[int]:
         # A final state is never forced: the stop token is an alternative there.
-        state = self._states[-1]
+        state = self._top.state
         forced: list[int] = []
-        while len(forced) < _MAX_FORCED:
+        while len(forced) < self.max_forced_tokens:
             t = self._g.forced(state)
             if t < 0:
                 break
@@ -511,7 +573,7 @@ class OutlinesMatcher(SpecGrammar):
         n_tok = self.info.tokenizer_vocab_size
         g = self._g
         node_state: list[int | None] = [None] * n
-        node_state[0] = self._states[-1]
+        node_state[0] = self._top.state
         rows[0] = g.row(node_state[0])
         valid = [False] * n
         valid[0] = True
@@ -547,8 +609,14 @@ class OutlinesBackend(GrammarBackend):
     single spaces after ``{``/``[`` and before ``:``/``,``/``]``/``}``); ``flexible`` ->
     outlines' default pattern (``[ ]?`` in 0.2.14, so currently the same as ``spaced``).
 
-    Extra option: ``mask_cache_bytes`` (default :data:`DEFAULT_MASK_CACHE_BYTES`), bytes of
-    packed mask rows each compiled grammar keeps.
+    Extra options: ``mask_cache_bytes`` (default :data:`DEFAULT_MASK_CACHE_BYTES`), bytes of
+    packed mask rows each compiled grammar keeps; ``max_index_bytes`` (default
+    :data:`DEFAULT_MAX_INDEX_BYTES`, None = no limit): a spec whose index is estimated larger
+    (:func:`estimated_index_bytes`) is refused with :class:`GrammarLimitError` before the
+    index is built (the build cannot be interrupted: an array of 50 strings of <= 200
+    characters took 6.3 GB and 38 s); ``max_index_states`` (default
+    :data:`DEFAULT_MAX_INDEX_STATES`, None = no limit): the same for the automaton's estimated
+    states (:func:`spec_grammar.limits.regex_positions`), which bound the build's time.
     """
 
     name = "outlines"
@@ -589,7 +657,13 @@ class OutlinesBackend(GrammarBackend):
     )
 
     def __init__(
-        self, tokenizer: Any, *, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES, **kwargs: Any
+        self,
+        tokenizer: Any,
+        *,
+        mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES,
+        max_index_bytes: int | None = DEFAULT_MAX_INDEX_BYTES,
+        max_index_states: int | None = DEFAULT_MAX_INDEX_STATES,
+        **kwargs: Any,
     ):
         # an outlines index keeps a transition table per DFA state: hundreds of MB for JSON with an
         # unconstrained value, 6.3 GB for an array of <= 50 strings of <= 200 characters (SmolLM2):
@@ -597,6 +671,8 @@ class OutlinesBackend(GrammarBackend):
         kwargs.setdefault("compile_cache_size", DEFAULT_COMPILE_CACHE_SIZE)
         super().__init__(tokenizer, **kwargs)
         self.mask_cache_bytes = int(mask_cache_bytes)
+        self.max_index_bytes = None if max_index_bytes is None else int(max_index_bytes)
+        self.max_index_states = None if max_index_states is None else int(max_index_states)
         self._vocab = VocabularyInfo(self.tokenizer_info)
 
     @classmethod
@@ -640,6 +716,25 @@ class OutlinesBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar | LibraryResult:
         regex, notes = self._regex_of(spec)
+        states = regex_positions(regex)
+        if self.max_index_states is not None and (states or 0) > self.max_index_states:
+            raise GrammarLimitError(
+                f"{spec.kind}: the outlines-core index would have about {states:,} states (over "
+                f"max_index_states={self.max_index_states:,}), each a walk of the vocabulary: "
+                "lower the repetition counts / length bounds, raise max_index_states, or use "
+                "the xgrammar or llguidance backend",
+                reason=f"estimated {states} index states > max_index_states {self.max_index_states}",
+            )
+        estimate = estimated_index_bytes(regex, self.tokenizer_info.tokenizer_vocab_size)
+        if self.max_index_bytes is not None and (estimate or 0) > self.max_index_bytes:
+            raise GrammarLimitError(
+                f"{spec.kind}: the outlines-core index would take about {estimate / 2**20:,.0f} MiB "
+                f"(over max_index_bytes={self.max_index_bytes / 2**20:,.0f} MiB): its automaton "
+                "has a state for every character of every repeated item or string up to its bound "
+                "(maxItems x maxLength); lower those bounds, raise max_index_bytes, or use the "
+                "xgrammar or llguidance backend",
+                reason=f"estimated index {estimate} bytes > max_index_bytes {self.max_index_bytes}",
+            )
         try:
             index = oc.Index(f"(?:{regex}){SENTINEL}", self._vocab.vocabulary)
         except ValueError as e:

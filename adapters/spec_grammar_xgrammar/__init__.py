@@ -16,6 +16,7 @@ import re
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,8 +44,11 @@ from spec_grammar.json_schema.strict import (
     TYPE_KEYWORDS,
     KeywordSupport,
 )
+from spec_grammar.limits import regex_forced_bound
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
+from spec_grammar.shared_native import PathNode, SharedNative
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
+from spec_grammar.traverse import forced_tokens_by_mask
 from spec_grammar.tree import DraftTree
 from spec_grammar.vocab import is_rust_tokenizer
 
@@ -53,7 +57,12 @@ try:
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the xgrammar backend needs `pip install xgrammar`") from e
 
-__all__ = ["XGrammarBackend", "XGrammarMatcher"]
+__all__ = [
+    "XGrammarBackend",
+    "XGrammarMatcher",
+    "DEFAULT_JUMP_FORWARD_SCAN_LIMIT",
+    "forced_run_bound",
+]
 
 _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 
@@ -249,45 +258,142 @@ def _draft2020_node(node: dict[str, Any], _where: str) -> dict[str, Any]:
     return node if out == node else out
 
 
-class XGrammarMatcher(SpecGrammar):
-    """:class:`SpecGrammar` over ``xgrammar.GrammarMatcher``."""
+DEFAULT_JUMP_FORWARD_SCAN_LIMIT = 65_536
+"""Default of ``jump_forward_scan_limit`` (characters)."""
 
-    def __init__(self, backend: XGrammarBackend, matcher: xgr.GrammarMatcher):
+
+def forced_run_bound(spec: GrammarSpec) -> int | None:
+    """An upper bound on the characters ``spec`` can force in one run, or None when none is
+    known (EBNF and Lark: a recursive rule can force a run of any length).
+
+    ``Regex``: :func:`spec_grammar.limits.regex_forced_bound`. ``JsonSchema``: every literal the
+    grammar writes is in the schema's text, and a pattern or an array's ``minItems`` copies can
+    repeat it: (schema bytes + the patterns' bounds) x the product of ``minItems + 1`` over the
+    schema (loose, never too low)."""
+    if isinstance(spec, Regex):
+        return regex_forced_bound(spec.pattern)
+    if not isinstance(spec, JsonSchema):
+        return None
+    size, factor = len(spec.cache_key()), 1
+    todo = [spec.json_schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            pattern, items = node.get("pattern"), node.get("minItems")
+            if isinstance(pattern, str):
+                bound = regex_forced_bound(pattern)
+                if bound is None:
+                    return None
+                size += bound
+            if isinstance(items, (int, float)) and not isinstance(items, bool) and items > 0:
+                factor *= int(items) + 1
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return size * factor
+
+
+def _native_accept(m: xgr.GrammarMatcher, token: int) -> bool:
+    return m.accept_token(token)
+
+
+def _native_rollback(m: xgr.GrammarMatcher, k: int) -> None:
+    m.rollback(k)
+
+
+def _native_copy(m: xgr.GrammarMatcher) -> xgr.GrammarMatcher:
+    return m.fork()
+
+
+class XGrammarMatcher(SpecGrammar):
+    """:class:`SpecGrammar` over ``xgrammar.GrammarMatcher``.
+
+    The library matcher is shared with this matcher's forks (:mod:`spec_grammar.shared_native`):
+    xgrammar 0.2.9's own ``fork`` copies every token accepted so far, so a fork here is O(1)
+    and the library matcher is moved (rollback + replay) to whichever view is used.
+    ``shared`` / ``node``: the view's place when it is a fork (left out: a new shared native
+    over ``matcher``)."""
+
+    def __init__(
+        self,
+        backend: XGrammarBackend,
+        matcher: xgr.GrammarMatcher | None = None,
+        *,
+        shared: SharedNative | None = None,
+        node: PathNode | None = None,
+    ):
         super().__init__(backend.tokenizer_info, max_rollback_tokens=backend.max_rollback_tokens)
         self._backend = backend
-        self._m = matcher
+        if shared is None:
+            shared = SharedNative(
+                matcher,
+                accept=_native_accept,
+                rollback=_native_rollback,
+                copy=_native_copy,
+                detach_after=max(self._max_rollback_tokens, 64),
+            )
+        self._shared = shared
+        self._node = shared.root if node is None else node
+        self._jump_forward = True  # xgrammar's own jump-forward (set by the backend)
+
+    def _enter(self) -> xgr.GrammarMatcher:
+        """The library matcher, moved to this view (the caller holds ``self._shared.lock``)."""
+        self._shared, self._node = self._shared.enter(self._node)
+        return self._shared.native
+
+    @property
+    def _m(self) -> xgr.GrammarMatcher:
+        """The library matcher at this view's state (valid until another view is used)."""
+        with self._shared.lock:
+            return self._enter()
 
     def _accept_token(self, token: int) -> bool:
         # special ids are refused here: xgrammar would log a line for each
-        return token not in self._backend._special_set and self._m.accept_token(token)
+        if token in self._backend._special_set:
+            return False
+        with self._shared.lock:
+            if not self._enter().accept_token(token):
+                return False
+            self._node = self._shared.pushed(self._node, token)
+            return True
 
     def _accept_tokens(self, tokens: list[int]) -> int:
         # xgrammar refuses every token once terminated: no termination check per token
         accept, n = self._accept_token, 0
-        for t in tokens:
-            if not accept(t):
-                break
-            n += 1
+        with self._shared.lock:  # once for the run (reentrant)
+            for t in tokens:
+                if not accept(t):
+                    break
+                n += 1
         return n
 
     def _rollback(self, num_tokens: int) -> None:
-        self._m.rollback(num_tokens)
+        # the library matcher follows when this view is next used
+        self._node = self._shared.up(self._node, num_tokens)
 
     def _fork(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._backend, self._m.fork())
+        twin = XGrammarMatcher(self._backend, shared=self._shared, node=self._node)
+        twin._jump_forward = self._jump_forward
+        return twin
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._fill_rows(
-            bitmask[row : row + 1], lambda rows: self._m.fill_next_token_bitmask(rows, 0)
-        )
+        with self._shared.lock:
+            m = self._enter()
+            self._fill_rows(bitmask[row : row + 1], lambda rows: m.fill_next_token_bitmask(rows, 0))
 
     def _is_terminated(self) -> bool:
-        return self._m.is_terminated()
+        with self._shared.lock:
+            return self._enter().is_terminated()
 
     def _forced_tokens(self) -> list[int]:
+        if not self._jump_forward:
+            # xgrammar's jump-forward has no length limit: bounded mask fills instead
+            return forced_tokens_by_mask(self, self.max_forced_tokens)
         # xgrammar drops a trailing token that could be the prefix of a longer one, so every
         # returned token is forced; stop tokens are never part of a jump-forward string.
-        return [t for t in self._m.find_jump_forward_tokens() if not self.is_stop_token(t)]
+        with self._shared.lock:
+            tokens = self._enter().find_jump_forward_tokens()
+        return [t for t in tokens if not self.is_stop_token(t)]
 
     def _fill_tree_bitmask(
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
@@ -312,9 +418,11 @@ class XGrammarMatcher(SpecGrammar):
         # tensors, which dominated the fill of a small tree with the validity pass
         first_child = np.array(tree.first_child_list, dtype=np.int64)
         next_sibling = np.array(tree.next_sibling_list, dtype=np.int64)
-        self._fill_rows(
-            rows, lambda out: self._m.traverse_draft_tree(first_child, next_sibling, tokens, out)
-        )
+        with self._shared.lock:
+            m = self._enter()
+            self._fill_rows(
+                rows, lambda out: m.traverse_draft_tree(first_child, next_sibling, tokens, out)
+            )
         return rows.numpy()
 
     def _fill_rows(self, rows: torch.Tensor, fill) -> None:
@@ -373,6 +481,11 @@ class XGrammarBackend(GrammarBackend):
       ``benchmarks/bench_compile.py``). The cost moves to the first mask fill of each new
       position (a few ms at most, once per compiled grammar); pass ``False`` to pay it all up
       front and keep decode steps free of it.
+    - ``jump_forward_scan_limit`` (characters, default :data:`DEFAULT_JUMP_FORWARD_SCAN_LIMIT`;
+      None = always): ``forced_tokens`` uses xgrammar's jump-forward (which walks the whole
+      forced run, however long) only for grammars whose forced runs are known to be at most
+      this long (:func:`forced_run_bound`); others (EBNF, Lark, huge repetition counts) find
+      forced tokens by at most ``max_forced_tokens`` mask fills.
     """
 
     name = "xgrammar"
@@ -431,9 +544,16 @@ class XGrammarBackend(GrammarBackend):
         *,
         max_threads: int = 1,
         dynamic_compilation: bool = True,
+        jump_forward_scan_limit: int | None = DEFAULT_JUMP_FORWARD_SCAN_LIMIT,
         **kwargs: Any,
     ):
         super().__init__(tokenizer, **kwargs)
+        self.jump_forward_scan_limit = (
+            None if jump_forward_scan_limit is None else int(jump_forward_scan_limit)
+        )
+        self._jump_forward_cache: weakref.WeakKeyDictionary[CompiledGrammar, bool] = (
+            weakref.WeakKeyDictionary()
+        )
         info = self.tokenizer_info
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -559,4 +679,19 @@ class XGrammarBackend(GrammarBackend):
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by xgrammar")
 
     def _matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
-        return XGrammarMatcher(self, xgr.GrammarMatcher(compiled.native))
+        m = XGrammarMatcher(self, xgr.GrammarMatcher(compiled.native))
+        m._jump_forward = self._jump_forward_ok(compiled)
+        return m
+
+    def _jump_forward_ok(self, compiled: CompiledGrammar) -> bool:
+        """Whether xgrammar's jump-forward may run on ``compiled``: its cost and memory grow
+        with the forced run (2 us and ~70 bytes a character: ``a{100000000}`` would take minutes
+        and gigabytes, a rule that forces itself for ever until memory runs out), so only where
+        :func:`forced_run_bound` is at most ``jump_forward_scan_limit`` (cached per grammar)."""
+        ok = self._jump_forward_cache.get(compiled)
+        if ok is None:
+            bound = forced_run_bound(compiled.spec)
+            limit = self.jump_forward_scan_limit
+            ok = limit is None or (bound is not None and bound <= limit)
+            self._jump_forward_cache[compiled] = ok
+        return ok

@@ -349,7 +349,7 @@ def test_rollback_bound_and_long_history(tok):
     np.testing.assert_array_equal(
         row_of(m), row_of(replay(be, compiled, (word * 30)[: m.num_accepted]))
     )
-    assert len(m._states) <= 2 * (be.max_rollback_tokens + 1)
+    assert m.history_length <= 2 * (be.max_rollback_tokens + 1)
 
 
 # -- stop tokens and forced tokens ------------------------------------------------------------
