@@ -347,6 +347,11 @@ class GrammarBackend(ABC):
     capabilities: ClassVar[Capabilities] = Capabilities()
     json_schema_support: ClassVar[KeywordSupport] = KeywordSupport()
     """JSON-Schema keywords the library does not enforce (strict mode refuses them)."""
+    output_limits: ClassVar[frozenset[str]] = frozenset()
+    """The :class:`~spec_grammar.json_schema.limits.OutputLimits` fields ``_compile`` enforces
+    itself from ``spec.limits`` (``max_digits``, ``max_whitespace``); the compile of a spec
+    setting another of them carries a warning saying so. ``max_string_length`` and
+    ``max_items`` are a schema rewrite every backend gets."""
 
     def __init__(
         self,

@@ -45,6 +45,7 @@ from spec_grammar.errors import (
     GrammarStateError,
     UnsupportedGrammarError,
 )
+from spec_grammar.json_schema.limits import bound_numbers
 from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
 from spec_grammar.json_schema.strict import NOT_CONTEXT_FREE_KEYWORDS, REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
@@ -333,6 +334,9 @@ class LLGuidanceBackend(GrammarBackend):
         lark=True,
         tool_calls=True,
     )
+    # max_whitespace: a whitespace_pattern of bounded runs; max_digits: numeric bounds plus
+    # multipleOf 10**-d (bound_numbers), which llguidance writes as digit ranges
+    output_limits = frozenset({"max_whitespace", "max_digits"})
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
         unenforced={
@@ -385,10 +389,13 @@ class LLGuidanceBackend(GrammarBackend):
         if isinstance(spec, JsonSchema):
             flexible = spec.whitespace == "flexible"
             item_sep, key_sep = _SEPARATORS.get(spec.whitespace, (",", ":"))
-            # overrides: the spec's whitespace policy wins over a schema's own x-guidance.
+            limits = spec.limits
+            runs = limits.max_whitespace if limits is not None and flexible else None
+            # overrides: the spec's whitespace policy wins over a schema's own x-guidance;
+            # bounded runs are a pattern between tokens (flexible is then the pattern itself)
             options = {
-                "whitespace_flexible": flexible,
-                "whitespace_pattern": None,
+                "whitespace_flexible": flexible and runs is None,
+                "whitespace_pattern": None if runs is None else rf"[\x20\x0A\x0D\x09]{{0,{runs}}}",
                 "item_separator": item_sep,
                 "key_separator": key_sep,
                 "lenient": not spec.strict,
@@ -398,8 +405,9 @@ class LLGuidanceBackend(GrammarBackend):
             if spec.json_schema is not True:
                 # llguidance searches with ASCII \d \w \s; the translation spells out Python's
                 # classes (what jsonschema checks) and anchors the whole alternation
+                digits = limits.max_digits if limits is not None else None
                 rewritten, notes = rewrite_patterns(
-                    ref_siblings_dropped(spec.json_schema),
+                    bound_numbers(ref_siblings_dropped(spec.json_schema), digits, fraction=True),
                     "value",
                     anchor=True,
                     why=_PATTERN_WHY,

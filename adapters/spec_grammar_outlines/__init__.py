@@ -114,6 +114,25 @@ _PATTERN_WHY = (
     "and this construct has no translation (the pattern is left out)"
 )
 
+_DIGIT_RUNS = (r"[1-9][0-9]*", r"\.[0-9]+", r"[eE][+-][0-9]+")
+"""The unbounded digit runs of outlines-core 0.2.14's INTEGER and NUMBER regexes (integer part,
+fraction, exponent), rewritten for ``max_digits`` by :func:`_bounded_digits`."""
+
+
+def _bounded_digits(regex: str, digits: int | None) -> str:
+    r"""``regex`` (outlines' schema regex) with each number's digit runs at most ``digits``
+    long: ``[1-9][0-9]{0,d-1}``, ``\.[0-9]{1,d}``, ``[eE][+-][0-9]{1,d}``. The same text in a
+    translated ``pattern`` is bounded too (strings the limit then refuses are a subset)."""
+    if digits is None:
+        return regex
+    integer, fraction, exponent = _DIGIT_RUNS
+    return (
+        regex.replace(integer, f"[1-9][0-9]{{0,{digits - 1}}}")
+        .replace(fraction, f"\\.[0-9]{{1,{digits}}}")
+        .replace(exponent, f"[eE][+-][0-9]{{1,{digits}}}")
+    )
+
+
 # JsonSchema.whitespace -> outlines' whitespace_pattern (None = outlines' default, `[ ]?`).
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
 
@@ -559,6 +578,9 @@ class OutlinesBackend(GrammarBackend):
         lark=False,
         tool_calls=True,
     )
+    # max_digits: the number regex's digit runs bounded (_bounded_digits); max_whitespace:
+    # every policy writes at most one space here (outlines' `[ ]?`), within any limit >= 1
+    output_limits = frozenset({"max_whitespace", "max_digits"})
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
         unenforced={
@@ -624,6 +646,9 @@ class OutlinesBackend(GrammarBackend):
                     schema,
                     whitespace_pattern=_WHITESPACE[spec.whitespace],
                     max_recursion_depth=_MAX_RECURSION_DEPTH,
+                )
+                regex = _bounded_digits(
+                    regex, spec.limits.max_digits if spec.limits is not None else None
                 )
                 return regex.replace(_STRING_CHAR, _JSON_STRING_CHAR), notes
             except ValueError as e:
