@@ -133,6 +133,33 @@ def _bounded_digits(regex: str, digits: int | None) -> str:
     )
 
 
+def _digits_for(schema: Any, digits: int | None) -> tuple[int | None, list[str]]:
+    """The digit bound :func:`_bounded_digits` may apply to ``schema``: ``digits``, raised to
+    the integer digits of the largest numeric bound the schema sets (one bound applies to
+    every number of the regex, and outlines ignores numeric bounds: a ``minimum: 100000``
+    must stay satisfiable), with a warning line where it was raised."""
+    if digits is None:
+        return None, []
+    need: list[tuple[int, str]] = []
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            v = n.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300:
+                need.append((len(str(int(abs(v)) + 1)), where or "/"))
+        return n
+
+    map_subschemas(schema, node)
+    wider = [(d, at) for d, at in need if d > digits]
+    if not wider:
+        return digits, []
+    top, at = max(wider)
+    return top, [
+        f"max_digits at {at}: outlines-core 0.2.14 bounds every number of the schema alike, "
+        f"so max_digits={digits} is raised to {top} to keep this numeric bound satisfiable"
+    ]
+
+
 # JsonSchema.whitespace -> outlines' whitespace_pattern (None = outlines' default, `[ ]?`).
 _WHITESPACE = {"compact": "", "spaced": r"[ ]?", "flexible": None}
 
@@ -631,6 +658,7 @@ class OutlinesBackend(GrammarBackend):
             return spec.pattern, []
         if isinstance(spec, JsonSchema):
             notes: list[str] = []
+            digits = spec.limits.max_digits if spec.limits is not None else None
             if spec.json_schema is True:
                 schema = "{}"
             else:
@@ -640,6 +668,8 @@ class OutlinesBackend(GrammarBackend):
                     _for_outlines(spec.json_schema), "json", anchor=False, why=_PATTERN_WHY
                 )
                 notes += _refusals(spec.json_schema)
+                digits, raised = _digits_for(spec.json_schema, digits)
+                notes += raised
                 schema = json.dumps(rewritten, ensure_ascii=False)
             try:
                 regex = build_regex_from_schema(
@@ -647,9 +677,7 @@ class OutlinesBackend(GrammarBackend):
                     whitespace_pattern=_WHITESPACE[spec.whitespace],
                     max_recursion_depth=_MAX_RECURSION_DEPTH,
                 )
-                regex = _bounded_digits(
-                    regex, spec.limits.max_digits if spec.limits is not None else None
-                )
+                regex = _bounded_digits(regex, digits)
                 return regex.replace(_STRING_CHAR, _JSON_STRING_CHAR), notes
             except ValueError as e:
                 # outlines says "Unsupported ..." / "... is not supported by Outlines" for
