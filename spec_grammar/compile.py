@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.check import check_json_schema, has_finite_document
-from .json_schema.limits import LIMIT_FIELDS, cap_lengths
+from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects
 from .json_schema.strict import unenforced_keywords
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -240,6 +240,8 @@ def _with_limits(
         return spec, []
     notes: list[str] = []
     capped = cap_lengths(spec.json_schema, limits)
+    if limits.closed_objects:
+        capped = close_objects(capped)
     if capped is not spec.json_schema:
         spec = JsonSchema(capped, whitespace=spec.whitespace, strict=spec.strict, limits=limits)
         notes = [

@@ -16,7 +16,10 @@ Method:
   writes from llguidance's own ``llguidance.hf`` / ``llguidance.torch`` helpers; both rows are
   :class:`~spec_grammar_bench.peers.HFRow`) without speculation, with prompt lookup
   (``prompt_lookup_num_tokens``) and with an assistant model (the target's first layers,
-  sharing weights). Greedy decoding everywhere.
+  sharing weights). Greedy decoding everywhere. With ``output_limits`` (``--output-limits``),
+  one more row per backend and limit set: ours constrained speculative with the specs carrying
+  those :class:`~spec_grammar.json_schema.limits.OutputLimits` (validated against the case's
+  own schema like every row).
 - **Timing**: one request at a time (HF assisted generation only takes batch 1). For every
   prompt all rows run one after the other, the order rotated from prompt to prompt
   (interleaved: load changes on a shared machine hit all rows alike), after one untimed

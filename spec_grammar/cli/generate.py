@@ -188,6 +188,13 @@ def _register_limits(p) -> None:
         help=f"maxItems of arrays whose schema sets none (default {D.max_items})",
     )
     g.add_argument(
+        "--closed-objects",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="objects whose schema declares properties and says nothing of others take no others "
+        f"(default {'on' if D.closed_objects else 'off'})",
+    )
+    g.add_argument(
         "--no-output-limits",
         action="store_true",
         help="no default limits (the flags above still apply)",

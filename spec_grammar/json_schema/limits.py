@@ -5,7 +5,7 @@ repeated without end) and the user gets no document at all.
 :class:`OutputLimits` is carried by :class:`~spec_grammar.specs.JsonSchema` (and
 :class:`~spec_grammar.specs.ToolCalls`) as ``limits``. The grammar enforces them:
 
-- ``max_string_length`` and ``max_items`` are a schema rewrite (:func:`cap_lengths`, run by
+- ``max_string_length``, ``max_items`` and ``closed_objects`` are a schema rewrite (:func:`cap_lengths`, run by
   :func:`~spec_grammar.compile.compile_spec` for every backend): ``maxLength`` / ``maxItems``
   added to each subschema typed ``string`` / ``array`` that sets none. A user's own bound is
   never touched, and a cap is raised to ``minLength`` / ``minItems`` (``minContains``) where
@@ -27,6 +27,8 @@ here; the defaults (:data:`DEFAULT_OUTPUT_LIMITS`) were chosen on the shared e2e
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +40,7 @@ __all__ = [
     "DEFAULT_OUTPUT_LIMITS",
     "LIMIT_FIELDS",
     "cap_lengths",
+    "close_objects",
     "bound_numbers",
     "types_of",
 ]
@@ -55,6 +58,9 @@ class OutputLimits(BaseModel):
         max_string_length: ``maxLength`` (characters) of every ``type: string`` subschema that
             sets none.
         max_items: ``maxItems`` of every ``type: array`` subschema that sets none.
+        closed_objects: ``True``: an object subschema that declares ``properties`` and says
+            nothing of other names takes no others (``additionalProperties: false``, see
+            :func:`close_objects`; what OpenAI's strict structured outputs ask of every schema).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -63,10 +69,11 @@ class OutputLimits(BaseModel):
     max_digits: int | None = Field(None, ge=1)
     max_string_length: int | None = Field(None, ge=0)
     max_items: int | None = Field(None, ge=0)
+    closed_objects: bool | None = None
 
     def is_empty(self) -> bool:
         """No bound set (an explicit "no limits")."""
-        return all(getattr(self, k) is None for k in LIMIT_FIELDS)
+        return all(getattr(self, k) in (None, False) for k in LIMIT_FIELDS)
 
 
 LIMIT_FIELDS = tuple(OutputLimits.model_fields)
@@ -120,6 +127,62 @@ def cap_lengths(schema: Any, limits: OutputLimits | None) -> Any:
             floor = max(_count(n, "minItems"), _count(n, "minContains") if "contains" in n else 0)
             out = {**out, "maxItems": max(limits.max_items, floor)}
         return out
+
+    return map_subschemas(schema, node)
+
+
+_OPEN_SIBLINGS = (
+    "additionalProperties",
+    "patternProperties",
+    "unevaluatedProperties",
+    "dependentSchemas",
+    "dependentRequired",
+    "dependencies",
+    "propertyNames",
+    "allOf",
+    "anyOf",
+    "oneOf",
+    "$ref",
+    "$dynamicRef",
+    "if",
+)
+"""Keywords next to ``properties`` that say something of other names or may bring properties
+from elsewhere: such an object is left open."""
+
+_CONJUNCTIVE = ("allOf", "oneOf", "not", "if", "then", "else", "dependentSchemas")
+"""Applicators inside which a closed object would not only remove instances: an ``allOf``
+branch closed refuses its siblings' names, and ``oneOf`` / ``not`` are not monotone (a
+``oneOf`` branch that stops matching can make a document valid)."""
+
+_INSIDE = re.compile(r"/(" + "|".join(_CONJUNCTIVE) + r")(/|$)")
+_DEFS = re.compile(r"/(\$defs|definitions)(/|$)")
+
+
+def close_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` added to every subschema that declares
+    ``properties`` (at least one) and none of :data:`_OPEN_SIBLINGS`, whose ``required`` names
+    are all declared and whose ``minProperties`` the declared names can meet, and that does not
+    sit inside one of :data:`_CONJUNCTIVE` (nor, when the schema uses any of them, inside
+    ``$defs`` / ``definitions``, which a reference may reach from there). Only instances go
+    (a subset); every document with the declared names alone is kept. Returns ``schema``
+    itself when nothing changes."""
+    text = json.dumps(schema)
+    guarded = any(f'"{k}"' in text for k in _CONJUNCTIVE)
+
+    def node(n: dict[str, Any], where: str) -> dict[str, Any]:
+        props = n.get("properties")
+        if not isinstance(props, dict) or not props or _INSIDE.search(where):
+            return n
+        if guarded and _DEFS.search(where):
+            return n
+        if any(k in n for k in _OPEN_SIBLINGS):
+            return n
+        req = n.get("required", [])
+        if not isinstance(req, list) or any(r not in props for r in req):
+            return n
+        if _count(n, "minProperties") > len(props):
+            return n
+        return {**n, "additionalProperties": False}
 
     return map_subschemas(schema, node)
 

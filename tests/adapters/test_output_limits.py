@@ -231,3 +231,12 @@ def test_a_backend_without_the_limits_declares_them(tok):
     assert "max_whitespace" not in {w.split(" ", 1)[0] for w in spaced.warnings}
     with pytest.raises(UnsupportedGrammarError):  # strict still refuses the user's keywords
         b.compile(JsonSchema({"type": "array", "uniqueItems": True}, strict=True, limits=LIMITS))
+
+
+def test_closed_objects(backend, tok):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    closed = JsonSchema(schema, limits=OutputLimits(closed_objects=True))
+    m = _after(backend, tok, closed, '{"a": 1')
+    assert _takes(m, tok, "}") and not _takes(m, tok, ",")
+    if backend.name != "outlines":  # outlines writes declared properties only, always
+        assert _takes(_after(backend, tok, JsonSchema(schema), '{"a": 1'), tok, ",")

@@ -13,11 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from spec_grammar import datasets
+from spec_grammar.json_schema.check import has_finite_document
 from spec_grammar.json_schema.limits import (
     DEFAULT_OUTPUT_LIMITS,
     OutputLimits,
     bound_numbers,
     cap_lengths,
+    close_objects,
 )
 from spec_grammar.json_schema.rewrite import map_subschemas
 from spec_grammar.specs import JsonSchema, Regex, ToolCalls, with_limits
@@ -98,25 +100,63 @@ def _implications(user, limited, doc) -> None:
 
 def test_capped_suite_schemas_against_the_suites_instances():
     """JSON-Schema-Test-Suite instances (valid and invalid ones) under each group's schema and
-    its capped form."""
-    checked = 0
+    its capped form; and its closed form (:func:`close_objects`), which must accept no
+    instance the user's schema refuses (the suite's ``oneOf`` / ``allOf`` / ``not`` groups are
+    where closing an object could add one)."""
+    checked = closed_checked = 0
     for g in datasets.json_schema_test_suite():
-        capped = cap_lengths(g["schema"], LIMITS)
-        if capped is g["schema"]:
-            continue
         user = jsonschema.Draft202012Validator(g["schema"])
-        limited = jsonschema.Draft202012Validator(capped)
-        for t in g["tests"]:
-            _implications(user, limited, t["data"])
-            checked += 1
-    assert checked > 30
+        capped = cap_lengths(g["schema"], LIMITS)
+        if capped is not g["schema"]:
+            limited = jsonschema.Draft202012Validator(capped)
+            for t in g["tests"]:
+                _implications(user, limited, t["data"])
+                checked += 1
+        closed = close_objects(g["schema"])
+        if closed is not g["schema"]:
+            shut = jsonschema.Draft202012Validator(closed)
+            for t in g["tests"]:
+                if shut.is_valid(t["data"]):
+                    assert user.is_valid(t["data"]), (g["file"], g["group_description"])
+                closed_checked += 1
+    assert checked > 30 and closed_checked > 30
+
+
+def test_closed_objects_keep_documents_and_skip_conjunctions():
+    for name, schema in CORPUS:
+        closed = close_objects(schema)
+        assert has_finite_document(closed) == has_finite_document(schema), name
+    open_ = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+    }
+    assert close_objects(open_)["additionalProperties"] is False
+    # a branch of allOf / oneOf, required names not declared: left open
+    for schema in (
+        {"allOf": [open_, {"properties": {"b": {}}, "required": ["b"]}]},
+        {"oneOf": [open_, {"properties": {"b": {}}}]},
+        {**open_, "required": ["a", "z"]},
+        {**open_, "additionalProperties": {"type": "string"}},
+    ):
+        assert close_objects(schema) == schema
+    # tool-call arguments (inside anyOf, a union) are closed
+    tools = ToolCalls(
+        [{"type": "function", "function": {"name": "f", "parameters": open_}}]
+        + [{"type": "function", "function": {"name": "g", "parameters": open_}}]
+    )
+    closed = close_objects(tools.to_json_schema().json_schema)
+    assert all(
+        v["properties"]["arguments"]["additionalProperties"] is False
+        for v in closed["items"]["anyOf"]
+    )
 
 
 _VALIDATORS = [
     (
         jsonschema.validators.validator_for(s)(s),
         jsonschema.validators.validator_for(s)(cap_lengths(s, LIMITS)),
-        name,
+        jsonschema.validators.validator_for(s)(close_objects(s)),
     )
     for name, s in CORPUS
 ]
@@ -127,13 +167,17 @@ _VALIDATORS = [
 def test_capped_corpus_schemas_on_random_documents(doc, which, data):
     """Random JSON documents, and documents assembled from the schema's own property names,
     under a real schema and its capped form."""
-    user, limited, _ = _VALIDATORS[which]
+    user, limited, shut = _VALIDATORS[which]
     _implications(user, limited, doc)
+    if shut.is_valid(doc):
+        assert user.is_valid(doc)
     props = user.schema.get("properties") if isinstance(user.schema, dict) else None
     if isinstance(props, dict) and props:
         keys = list(props)
         obj = data.draw(st.dictionaries(st.sampled_from(keys), _JSON, max_size=len(keys)))
         _implications(user, limited, obj)
+        if shut.is_valid(obj):
+            assert user.is_valid(obj)
 
 
 @given(
