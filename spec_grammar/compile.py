@@ -138,7 +138,8 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
     (:class:`UnsupportedGrammarError`) and specs over ``max_grammar_bytes``
     (:class:`GrammarCompileError`); then, once per cache key: ``ToolCalls`` -> its
     :class:`JsonSchema`, the meta-schema check, strict mode (refuse unenforced keywords) or
-    warnings, the output limits' schema caps (:func:`~spec_grammar.json_schema.limits.cap_lengths`;
+    warnings, the output limits' schema rewrites (:func:`~spec_grammar.json_schema.limits.cap_lengths`,
+    :func:`~spec_grammar.json_schema.limits.close_objects`;
     what the backend does not enforce of them, or of the limits it enforces itself, is a
     warning even in strict mode: strict is about the user's schema), ``backend._compile``
     under ``compile_timeout_s`` (a :class:`LibraryResult` adds the adapter's warnings, or
