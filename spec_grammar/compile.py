@@ -234,22 +234,30 @@ def _with_limits(
     (:func:`~spec_grammar.json_schema.limits.cap_lengths`), and the warnings the limits add:
     keyword uses of the rewritten schema the backend does not enforce that the user's schema
     did not have already (``ignored``), and a line per limit set that the backend does not
-    enforce itself (``max_whitespace`` counts only under ``whitespace="flexible"``, the one
-    policy that writes runs)."""
+    enforce itself or leaves out of its schemas (:attr:`GrammarBackend.schema_caps`;
+    ``max_whitespace`` counts only under ``whitespace="flexible"``, the one policy that writes
+    runs)."""
     limits = spec.limits
     if limits is None or limits.is_empty():
         return spec, []
     notes: list[str] = []
-    capped = cap_lengths(spec.json_schema, limits)
-    if limits.closed_objects:
+    skipped = {
+        k: None if k != "closed_objects" else False
+        for k in ("max_string_length", "max_items", "closed_objects")
+        if k not in backend.schema_caps and getattr(limits, k) not in (None, False)
+    }
+    capped = cap_lengths(spec.json_schema, limits.model_copy(update=skipped))
+    if limits.closed_objects and "closed_objects" in backend.schema_caps:
         capped = close_objects(capped)
     if capped is not spec.json_schema:
         spec = JsonSchema(capped, whitespace=spec.whitespace, strict=spec.strict, limits=limits)
         notes = [
             w for w in unenforced_keywords(capped, backend.json_schema_support) if w not in ignored
         ]
-    for name in ("max_digits", "max_whitespace"):
-        if getattr(limits, name) is None or name in backend.output_limits:
+    for name in ("max_digits", "max_whitespace", *skipped):
+        if getattr(limits, name) in (None, False):
+            continue
+        if name in backend.output_limits and name not in skipped:
             continue
         if name == "max_whitespace" and spec.whitespace != "flexible":
             continue
