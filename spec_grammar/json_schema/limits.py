@@ -5,9 +5,12 @@ repeated without end) and the user gets no document at all.
 :class:`OutputLimits` is carried by :class:`~spec_grammar.specs.JsonSchema` (and
 :class:`~spec_grammar.specs.ToolCalls`) as ``limits``. The grammar enforces them:
 
-- ``max_string_length``, ``max_items`` and ``closed_objects`` are a schema rewrite (:func:`cap_lengths`, run by
-  :func:`~spec_grammar.compile.compile_spec` for every backend): ``maxLength`` / ``maxItems``
-  added to each subschema typed ``string`` / ``array`` that sets none. A user's own bound is
+- ``max_string_length``, ``max_items`` and ``closed_objects`` are schema rewrites
+  (:func:`cap_lengths`, :func:`close_objects`, run by
+  :func:`~spec_grammar.compile.compile_spec` for each backend that takes them,
+  :attr:`~spec_grammar.protocol.GrammarBackend.schema_caps`): ``maxLength`` / ``maxItems``
+  added to each subschema typed ``string`` / ``array`` that sets none, ``additionalProperties:
+  false`` to objects that declare properties and say nothing of others. A user's own bound is
   never touched, and a cap is raised to ``minLength`` / ``minItems`` (``minContains``) where
   those ask for more, so the rewritten schema keeps documents whenever the user's does and is
   a subset of it (adding a keyword only removes instances).
