@@ -199,7 +199,9 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
                 native = native.native
                 strict = isinstance(target, JsonSchema) and target.strict
                 if strict:
-                    extra_strict = [w for w in extra if w.split(" ", 1)[0] not in LIMIT_FIELDS]
+                    extra_strict = [
+                        w for w in extra if w.split(" ", 1)[0].split(":")[0] not in LIMIT_FIELDS
+                    ]
                 else:
                     extra_strict = []
                 if extra_strict:

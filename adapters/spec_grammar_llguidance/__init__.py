@@ -71,6 +71,10 @@ _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 # Unknown ``format`` values are always ignored when not strict (JSON Schema annotations).
 _IGNORABLE_KEYWORDS = frozenset({"uniqueItems"})
 
+_MAX_FRACTION_DIGITS = 10
+"""The smallest ``multipleOf`` llguidance 1.9.1 takes is ``1e-10`` (``1e-11`` and below: "Value
+for 'multipleOf' has too many digits"), so ``max_digits`` bounds fractions to at most 10."""
+
 _PATTERN_WHY = (
     "is not enforced: llguidance 1.9 has no equivalent for this construct (the pattern is left out)"
 )
@@ -406,13 +410,21 @@ class LLGuidanceBackend(GrammarBackend):
                 # llguidance searches with ASCII \d \w \s; the translation spells out Python's
                 # classes (what jsonschema checks) and anchors the whole alternation
                 digits = limits.max_digits if limits is not None else None
+                fraction = None if digits is None else min(digits, _MAX_FRACTION_DIGITS)
                 rewritten, notes = rewrite_patterns(
-                    bound_numbers(ref_siblings_dropped(spec.json_schema), digits, fraction=True),
+                    bound_numbers(
+                        ref_siblings_dropped(spec.json_schema), digits, fraction=fraction
+                    ),
                     "value",
                     anchor=True,
                     why=_PATTERN_WHY,
                     property_patterns=True,
                 )
+                if digits is not None and digits > _MAX_FRACTION_DIGITS:
+                    notes.append(
+                        f"max_digits:refuses at /: llguidance 1.9 takes multipleOf down to 1e-10, so "
+                        f"a fraction gets at most {_MAX_FRACTION_DIGITS} digits (max_digits={digits})"
+                    )
                 self._notes.notes = notes
                 if rewritten is not spec.json_schema:
                     schema = json.dumps(rewritten, ensure_ascii=False)

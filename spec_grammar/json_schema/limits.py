@@ -84,7 +84,11 @@ LIMIT_FIELDS = tuple(OutputLimits.model_fields)
 line keys spell them."""
 
 DEFAULT_OUTPUT_LIMITS = OutputLimits(
-    max_whitespace=4, max_digits=12, max_string_length=256, max_items=16
+    max_whitespace=4,
+    max_digits=16,
+    max_string_length=128,
+    max_items=8,
+    closed_objects=True,
 )
 """What :func:`spec_grammar.worker.generate` and ``spec-grammar generate`` apply to a JSON
 schema or tool list that carries no limits of its own (measured: ``docs/output-limits.md``)."""
@@ -194,16 +198,16 @@ def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def bound_numbers(schema: Any, max_digits: int | None, *, fraction: bool = False) -> Any:
+def bound_numbers(schema: Any, max_digits: int | None, *, fraction: int | None = None) -> Any:
     """``schema`` with numeric bounds added where a subschema typed ``integer`` / ``number``
     sets none, so that a library that writes bounded numbers as digit ranges (xgrammar,
     llguidance) writes at most ``max_digits`` integer digits: integers get ``minimum`` /
     ``maximum`` ``∓(10**max_digits - 1)``, numbers ``exclusiveMinimum`` / ``exclusiveMaximum``
     ``∓10**max_digits``. A side the user bounds is kept as written (the added bound is the
     other side only), and a bound is not added where the user's other bound lies beyond it
-    (the schema would accept nothing). With ``fraction``, number subschemas without
-    ``multipleOf`` also get ``multipleOf: 10**-max_digits`` (llguidance then writes at most
-    that many fraction digits). Returns ``schema`` itself when nothing changes."""
+    (the schema would accept nothing). With ``fraction`` (a digit count), number subschemas
+    without ``multipleOf`` also get ``multipleOf: 10**-fraction`` (llguidance then writes at
+    most that many fraction digits). Returns ``schema`` itself when nothing changes."""
     if max_digits is None:
         return schema
     top = 10**max_digits
@@ -226,8 +230,8 @@ def bound_numbers(schema: Any, max_digits: int | None, *, fraction: bool = False
                 out["maximum"] = top - 1
             else:
                 out["exclusiveMaximum"] = top
-        if fraction and not integer and "multipleOf" not in n:
-            out["multipleOf"] = 10.0**-max_digits
+        if fraction is not None and not integer and "multipleOf" not in n:
+            out["multipleOf"] = float(f"1e-{fraction}")
         return n if out == n else out
 
     return map_subschemas(schema, node)

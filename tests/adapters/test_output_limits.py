@@ -259,3 +259,23 @@ def test_closed_objects(backend, tok):
     assert _takes(m, tok, "}") and not _takes(m, tok, ",")
     if backend.name != "outlines":  # outlines writes declared properties only, always
         assert _takes(_after(backend, tok, JsonSchema(schema), '{"a": 1'), tok, ",")
+
+
+def test_default_limits_compile_on_real_schemas(backend):
+    """Every backend compiles real schemas and tool lists under the defaults (llguidance 1.9
+    refused multipleOf 1e-12: its fraction bound stops at 10 digits, declared)."""
+    from spec_grammar import datasets
+    from spec_grammar.json_schema.limits import DEFAULT_OUTPUT_LIMITS
+
+    specs = [
+        JsonSchema(r["schema"], limits=DEFAULT_OUTPUT_LIMITS)
+        for r in datasets.jsonschemabench_sample("Glaiveai2K")[:3]
+    ]
+    specs += [
+        ToolCalls(c["tools"], limits=DEFAULT_OUTPUT_LIMITS) for c in datasets.bfcl_cases()[:3]
+    ]
+    for spec in specs:
+        compiled = backend.compile(spec)
+        if backend.name == "llguidance" and DEFAULT_OUTPUT_LIMITS.max_digits > 10:
+            number = '"number"' in json.dumps(spec.model_dump())
+            assert not number or any(w.startswith("max_digits:refuses") for w in compiled.warnings)
