@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.check import check_json_schema, has_finite_document
+from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects
 from .json_schema.strict import unenforced_keywords
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -137,9 +138,13 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
     (:class:`UnsupportedGrammarError`) and specs over ``max_grammar_bytes``
     (:class:`GrammarCompileError`); then, once per cache key: ``ToolCalls`` -> its
     :class:`JsonSchema`, the meta-schema check, strict mode (refuse unenforced keywords) or
-    warnings, ``backend._compile`` under ``compile_timeout_s`` (a :class:`LibraryResult` adds
-    the adapter's warnings, or raises in strict mode). Errors are cached too; library
-    exceptions become :class:`GrammarCompileError` with the library's reason.
+    warnings, the output limits' schema rewrites (:func:`~spec_grammar.json_schema.limits.cap_lengths`,
+    :func:`~spec_grammar.json_schema.limits.close_objects`;
+    what the backend does not enforce of them, or of the limits it enforces itself, is a
+    warning even in strict mode: strict is about the user's schema), ``backend._compile``
+    under ``compile_timeout_s`` (a :class:`LibraryResult` adds the adapter's warnings, or
+    raises in strict mode). Errors are cached too; library exceptions become
+    :class:`GrammarCompileError` with the library's reason.
     """
     if not isinstance(spec, GrammarSpec):
         raise TypeError(
@@ -186,16 +191,24 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
                         + "; ".join(ignored[:5])
                         + ("; ..." if len(ignored) > 5 else "")
                     )
+                target, limit_notes = _with_limits(backend, target, ignored)
+                ignored = ignored + limit_notes
             native = _compile_with_timeout(backend, target)
             if isinstance(native, LibraryResult):
                 extra = [w for w in native.warnings if w not in ignored]
                 native = native.native
                 strict = isinstance(target, JsonSchema) and target.strict
-                if extra and strict:
+                if strict:
+                    extra_strict = [
+                        w for w in extra if w.split(" ", 1)[0].split(":")[0] not in LIMIT_FIELDS
+                    ]
+                else:
+                    extra_strict = []
+                if extra_strict:
                     raise UnsupportedGrammarError(
-                        f"strict mode: {len(extra)} keyword use(s) would not be enforced: "
-                        + "; ".join(extra[:5])
-                        + ("; ..." if len(extra) > 5 else "")
+                        f"strict mode: {len(extra_strict)} keyword use(s) would not be enforced: "
+                        + "; ".join(extra_strict[:5])
+                        + ("; ..." if len(extra_strict) > 5 else "")
                     )
                 ignored = ignored + extra
         except SpecGrammarError as e:
@@ -214,6 +227,44 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         )
 
     return backend._cache.get_or_compile(key, run)
+
+
+def _with_limits(
+    backend: GrammarBackend, spec: JsonSchema, ignored: list[str]
+) -> tuple[JsonSchema, list[str]]:
+    """``spec`` with its output limits' caps written into the schema
+    (:func:`~spec_grammar.json_schema.limits.cap_lengths`), and the warnings the limits add:
+    keyword uses of the rewritten schema the backend does not enforce that the user's schema
+    did not have already (``ignored``), and a line per limit set that the backend does not
+    enforce itself or leaves out of its schemas (:attr:`GrammarBackend.schema_caps`;
+    ``max_whitespace`` counts only under ``whitespace="flexible"``, the one policy that writes
+    runs)."""
+    limits = spec.limits
+    if limits is None or limits.is_empty():
+        return spec, []
+    notes: list[str] = []
+    skipped = {
+        k: None if k != "closed_objects" else False
+        for k in ("max_string_length", "max_items", "closed_objects")
+        if k not in backend.schema_caps and getattr(limits, k) not in (None, False)
+    }
+    capped = cap_lengths(spec.json_schema, limits.model_copy(update=skipped))
+    if limits.closed_objects and "closed_objects" in backend.schema_caps:
+        capped = close_objects(capped)
+    if capped is not spec.json_schema:
+        spec = JsonSchema(capped, whitespace=spec.whitespace, strict=spec.strict, limits=limits)
+        notes = [
+            w for w in unenforced_keywords(capped, backend.json_schema_support) if w not in ignored
+        ]
+    for name in ("max_digits", "max_whitespace", *skipped):
+        if getattr(limits, name) in (None, False):
+            continue
+        if name in backend.output_limits and name not in skipped:
+            continue
+        if name == "max_whitespace" and spec.whitespace != "flexible":
+            continue
+        notes.append(f"{name} at /: the {backend.name} backend does not enforce this output limit")
+    return spec, notes
 
 
 def _compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec) -> Any:

@@ -359,6 +359,17 @@ class GrammarBackend(ABC):
     capabilities: ClassVar[Capabilities] = Capabilities()
     json_schema_support: ClassVar[KeywordSupport] = KeywordSupport()
     """JSON-Schema keywords the library does not enforce (strict mode refuses them)."""
+    output_limits: ClassVar[frozenset[str]] = frozenset()
+    """The :class:`~spec_grammar.json_schema.limits.OutputLimits` fields ``_compile`` enforces
+    itself from ``spec.limits`` (``max_digits``, ``max_whitespace``); the compile of a spec
+    setting another of them carries a warning saying so."""
+    schema_caps: ClassVar[frozenset[str]] = frozenset(
+        {"max_string_length", "max_items", "closed_objects"}
+    )
+    """The output limits :func:`~spec_grammar.compile.compile_spec` writes into this backend's
+    JSON schemas (:func:`~spec_grammar.json_schema.limits.cap_lengths`,
+    :func:`~spec_grammar.json_schema.limits.close_objects`); a backend whose compile cost grows
+    with a bound leaves it out, and the compile of a spec setting it carries a warning."""
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import GrammarSpecError
+from .json_schema.limits import OutputLimits
 from .json_schema.rewrite import map_subschemas
 
 Whitespace = Literal["spaced", "compact", "flexible"]
@@ -52,7 +53,10 @@ class JsonSchema(GrammarSpec):
 
     ``schema`` may be a dict, a JSON string, or a pydantic model class (its
     ``model_json_schema()``). ``strict=True`` makes a backend reject keywords it would
-    otherwise ignore (:class:`~spec_grammar.errors.UnsupportedGrammarError`).
+    otherwise ignore (:class:`~spec_grammar.errors.UnsupportedGrammarError`). ``limits``
+    (:class:`~spec_grammar.json_schema.limits.OutputLimits`, a dict of its fields, or None =
+    the schema as written) bounds whitespace runs, digits, and the strings and arrays the
+    schema leaves unbounded.
 
     Raises :class:`~spec_grammar.errors.GrammarSpecError` (a ``ValueError``) when the string is
     not JSON or the schema is neither an object nor a boolean.
@@ -62,6 +66,7 @@ class JsonSchema(GrammarSpec):
     json_schema: dict[str, Any] | bool = Field(alias="schema")
     whitespace: Whitespace = "spaced"
     strict: bool = False
+    limits: OutputLimits | None = None
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
@@ -137,13 +142,15 @@ class ToolCalls(GrammarSpec):
     (at least one call) for an OpenAI-style tool list
     ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
 
-    Backends compile it through :meth:`to_json_schema`.
+    Backends compile it through :meth:`to_json_schema` (``limits`` included: ``max_items``
+    caps the calls too where ``parallel_tool_calls`` leaves their number open).
     """
 
     kind: Literal["tool_calls"] = "tool_calls"
     tools: list[dict[str, Any]]
     whitespace: Whitespace = "spaced"
     parallel_tool_calls: bool = True
+    limits: OutputLimits | None = None
 
     def __init__(self, tools: Any = None, /, **data: Any):
         if tools is not None:
@@ -194,7 +201,7 @@ class ToolCalls(GrammarSpec):
             schema["maxItems"] = 1
         if defs:
             schema["$defs"] = defs
-        return JsonSchema(schema, whitespace=self.whitespace)
+        return JsonSchema(schema, whitespace=self.whitespace, limits=self.limits)
 
 
 def _rebase_refs(schema: Any, at: str) -> Any:
@@ -215,3 +222,12 @@ def _rebase_refs(schema: Any, at: str) -> Any:
 
 
 AnyGrammarSpec = JsonSchema | Regex | Ebnf | Lark | ToolCalls
+
+
+def with_limits(spec: GrammarSpec | None, limits: OutputLimits | None) -> GrammarSpec | None:
+    """``spec`` carrying ``limits`` when it is a :class:`JsonSchema` or :class:`ToolCalls`
+    without limits of its own (``limits=None`` on the spec); any other spec, one whose limits
+    are set (``OutputLimits()`` = explicitly none), and ``limits=None`` give ``spec`` back."""
+    if limits is not None and isinstance(spec, (JsonSchema, ToolCalls)) and spec.limits is None:
+        return spec.model_copy(update={"limits": limits})
+    return spec

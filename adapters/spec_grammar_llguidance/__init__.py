@@ -47,6 +47,7 @@ from spec_grammar.errors import (
     GrammarStateError,
     UnsupportedGrammarError,
 )
+from spec_grammar.json_schema.limits import bound_numbers
 from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
 from spec_grammar.json_schema.strict import NOT_CONTEXT_FREE_KEYWORDS, REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
@@ -72,6 +73,10 @@ _SEPARATORS = {"spaced": (", ", ": "), "compact": (",", ":")}
 # keyword is refused even when not strict, since ignoring it would accept invalid documents.
 # Unknown ``format`` values are always ignored when not strict (JSON Schema annotations).
 _IGNORABLE_KEYWORDS = frozenset({"uniqueItems"})
+
+_MAX_FRACTION_DIGITS = 10
+"""The smallest ``multipleOf`` llguidance 1.9.1 takes is ``1e-10`` (``1e-11`` and below: "Value
+for 'multipleOf' has too many digits"), so ``max_digits`` bounds fractions to at most 10."""
 
 _PATTERN_WHY = (
     "is not enforced: llguidance 1.9 has no equivalent for this construct (the pattern is left out)"
@@ -419,6 +424,9 @@ class LLGuidanceBackend(GrammarBackend):
         lark=True,
         tool_calls=True,
     )
+    # max_whitespace: a whitespace_pattern of bounded runs; max_digits: numeric bounds plus
+    # multipleOf 10**-d (bound_numbers), which llguidance writes as digit ranges
+    output_limits = frozenset({"max_whitespace", "max_digits"})
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
         unenforced={
@@ -475,10 +483,13 @@ class LLGuidanceBackend(GrammarBackend):
         if isinstance(spec, JsonSchema):
             flexible = spec.whitespace == "flexible"
             item_sep, key_sep = _SEPARATORS.get(spec.whitespace, (",", ":"))
-            # overrides: the spec's whitespace policy wins over a schema's own x-guidance.
+            limits = spec.limits
+            runs = limits.max_whitespace if limits is not None and flexible else None
+            # overrides: the spec's whitespace policy wins over a schema's own x-guidance;
+            # bounded runs are a pattern between tokens (flexible is then the pattern itself)
             options = {
-                "whitespace_flexible": flexible,
-                "whitespace_pattern": None,
+                "whitespace_flexible": flexible and runs is None,
+                "whitespace_pattern": None if runs is None else rf"[\x20\x0A\x0D\x09]{{0,{runs}}}",
                 "item_separator": item_sep,
                 "key_separator": key_sep,
                 "lenient": not spec.strict,
@@ -488,13 +499,22 @@ class LLGuidanceBackend(GrammarBackend):
             if spec.json_schema is not True:
                 # llguidance searches with ASCII \d \w \s; the translation spells out Python's
                 # classes (what jsonschema checks) and anchors the whole alternation
+                digits = limits.max_digits if limits is not None else None
+                fraction = None if digits is None else min(digits, _MAX_FRACTION_DIGITS)
                 rewritten, notes = rewrite_patterns(
-                    ref_siblings_dropped(spec.json_schema),
+                    bound_numbers(
+                        ref_siblings_dropped(spec.json_schema), digits, fraction=fraction
+                    ),
                     "value",
                     anchor=True,
                     why=_PATTERN_WHY,
                     property_patterns=True,
                 )
+                if digits is not None and digits > _MAX_FRACTION_DIGITS:
+                    notes.append(
+                        f"max_digits:refuses at /: llguidance 1.9 takes multipleOf down to 1e-10, so "
+                        f"a fraction gets at most {_MAX_FRACTION_DIGITS} digits (max_digits={digits})"
+                    )
                 self._notes.notes = notes
                 if rewritten is not spec.json_schema:
                     schema = json.dumps(rewritten, ensure_ascii=False)

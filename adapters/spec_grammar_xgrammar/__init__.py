@@ -26,6 +26,7 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import UnsupportedGrammarError
+from spec_grammar.json_schema.limits import bound_numbers
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
@@ -197,6 +198,9 @@ _BOUNDED_NUMBER = (
     "xgrammar 0.2.9 writes a bounded number with at most about 10 fraction digits and no "
     "exponent: smaller magnitudes (0.00000000001) are refused"
 )
+
+_BOUNDED_FRACTION_DIGITS = 6
+"""Fraction digits xgrammar 0.2.9 writes at most in a number with bounds (its range regex)."""
 
 _ESCAPED_NAME = (
     "xgrammar 0.2.9 does not match a property whose name needs a JSON escape while other "
@@ -496,6 +500,9 @@ class XGrammarBackend(GrammarBackend):
         lark=True,
         tool_calls=True,
     )
+    # max_whitespace: max_whitespace_cnt; max_digits: numeric bounds (bound_numbers), which
+    # xgrammar writes as digit ranges with at most 6 fraction digits and no exponent
+    output_limits = frozenset({"max_whitespace", "max_digits"})
     # Measured on the JSON-Schema-Test-Suite (tests/test_reliability_strict.py).
     json_schema_support = KeywordSupport(
         unenforced={
@@ -637,6 +644,10 @@ class XGrammarBackend(GrammarBackend):
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
             older = _draft2020(spec.json_schema)
             older, untyped = _typed(older)
+            limits = spec.limits
+            digits = limits.max_digits if limits is not None else None
+            # after _typed: the bounds added for the limit refuse exactly what it asks to refuse
+            older = bound_numbers(older, digits)
             # xgrammar matches a pattern in full against the JSON text of the string: give it
             # the translated JSON-text regex of what jsonschema's re.search accepts
             older, notes = rewrite_patterns(
@@ -648,15 +659,22 @@ class XGrammarBackend(GrammarBackend):
                 refuses=_PATTERN_REFUSES,
             )
             notes = untyped + notes
+            if digits is not None and digits < _BOUNDED_FRACTION_DIGITS:
+                notes.append(
+                    f"max_digits at /: xgrammar 0.2.9 writes up to {_BOUNDED_FRACTION_DIGITS} "
+                    f"fraction digits in a bounded number, more than max_digits={digits}"
+                )
             if older is not spec.json_schema:
                 schema = json.dumps(older, ensure_ascii=False)
             flexible = spec.whitespace == "flexible"
+            runs = limits.max_whitespace if limits is not None and flexible else None
             with _library_log() as log:
                 native = c.compile_json_schema(
                     schema,
                     any_whitespace=flexible,
                     separators=None if flexible else _SEPARATORS[spec.whitespace],
                     strict_mode=False,
+                    max_whitespace_cnt=runs,
                 )
             notes += _log_warnings(log)
             return LibraryResult(native, tuple(notes)) if notes else native

@@ -16,7 +16,10 @@ Method:
   writes from llguidance's own ``llguidance.hf`` / ``llguidance.torch`` helpers; both rows are
   :class:`~spec_grammar_bench.peers.HFRow`) without speculation, with prompt lookup
   (``prompt_lookup_num_tokens``) and with an assistant model (the target's first layers,
-  sharing weights). Greedy decoding everywhere.
+  sharing weights). Greedy decoding everywhere. With ``output_limits`` (``--output-limits``),
+  one more row per backend and limit set: ours constrained speculative with the specs carrying
+  those :class:`~spec_grammar.json_schema.limits.OutputLimits` (validated against the case's
+  own schema like every row).
 - **Timing**: one request at a time (HF assisted generation only takes batch 1). For every
   prompt all rows run one after the other, the order rotated from prompt to prompt
   (interleaved: load changes on a shared machine hit all rows alike), after one untimed
@@ -60,7 +63,8 @@ from pydantic import (
     model_validator,
 )
 
-from spec_grammar.specs import GrammarSpec
+from spec_grammar.json_schema.limits import OutputLimits
+from spec_grammar.specs import GrammarSpec, with_limits
 
 from .inputs import TASK_DOCUMENT, chat_prompt, load_cases
 from .peers import HFRow, xgrammar_mask_row
@@ -114,6 +118,12 @@ class E2EBenchConfig(BaseModel):
     skip_rows: list[str] = Field(
         [], description="row ids to leave out (e.g. hf/llguidance+assist for time)"
     )
+    output_limits: list[OutputLimits] = Field(
+        [],
+        description="for each entry, one more row per backend (ours-spec/<backend>+limits<i>) whose "
+        "specs carry these output limits (spec_grammar.json_schema.limits); outputs are still "
+        "validated against the case's own schema",
+    )
     warmup: bool = True
     torch_threads: PositiveInt | None = Field(
         1,
@@ -165,6 +175,7 @@ class RowSpec:
     family: str
     lib: str | None
     speculation: str
+    limits: OutputLimits | None = None
 
     @property
     def constrained(self) -> bool:
@@ -201,6 +212,20 @@ def row_specs(cfg: E2EBenchConfig, backends: list[str]) -> list[RowSpec]:
         RowSpec(f"ours-spec/{b}", f"ours, spec ({cfg.draft}), {b}", "ours", b, cfg.draft)
         for b in backends
     ]
+    for i, lim in enumerate(cfg.output_limits):
+        tag = "+limits" if len(cfg.output_limits) == 1 else f"+limits{i + 1}"
+        said = ", ".join(f"{k}={v}" for k, v in lim.model_dump(exclude_none=True).items())
+        rows += [
+            RowSpec(
+                f"ours-spec/{b}{tag}",
+                f"ours, spec ({cfg.draft}), {b}, limits ({said or 'none'})",
+                "ours",
+                b,
+                cfg.draft,
+                lim,
+            )
+            for b in backends
+        ]
     if cfg.nospec_backend in backends:
         b = cfg.nospec_backend
         rows.append(RowSpec(f"ours-nospec/{b}", f"ours, no spec, {b}", "ours", b, "none"))
@@ -264,13 +289,16 @@ class _OursRow:
                 compile_cache_size=0,
             )
 
+    def _spec(self, p: E2EPrompt) -> GrammarSpec:
+        return with_limits(p.spec, self.row.limits)
+
     def compile(self, p: E2EPrompt) -> float:
         if self._fresh is None:
             return 0.0
         t0 = time.perf_counter()
-        self._fresh.compile(p.spec)
+        self._fresh.compile(self._spec(p))
         ms = (time.perf_counter() - t0) * 1e3
-        self.worker.backend.compile(p.spec)
+        self.worker.backend.compile(self._spec(p))
         return ms
 
     def generate(self, p: E2EPrompt, max_new_tokens: int) -> dict[str, Any]:
@@ -279,7 +307,7 @@ class _OursRow:
 
         req = Request(
             prompt=list(p.prompt_ids),
-            grammar=p.spec if self.row.constrained else None,
+            grammar=self._spec(p) if self.row.constrained else None,
             sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
         )
         first: list[float] = []
@@ -492,7 +520,14 @@ def run_e2e(cfg: E2EBenchConfig, progress: Progress | None = None) -> dict[str, 
             for p in prompts
         ],
         "prompts_skipped": skipped,
-        "rows": [r.__dict__ | {"constrained": r.constrained} for r in rows],
+        "rows": [
+            r.__dict__
+            | {
+                "constrained": r.constrained,
+                "limits": None if r.limits is None else r.limits.model_dump(),
+            }
+            for r in rows
+        ],
         "samples": samples,
     }
     result["summary"] = summarize_rows(result)

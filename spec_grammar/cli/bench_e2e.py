@@ -18,6 +18,30 @@ def _positive(text: str) -> int:
     return value
 
 
+def _limits(text: str):
+    """``--output-limits`` text as OutputLimits: ``default`` or ``name=N,...``. Raises
+    ValueError naming the bad part."""
+    from pydantic import ValidationError
+
+    from ..json_schema.limits import DEFAULT_OUTPUT_LIMITS, LIMIT_FIELDS, OutputLimits
+    from ..worker.request import one_line
+
+    if text.strip() == "default":
+        return DEFAULT_OUTPUT_LIMITS
+    values = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in LIMIT_FIELDS or not value.strip().isdigit():
+            raise ValueError(
+                f"--output-limits: {part!r} is not NAME=N with NAME one of {', '.join(LIMIT_FIELDS)}"
+            )
+        values[name] = int(value)
+    try:
+        return OutputLimits(**values)
+    except ValidationError as e:
+        raise ValueError(f"--output-limits {text!r}: {one_line(e)}") from None
+
+
 def register_e2e(sub) -> None:
     """Add the ``e2e`` parser to the ``bench`` subparsers."""
     p = sub.add_parser(
@@ -71,6 +95,14 @@ def register_e2e(sub) -> None:
         default=None,
         help="row ids to leave out, e.g. hf/llguidance+assist",
     )
+    p.add_argument(
+        "--output-limits",
+        action="append",
+        default=None,
+        metavar="LIMITS",
+        help="one more row per backend with these output limits: 'default' (the library's "
+        "DEFAULT_OUTPUT_LIMITS) or e.g. 'max_items=8,max_string_length=128' (repeatable)",
+    )
     p.add_argument("--model", default=None, help="model name or path (default smollm2)")
     p.add_argument(
         "--threads", type=_positive, default=None, help="torch intra-op threads (default 1)"
@@ -103,6 +135,9 @@ def _run_e2e(args) -> int:
         torch_threads=args.threads,
         skip_rows=args.skip_rows,
         time_budget_s=args.time_budget,
+        output_limits=None
+        if args.output_limits is None
+        else [_limits(text) for text in args.output_limits],
     )
     bad = [s for s in args.hf_speculation or [] if s not in ("none", "prompt_lookup", "assistant")]
     if bad:

@@ -4,7 +4,10 @@ One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: 
 its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
 ``tools`` (file paths relative to the batch file), and optional sampling fields such as
 ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``: any
-:class:`~spec_grammar.worker.sampling.SamplingParams` field). A line with an
+:class:`~spec_grammar.worker.sampling.SamplingParams` field; ``limits``: an object of output
+limits over the flags' ones, or null for none). JSON-schema and tool-call grammars get the
+output limits of the flags (``--max-digits`` ..., default
+:data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`). A line with an
 unknown key, one that cannot be turned into a request, or whose grammar fails to compile, is
 reported as failed; the other requests complete. Exit code 0 when every request succeeded, 1
 when some failed, 2 on bad arguments (missing files, unknown backend, unreadable schema, bad
@@ -125,6 +128,7 @@ def register(sub) -> None:
         help="verify greedy requests without tree fills, asking the grammar for each greedy token "
         "(auto: on CUDA-graph steps whenever the fills would not hide under the forward)",
     )
+    _register_limits(p)
     p.add_argument(
         "--no-schema-in-prompt",
         action="store_true",
@@ -148,6 +152,92 @@ def register(sub) -> None:
         help="auto = CUDA when available",
     )
     p.set_defaults(func=run)
+
+
+def _register_limits(p) -> None:
+    """The output-limit flags, in their own help group."""
+    from ..json_schema.limits import DEFAULT_OUTPUT_LIMITS as D
+
+    g = p.add_argument_group(
+        "output limits",
+        "bounds the grammar enforces on JSON-schema and tool-call outputs, so that a value "
+        "cannot run until --max-new-tokens (docs/output-limits.md)",
+    )
+    g.add_argument(
+        "--max-whitespace",
+        type=_positive_int,
+        metavar="N",
+        help=f"longest whitespace run between JSON tokens (flexible whitespace; default {D.max_whitespace})",
+    )
+    g.add_argument(
+        "--max-digits",
+        type=_positive_int,
+        metavar="N",
+        help=f"most digits in a number's integer / fraction part (default {D.max_digits})",
+    )
+    g.add_argument(
+        "--max-string-length",
+        type=_nonnegative_int,
+        metavar="N",
+        help=f"maxLength of strings whose schema sets none (default {D.max_string_length})",
+    )
+    g.add_argument(
+        "--max-items",
+        type=_nonnegative_int,
+        metavar="N",
+        help=f"maxItems of arrays whose schema sets none (default {D.max_items})",
+    )
+    g.add_argument(
+        "--closed-objects",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="objects whose schema declares properties and says nothing of others take no others "
+        f"(default {'on' if D.closed_objects else 'off'})",
+    )
+    g.add_argument(
+        "--no-output-limits",
+        action="store_true",
+        help="no default limits (the flags above still apply)",
+    )
+
+
+def _output_limits(args):
+    """The OutputLimits of the flags: the defaults (none with --no-output-limits), each flag
+    given over them."""
+    from ..json_schema.limits import DEFAULT_OUTPUT_LIMITS, LIMIT_FIELDS, OutputLimits
+
+    base = {} if args.no_output_limits else DEFAULT_OUTPUT_LIMITS.model_dump()
+    given = {k: getattr(args, k) for k in LIMIT_FIELDS if getattr(args, k) is not None}
+    return OutputLimits(**(base | given))
+
+
+def _line_limits(value: Any, base):
+    """A batch line's ``limits``: null = none, an object = its fields over ``base``. Raises
+    ValueError naming the bad field."""
+    from pydantic import ValidationError
+
+    from ..json_schema.limits import OutputLimits
+    from ..worker.request import one_line
+
+    if value is None:
+        return OutputLimits()
+    if not isinstance(value, dict):
+        raise ValueError(f"limits must be an object or null, got {_json_type(value)}")
+    try:
+        return OutputLimits(**(base.model_dump() | value))
+    except ValidationError as e:
+        raise ValueError(f"bad limits: {one_line(e)}") from None
+
+
+def _nonnegative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
 
 
 def _positive_int(text: str) -> int:
@@ -343,7 +433,7 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
     misspelt field (``temprature``) would otherwise be ignored without a word."""
     from ..worker.sampling import SamplingParams
 
-    accepted = ("prompt", *_GRAMMAR_FIELDS, *SamplingParams.model_fields)
+    accepted = ("prompt", *_GRAMMAR_FIELDS, "limits", *SamplingParams.model_fields)
     unknown = [k for k in rec if k not in accepted]
     if unknown:
         raise ValueError(
@@ -354,6 +444,7 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
 
 def run(args) -> int:
     from ..registry import load_backend_class
+    from ..specs import with_limits
     from ..worker.api import (
         build_prompt,
         build_worker,
@@ -371,7 +462,8 @@ def run(args) -> int:
     resolve_device(args.device)
     base_sampling = _sampling(args, {})
     config = _worker_config(args)
-    global_spec = _cli_spec(args)
+    limits = _output_limits(args)
+    global_spec = with_limits(_cli_spec(args), limits)
 
     # (rid, prompt text, spec, sampling) per request, or (rid, error) for a bad line; batch
     # ids are the file's 1-based line numbers, as in the error messages
@@ -391,11 +483,13 @@ def run(args) -> int:
                 if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
                     raise ValueError("each line needs a string field 'prompt'")
                 _check_line_keys(rec)
-                spec = (
-                    _spec_from_fields(rec, base)
-                    if any(k in rec for k in _GRAMMAR_FIELDS)
-                    else global_spec
-                )
+                line_limits = _line_limits(rec["limits"], limits) if "limits" in rec else limits
+                if any(k in rec for k in _GRAMMAR_FIELDS):
+                    spec = with_limits(_spec_from_fields(rec, base), line_limits)
+                elif "limits" in rec:  # the CLI's grammar with this line's limits
+                    spec = with_limits(_cli_spec(args), line_limits)
+                else:
+                    spec = global_spec
                 items.append((f"line-{n}", rec["prompt"], spec, _sampling(args, rec)))
             except (ValueError, FileNotFoundError) as e:
                 items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))

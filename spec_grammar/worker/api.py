@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
+from ..json_schema.limits import DEFAULT_OUTPUT_LIMITS, OutputLimits
+from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls, with_limits
 from .config import WorkerConfig, worker_config
 from .engine import SpecWorker
 from .request import Request, RequestResult, StepStats
@@ -211,6 +212,7 @@ def generate(
     grammar: Any = None,
     chat: bool = True,
     config: WorkerConfig | None = None,
+    output_limits: OutputLimits | dict | None = DEFAULT_OUTPUT_LIMITS,
     **options: Any,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
@@ -222,6 +224,11 @@ def generate(
         grammar: one spec (or JSON-schema dict) for every prompt, or a list with one entry
             (or None) per prompt.
         chat: apply the model's chat template to prompt texts.
+        output_limits: the :class:`~spec_grammar.json_schema.limits.OutputLimits` (or a dict
+            of its fields) given to every JSON schema / tool-list grammar that sets none of
+            its own (``spec.limits is None``; :class:`Request` objects are used as they are);
+            default :data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`, None for
+            the grammars as written.
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
         **options: by name, each where it is defined:
 
@@ -264,7 +271,10 @@ def generate(
         elif isinstance(stop, (tuple, set, frozenset)):
             sampling["stop"] = list(stop)
     params = SamplingParams(**sampling)
-    specs = [_as_spec(g) for g in grammars]  # a grammar of the wrong type fails before the load
+    if isinstance(output_limits, dict):
+        output_limits = OutputLimits(**output_limits)
+    # a grammar of the wrong type fails before the load
+    specs = [with_limits(_as_spec(g), output_limits) for g in grammars]
     load = {k: options.pop(k) for k in list(options) if k in _BUILD_OPTIONS}
     worker = build_worker(config=worker_config(config, options, "generate"), **load)
     requests = []
