@@ -4,15 +4,18 @@ verification, drafters and the batch loop."""
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .api import build_prompt, build_worker, generate, schema_prompt
+    from .api import build_prompt, build_worker, generate, schema_prompt, stream
     from .config import WorkerConfig
     from .engine import SpecWorker
     from .request import Request, RequestResult, StepStats
+    from .stream import StreamChunk
 
 __all__ = [
     "SpecWorker",
     "WorkerConfig",
     "generate",
+    "stream",
+    "StreamChunk",
     "build_worker",
     "build_prompt",
     "schema_prompt",
@@ -22,7 +25,8 @@ __all__ = [
 ]
 
 _LAZY = {
-    **dict.fromkeys(("build_prompt", "build_worker", "generate", "schema_prompt"), "api"),
+    **dict.fromkeys(("build_prompt", "build_worker", "generate", "schema_prompt", "stream"), "api"),
+    "StreamChunk": "stream",
     "WorkerConfig": "config",
     "SpecWorker": "engine",
     **dict.fromkeys(("Request", "RequestResult", "StepStats"), "request"),
