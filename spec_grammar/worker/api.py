@@ -45,6 +45,8 @@ __all__ = [
 _lock = threading.Lock()
 _models: dict[tuple, tuple[Any, Any]] = {}
 _backends: dict[tuple, Any] = {}
+_tokenizers: dict[str, Any] = {}
+_tokenizer_lock = threading.Lock()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -59,13 +61,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _load(model: str, dtype: Any, device: torch.device) -> tuple[Any, Any]:
     """(model, tokenizer), cached per (name, dtype, device) for the process."""
-    from ..models import load_model, load_tokenizer
+    from ..models import load_model
 
     key = (model, str(dtype), str(device))
     with _lock:
         if key not in _models:
-            _models[key] = (load_model(model, dtype=dtype, device=device), load_tokenizer(model))
+            _models[key] = (load_model(model, dtype=dtype, device=device), _tokenizer(model))
         return _models[key]
+
+
+def _tokenizer(model: str) -> Any:
+    """``model``'s tokenizer, cached for the process (:func:`precompile` loads it before the
+    weights; the worker then reuses it: a second load cost ~1 s of a CLI start)."""
+    from ..models import load_tokenizer
+
+    with _tokenizer_lock:
+        if model not in _tokenizers:
+            _tokenizers[model] = load_tokenizer(model)
+        return _tokenizers[model]
 
 
 def _backend(name: str, model: str, tokenizer: Any, vocab_size: int) -> Any:
@@ -101,10 +114,9 @@ def precompile(
     the worker's compile is a cache hit. Returns the
     :class:`~spec_grammar.protocol.CompiledGrammar`; raises
     :class:`~spec_grammar.errors.GrammarCompileError` naming the problem."""
-    from ..models import load_tokenizer
     from ..registry import get_backend
 
-    tokenizer = load_tokenizer(model)
+    tokenizer = _tokenizer(model)
     vocab = _config_vocab_size(model)
     if vocab is None:  # width unknown until the model loads: check only (compiled again later)
         return get_backend(grammar_backend, tokenizer).compile(spec)

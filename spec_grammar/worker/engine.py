@@ -188,7 +188,7 @@ class SpecWorker:
             Without one, the options are ``**options`` over WorkerConfig's defaults, except
             ``forced_tokens``, False here so that a :class:`Drafter` instance passed in runs
             exactly as given (``generate`` and the CLI default it to
-            :data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`).
+            :data:`~spec_grammar.worker.defaults.DEFAULT_FORCED_TOKENS`).
         backend: a :class:`~spec_grammar.protocol.GrammarBackend` built for this tokenizer
             with ``vocab_size`` = the model's logits width, a registered backend name, or
             None (then only plain requests are allowed; a grammar request fails alone).
