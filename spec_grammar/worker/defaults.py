@@ -34,12 +34,18 @@ def cpu_threads(requested: int | None = None) -> int:
 
 
 def apply_cpu_threads(requested: int | None = None) -> int:
-    """Set the process's CPU thread count (:func:`cpu_threads`) for torch's intra-op pool:
-    ``$OMP_NUM_THREADS`` before torch is imported (OpenMP reads it once), and
-    ``torch.set_num_threads`` when it already is. Returns the count."""
+    """Set the process's CPU thread count for torch's intra-op pool and return it.
+
+    Before torch is imported (a fresh ``spec-grammar`` process): :func:`cpu_threads`, set as
+    ``$OMP_NUM_THREADS`` (OpenMP reads it once, at torch's import). Once torch is imported (a
+    Python program that already chose its threads, a test run), only an explicit
+    ``requested`` changes it (``torch.set_num_threads``); otherwise the count stays as it is.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and requested is None:
+        return int(torch.get_num_threads())
     n = cpu_threads(requested)
     os.environ["OMP_NUM_THREADS"] = str(n)
-    torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(n)
     return n
