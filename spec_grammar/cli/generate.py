@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -462,6 +463,8 @@ def run(args) -> int:
     from ..worker.defaults import apply_cpu_threads
 
     threads = apply_cpu_threads(args.threads)  # before torch loads: OpenMP reads it once
+    # transformers' "Loading weights" bar is noise between the command and its streamed text
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from ..registry import load_backend_class
     from ..worker.api import build_prompt, build_worker, precompile, resolve_device, summarize
