@@ -628,9 +628,9 @@ def run(args) -> int:
 
 
 def _stdout_stream(tokenizer):
-    """A :class:`~spec_grammar.worker.stream.TextStream` writing each chunk to stdout as it
+    """A :class:`~spec_grammar.worker.streaming.TextStream` writing each chunk to stdout as it
     is committed (flushed), a newline after the last."""
-    from ..worker.stream import TextStream
+    from ..worker.streaming import TextStream
 
     def write(chunk) -> None:
         sys.stdout.write(chunk.text + ("\n" if chunk.finish_reason is not None else ""))

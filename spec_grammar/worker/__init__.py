@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from .config import WorkerConfig
     from .engine import SpecWorker
     from .request import Request, RequestResult, StepStats
-    from .stream import StreamChunk
+    from .streaming import StreamChunk
 
 __all__ = [
     "SpecWorker",
@@ -26,7 +26,7 @@ __all__ = [
 
 _LAZY = {
     **dict.fromkeys(("build_prompt", "build_worker", "generate", "schema_prompt", "stream"), "api"),
-    "StreamChunk": "stream",
+    "StreamChunk": "streaming",
     "WorkerConfig": "config",
     "SpecWorker": "engine",
     **dict.fromkeys(("Request", "RequestResult", "StepStats"), "request"),

@@ -28,7 +28,7 @@ from .config import WorkerConfig, worker_config
 from .engine import SpecWorker
 from .request import Request, RequestResult, StepStats
 from .sampling import SamplingParams
-from .stream import StreamChunk, TextStream
+from .streaming import StreamChunk, TextStream
 
 __all__ = [
     "generate",
@@ -288,7 +288,7 @@ def generate(
         schema_in_prompt: write the grammar (schema, tools, pattern) into the last user turn
             (:func:`schema_prompt`), as ``spec-grammar generate`` does by default.
         chat: apply the model's chat template to prompt texts.
-        on_chunk: called with a :class:`~spec_grammar.worker.stream.StreamChunk` each time a
+        on_chunk: called with a :class:`~spec_grammar.worker.streaming.StreamChunk` each time a
             request commits text (a whole accepted path at a time) and once at its end with
             its ``finish_reason``; :func:`stream` is the iterator form.
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
@@ -368,7 +368,7 @@ def stream(
     prompts_or_requests: Prompt | Request | Sequence[Prompt | Request] | None = None,
     **kwargs: Any,
 ) -> Iterator[StreamChunk]:
-    """:func:`generate` as an iterator of :class:`~spec_grammar.worker.stream.StreamChunk`
+    """:func:`generate` as an iterator of :class:`~spec_grammar.worker.streaming.StreamChunk`
     (each request's committed text as it is accepted; its last chunk has ``finish_reason``).
     Takes :func:`generate`'s arguments (not ``on_chunk``); the run happens in a thread while
     the caller reads, and its exceptions are raised by the iterator. Example::

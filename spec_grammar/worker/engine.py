@@ -89,7 +89,7 @@ from .request import (
 )
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
-from .stream import committed_text
+from .streaming import committed_text
 from .verify import verify
 
 __all__ = ["SpecWorker", "cut_tree_depth", "split_balanced"]
