@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from ..errors import SpecGrammarError
-from ..specs import GrammarSpec, as_grammar_spec
+from ..specs import GrammarSpec, ToolCalls, as_grammar_spec
 from .sampling import SamplingParams
 
 __all__ = [
@@ -51,8 +51,6 @@ def finish_reason_of(detail: FinishDetail, grammar: GrammarSpec | None) -> Finis
     if detail in ("eos", "stop_string"):
         return "stop"
     if detail == "grammar":
-        from ..specs import ToolCalls
-
         return "tool_calls" if isinstance(grammar, ToolCalls) else "stop"
     return detail
 
