@@ -357,7 +357,7 @@ def _sampling(args, overrides: dict[str, Any]):
     Raises ValueError in one line naming the bad flag (``--top-p``) or line field (``'top_p'``)."""
     from pydantic import ValidationError
 
-    from ..worker.sampling import SamplingParams
+    from ..worker.sampling_params import SamplingParams
 
     values = dict(
         temperature=args.temperature,
@@ -424,7 +424,7 @@ def _jsonl_lines(text: str) -> list[str]:
 def _check_line_keys(rec: dict[str, Any]) -> None:
     """Raise ValueError naming a batch line's unknown keys and listing the accepted ones: a
     misspelt field (``temprature``) would otherwise be ignored without a word."""
-    from ..worker.sampling import SamplingParams
+    from ..worker.sampling_params import SamplingParams
 
     accepted = ("prompt", "messages", *_GRAMMAR_FIELDS, *SamplingParams.model_fields)
     unknown = [k for k in rec if k not in accepted]
@@ -459,6 +459,7 @@ def run(args) -> int:
     # file and grammar-flag errors before torch is imported (a second or more)
     global_spec = _cli_spec(args)
     batch_text = _read_text(args.batch_file, "batch") if args.batch_file else None
+    base_sampling = _sampling(args, {})
 
     from ..worker.defaults import apply_cpu_threads
 
@@ -471,11 +472,11 @@ def run(args) -> int:
     from ..worker.api import with_schema as schema_turns
     from ..worker.request import Request, RequestResult
 
-    # bad flags, devices, files and the CLI grammar all fail here, before the model loads
+    # bad flags, devices, files and the CLI grammar all fail here, before the model loads;
+    # cheapest first (the backend's import brings its library and transformers)
+    config = _worker_config(args)
     load_backend_class(args.grammar_backend)
     resolve_device(args.device)
-    base_sampling = _sampling(args, {})
-    config = _worker_config(args)
 
     # (rid, chat turns, spec, sampling) per request, or (rid, error) for a bad line; batch
     # ids are the file's 1-based line numbers, as in the error messages
