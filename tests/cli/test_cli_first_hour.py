@@ -42,10 +42,15 @@ def test_help_and_argument_errors_import_no_torch():
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "heavy = [m for m in ('torch', 'transformers', 'pydantic', 'xgrammar') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
+        "rc = main(['generate', '--temperature', '-1', '--regex', 'a', 'hi'])\n"
+        "heavy = [m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules]\n"
+        "print('SAMPLING', rc, heavy)\n"
     )
     out = _python(code)
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
     assert "unrecognized arguments: --bogus" in out.stderr
+    # a bad sampling flag is reported before torch and the grammar library load (was 23-35 s)
+    assert "SAMPLING 2 []" in out.stdout and "--temperature" in out.stderr, out.stdout
 
 
 def _parse(*argv: str):
