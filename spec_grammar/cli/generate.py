@@ -1,15 +1,19 @@
 """``spec-grammar generate``: constrained generation with tree speculative decoding.
 
-One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: ``prompt`` plus
-its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
-``tools`` (file paths relative to the batch file), and optional sampling fields such as
+One prompt (``--system`` optional) with a grammar flag, or ``--batch-file`` (JSONL, one request
+a line: ``prompt`` or ``messages`` (OpenAI-style system / user / assistant turns) plus its own
+grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or ``tools``
+(file paths relative to the batch file), and optional sampling fields such as
 ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``: any
-:class:`~spec_grammar.worker.sampling.SamplingParams` field). A line with an
-unknown key, one that cannot be turned into a request, or whose grammar fails to compile, is
-reported as failed; the other requests complete. Exit code 0 when every request succeeded, 1
-when some failed, 2 on bad arguments (missing files, unknown backend, unreadable schema, bad
-sampling flags, a CLI grammar that fails to compile), reported in one line before the model
-loads.
+:class:`~spec_grammar.worker.sampling_params.SamplingParams` field). A line with an unknown key,
+one that cannot be turned into a request, or whose grammar fails to compile, is reported as
+failed; the other requests complete. One request's text streams to stdout as each draft path
+is accepted; ``--json`` prints one final record instead.
+
+Exit code 0 when every request succeeded, 1 when some failed, 2 on bad arguments (missing
+files, unknown backend, unreadable schema, bad sampling flags, a CLI grammar that fails to
+compile), reported in one line before the model loads, and 3 (:data:`CUT_EXIT_CODE`) when a
+grammar-constrained output ended at its token limit (one stderr line names each such request).
 """
 
 from __future__ import annotations

@@ -124,12 +124,21 @@ def test_thread_policy_reaches_torch_in_a_fresh_process(env, want):
 @pytest.mark.model
 def test_a_cut_grammar_output_exits_3_naming_the_request(capsys, tmp_path):
     """An output cut at max_new_tokens exited 0 with a note: it does not parse. Line 1 is cut
-    (4 tokens of a person object); line 2's regex completes."""
+    (4 tokens of a person object); line 2 (OpenAI-style messages) completes its regex."""
     batch = tmp_path / "b.jsonl"
     batch.write_text(
         json.dumps({"prompt": "Invent a person.", "json_schema": str(PERSON), "max_new_tokens": 4})
         + "\n"
-        + json.dumps({"prompt": "Say yes or no.", "regex": "(yes|no)", "max_new_tokens": 8})
+        + json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer yes or no."},
+                    {"role": "user", "content": "Is water wet?"},
+                ],
+                "regex": "(yes|no)",
+                "max_new_tokens": 8,
+            }
+        )
         + "\n"
     )
     rc = main(["generate", "--batch-file", str(batch), "--json"])
@@ -140,6 +149,7 @@ def test_a_cut_grammar_output_exits_3_naming_the_request(capsys, tmp_path):
     with pytest.raises(json.JSONDecodeError):  # the oracle: the cut text is no document
         json.loads(res["line-1"]["text"])
     assert res["line-2"]["finish_reason"] == "stop" and res["line-2"]["finish_detail"] == "grammar"
+    assert res["line-2"]["text"] in ("yes", "no")
     cut_lines = [ln for ln in err.splitlines() if "cut at --max-new-tokens" in ln]
     assert len(cut_lines) == 1 and "line-1" in cut_lines[0], err
 
