@@ -5,9 +5,9 @@
   (``benchmarks/results/drafting.md``: n-gram + forced tokens on xgrammar, BFCL: accept
   length 3.43 vs 2.17, 5.2 vs 2.9 tok/s).
 - :data:`DEFAULT_CPU_THREADS`: ``benchmarks/bench_startup.py``
-  (``benchmarks/results/startup.md``): on a 2-core host, SmolLM2-135M's CPU forward with one
-  thread was about as fast as with two on a quiet host and several times faster when other
-  work held the cores (torch's threads wait on each other at every op).
+  (``benchmarks/results/startup.md``): on a 2-core host, SmolLM2-135M's CPU forward with two
+  threads was 20-30% faster on a quiet host and 1.8x (both cores busy) to 3-6x (other sessions'
+  load) slower on a busy one (torch's threads wait on each other at every op).
 """
 
 from __future__ import annotations
