@@ -69,7 +69,7 @@ def valid_count(results, oracles) -> tuple[int, int]:
     for r, schema in zip(results, oracles):
         if r.finish_reason == "length":
             cut += 1
-        elif r.finish_reason == "grammar":
+        elif r.finish_detail == "grammar":
             try:
                 jsonschema.Draft202012Validator(schema).validate(json.loads(r.text))
                 ok += 1

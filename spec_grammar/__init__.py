@@ -4,7 +4,8 @@ One protocol (:class:`SpecGrammar`, :class:`GrammarBackend`), one token-bitmask 
 apply path, pluggable backends (xgrammar, llguidance, outlines-core, third-party).
 """
 
-from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
+from typing import TYPE_CHECKING
+
 from .errors import (
     BackendNotFoundError,
     BitmaskError,
@@ -17,10 +18,50 @@ from .errors import (
     SpecGrammarError,
     UnsupportedGrammarError,
 )
-from .protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar, TokenizerInfo
-from .registry import get_backend, list_backends
-from .specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
-from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .bitmask import allocate_token_bitmask, apply_token_bitmask_inplace, unpack_bitmask
+    from .protocol import (
+        Capabilities,
+        CompiledGrammar,
+        GrammarBackend,
+        SpecGrammar,
+        TokenizerInfo,
+    )
+    from .registry import get_backend, list_backends
+    from .specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
+    from .tree import DraftTree
+
+_LAZY = {
+    **dict.fromkeys(
+        ("allocate_token_bitmask", "apply_token_bitmask_inplace", "unpack_bitmask"), "bitmask"
+    ),
+    **dict.fromkeys(
+        ("Capabilities", "CompiledGrammar", "GrammarBackend", "SpecGrammar", "TokenizerInfo"),
+        "protocol",
+    ),
+    **dict.fromkeys(("get_backend", "list_backends"), "registry"),
+    **dict.fromkeys(("Ebnf", "GrammarSpec", "JsonSchema", "Lark", "Regex", "ToolCalls"), "specs"),
+    "DraftTree": "tree",
+}
+"""Public name -> its submodule, imported on first use (PEP 562): torch and pydantic take 2-3 s
+to import, which ``spec-grammar --help`` and argument errors should not pay."""
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __version__ = "0.1.0"
 

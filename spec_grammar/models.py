@@ -9,13 +9,17 @@
 
 Dequantizing a GGUF is slow (~15 s for SmolLM2), so the first load saves the model and its
 tokenizer (safetensors + ``tokenizer.json``) under the cache directory,
-``$SPEC_GRAMMAR_CACHE`` or ``~/.cache/spec_grammar``; later loads read that copy.
+``$SPEC_GRAMMAR_CACHE`` or ``~/.cache/spec_grammar``, in ``models/gguf-<sha256 prefix>``: keyed
+by the GGUF's content, so ``smollm2`` and ``--model path/to/the-same.gguf`` share one copy;
+later loads read that copy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import threading
 from pathlib import Path
@@ -85,18 +89,84 @@ def locate_gguf(name: str) -> Path:
 
 
 def _resolve(name_or_path: str) -> tuple[Path, str | None, Path | None]:
-    """(source dir, gguf file name or None, cache dir for the converted copy or None)."""
+    """(source dir, gguf file name or None, cache dir for the converted copy or None). A GGUF's
+    converted copy is keyed by the file's content (:func:`gguf_fingerprint`), so ``smollm2``
+    and a path to the same file share one copy."""
     if name_or_path in KNOWN_MODELS:
         gguf = locate_gguf(name_or_path)
-        return gguf.parent, gguf.name, cache_dir() / "models" / name_or_path
+        return gguf.parent, gguf.name, _content_dir(gguf)
     p = Path(name_or_path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return p.parent, p.name, cache_dir() / "models" / f"{p.stem}-{p.stat().st_size}"
+        return p.parent, p.name, _content_dir(p)
     if p.is_dir():
         return p, None, None
     raise ModelNotFoundError(
         f"model {name_or_path!r} not found: give {', '.join(KNOWN_MODELS)}, a model directory or a .gguf file"
     )
+
+
+def gguf_fingerprint(path: Path) -> str:
+    """sha256 (hex) of a file's bytes, remembered in ``<cache>/models/fingerprints.json`` by
+    real path, size and mtime (hashing SmolLM2's 98 MB GGUF takes ~0.2 s, once)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    index = cache_dir() / "models" / "fingerprints.json"
+    try:
+        known = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        known = {}
+    if isinstance(known, dict) and isinstance(known.get(key), str):
+        return known[key]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    known = known if isinstance(known, dict) else {}
+    known[key] = digest.hexdigest()
+    try:  # a lost race or a read-only cache only costs the next start a hash
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=0), encoding="utf-8")
+        tmp.replace(index)
+    except OSError:
+        pass
+    return known[key]
+
+
+def _content_dir(gguf: Path) -> Path:
+    """The cache dir of ``gguf``'s converted copy: ``<cache>/models/gguf-<sha256[:16]>``. A
+    copy made before content keys (``models/<known name>`` or ``models/<stem>-<size>``) of the
+    same file is linked there rather than converted again."""
+    fp = gguf_fingerprint(gguf)
+    target = cache_dir() / "models" / f"gguf-{fp[:16]}"
+    if target.exists():
+        return target
+    size = gguf.stat().st_size
+    legacy = [cache_dir() / "models" / f"{gguf.stem}-{size}"]
+    for name, (_, filename) in KNOWN_MODELS.items():
+        known = _known_gguf_if_present(name, filename)
+        if known is not None and known.stat().st_size == size and gguf_fingerprint(known) == fp:
+            legacy.insert(0, cache_dir() / "models" / name)
+    for old in legacy:
+        if (old / "model" / "config.json").is_file():
+            try:
+                target.symlink_to(old.name, target_is_directory=True)
+            except FileExistsError:
+                pass
+            break
+    return target
+
+
+def _known_gguf_if_present(name: str, filename: str) -> Path | None:
+    """A known model's GGUF when it is on disk already (nothing installed or assembled)."""
+    if name == "gemma3":
+        p = cache_dir() / "gguf" / filename
+        return p if p.is_file() else None
+    try:
+        return locate_gguf(name)
+    except ModelNotFoundError:
+        return None
 
 
 def _require_worker_extra() -> None:

@@ -231,3 +231,20 @@ def with_limits(spec: GrammarSpec | None, limits: OutputLimits | None) -> Gramma
     if limits is not None and isinstance(spec, (JsonSchema, ToolCalls)) and spec.limits is None:
         return spec.model_copy(update={"limits": limits})
     return spec
+
+
+def as_grammar_spec(grammar: Any) -> GrammarSpec | None:
+    """``grammar`` as a spec: a :class:`GrammarSpec` or None as given; a JSON-schema dict or
+    bool, or a pydantic model class (its ``model_json_schema()``), as a :class:`JsonSchema`.
+    Raises ``TypeError`` naming the type for anything else, and
+    :class:`~spec_grammar.errors.GrammarSpecError` for a schema that is not one."""
+    if grammar is None or isinstance(grammar, GrammarSpec):
+        return grammar
+    if isinstance(grammar, (dict, bool)) or (
+        isinstance(grammar, type) and issubclass(grammar, BaseModel)
+    ):
+        return JsonSchema(grammar)
+    raise TypeError(
+        "a grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls), a JSON-schema dict "
+        f"or a pydantic model class, got {type(grammar).__name__}"
+    )

@@ -17,6 +17,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-slow", action="store_true", default=False, help="also run tests marked slow"
     )
+    parser.addoption(
+        "--memory-report",
+        action="store_true",
+        default=False,
+        help="print the tests that raised the process's peak RSS most (and the RSS after each "
+        "module), to find what holds the suite's memory",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,13 +74,50 @@ def pytest_configure(config: pytest.Config) -> None:
     models.load_model = load_model
 
 
+_peak_steps: list[tuple[float, str]] = []  # (MiB the test raised the peak RSS by, test id)
+_module_rss: dict[str, float] = {}  # module -> current RSS (MiB) after its last test
+
+
+def _rss_mib() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB (Linux /proc)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        current = float("nan")
+    return current, peak
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     _running[0] = item
+    report = item.config.getoption("--memory-report")
+    before = _rss_mib()[1] if report else 0.0
     try:
         yield
     finally:
         _running[0] = None
+        if report:
+            current, peak = _rss_mib()
+            if peak > before:
+                _peak_steps.append((peak - before, item.nodeid))
+            _module_rss[item.nodeid.split("::")[0]] = current
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    if not config.getoption("--memory-report"):
+        return
+    tr = terminalreporter
+    tr.section("memory: tests that raised the peak RSS most")
+    for mib, nodeid in sorted(_peak_steps, reverse=True)[:15]:
+        tr.write_line(f"{mib:9.0f} MiB  {nodeid}")
+    tr.section("memory: RSS after each module (MiB)")
+    for module, mib in _module_rss.items():
+        tr.write_line(f"{mib:9.0f}  {module}")
+    tr.write_line(f"peak RSS {_rss_mib()[1]:.0f} MiB")
 
 
 @pytest.fixture(scope="session")
@@ -90,3 +134,37 @@ def model():
     from spec_grammar.models import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_module_caches(request: pytest.FixtureRequest):
+    """After each test module, drop what it cached for itself: its module-level
+    ``functools.cache`` functions (workers, backends with their compiled grammars, reference
+    outputs, float64 models), the shared grammar backends of ``tests/support/real_model.py``
+    (an outlines backend keeps up to 16 compiled indexes, some of several GB) and the worker
+    API's per-process model / backend / tokenizer caches. Kept for the session: the ``tok`` and
+    ``model`` fixtures and ``real_model.model_and_tokenizer`` (shared by many modules, cheap to
+    hold next to a reload each time). Without this every module's caches lived until the
+    session ended and the suite's memory peak grew with the number of modules."""
+    import gc
+    import sys
+
+    yield
+    module = request.module
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) == module.__name__ and callable(
+            getattr(value, "cache_clear", None)
+        ):
+            value.cache_clear()
+    real_model = sys.modules.get("real_model")
+    if real_model is not None:
+        real_model.backend.cache_clear()
+        real_model.vocab_size.cache_clear()
+    api = sys.modules.get("spec_grammar.worker.api")
+    if api is not None:
+        with api._lock:
+            api._models.clear()
+            api._backends.clear()
+        with api._tokenizer_lock:
+            api._tokenizers.clear()
+    gc.collect()

@@ -321,7 +321,7 @@ class _OursRow:
         wall = time.perf_counter() - t0
         if res.finish_reason == "error":
             raise RuntimeError(res.error or "the worker reported an error")
-        finish = {"grammar": "complete", "stop": "complete", "length": "length"}[res.finish_reason]
+        finish = "length" if res.finish_reason == "length" else "complete"  # stop / tool_calls
         return {
             "token_ids": list(res.token_ids),
             "wall_s": wall,

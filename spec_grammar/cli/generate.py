@@ -1,24 +1,29 @@
 """``spec-grammar generate``: constrained generation with tree speculative decoding.
 
-One prompt with a grammar flag, or ``--batch-file`` (JSONL, one request a line: ``prompt`` plus
-its own grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or
-``tools`` (file paths relative to the batch file), and optional sampling fields such as
+One prompt (``--system`` optional) with a grammar flag, or ``--batch-file`` (JSONL, one request
+a line: ``prompt`` or ``messages`` (OpenAI-style system / user / assistant turns) plus its own
+grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark`` or ``tools``
+(file paths relative to the batch file), and optional sampling fields such as
 ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``: any
-:class:`~spec_grammar.worker.sampling.SamplingParams` field; ``limits``: an object of output
+:class:`~spec_grammar.worker.sampling_params.SamplingParams` field; ``limits``: an object of output
 limits over the flags' ones, or null for none). JSON-schema and tool-call grammars get the
 output limits of the flags (``--max-digits`` ..., default
-:data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`). A line with an
-unknown key, one that cannot be turned into a request, or whose grammar fails to compile, is
-reported as failed; the other requests complete. Exit code 0 when every request succeeded, 1
-when some failed, 2 on bad arguments (missing files, unknown backend, unreadable schema, bad
-sampling flags, a CLI grammar that fails to compile), reported in one line before the model
-loads.
+:data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`). A line with an unknown key,
+one that cannot be turned into a request, or whose grammar fails to compile, is reported as
+failed; the other requests complete. One request's text streams to stdout as each draft path
+is accepted; ``--json`` prints one final record instead.
+
+Exit code 0 when every request succeeded, 1 when some failed, 2 on bad arguments (missing
+files, unknown backend, unreadable schema, bad sampling flags, a CLI grammar that fails to
+compile), reported in one line before the model loads, and 3 (:data:`CUT_EXIT_CODE`) when a
+grammar-constrained output ended at its token limit (one stderr line names each such request).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -27,123 +32,35 @@ from typing import Any
 _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark", "tools")
 
 
+CUT_EXIT_CODE = 3
+"""Exit code when every request ran but a grammar-constrained output ended at
+``--max-new-tokens`` (incomplete: it does not parse); 1 (some request failed) wins over it."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every default shown (``(default: ...)``), except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, argparse.SUPPRESS) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text under a grammar with tree speculative decoding",
         description="Generate with a real model under a grammar (JSON schema, regex, EBNF, Lark, "
-        "tool calls), verifying draft trees against the grammar's tree bitmask.",
+        "tool calls), verifying draft trees against the grammar's tree bitmask. The text streams "
+        "to stdout as each draft path is accepted; the stats line goes to stderr. Exit code: 0 "
+        f"done, 1 a request failed, 2 bad arguments, {CUT_EXIT_CODE} a grammar-constrained "
+        "output was cut at --max-new-tokens (incomplete).",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("prompt", nargs="?", help="the user prompt (chat template applied)")
-    p.add_argument(
-        "--grammar-backend",
-        "--backend",
-        dest="grammar_backend",
-        default="xgrammar",
-        help="xgrammar, outlines, llguidance, an entry point or module:Class",
-    )
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", metavar="FILE", help="JSON schema file")
-    g.add_argument("--regex", metavar="RE", help="regular expression the output must match")
-    g.add_argument("--ebnf", metavar="FILE", help="GBNF/EBNF grammar file (root rule: root)")
-    g.add_argument("--lark", metavar="FILE", help="Lark grammar file (start rule: start)")
-    g.add_argument(
-        "--tools",
-        metavar="FILE",
-        help="OpenAI-style tool list (JSON); output = required tool calls",
-    )
+    p.add_argument("--system", metavar="TEXT", help="system message before the prompt")
     p.add_argument(
         "--model", default="smollm2", help="smollm2, gemma3, a model directory or a .gguf file"
-    )
-    p.add_argument(
-        "--draft",
-        default="ngram",
-        help="ngram (default), self:L, model:PATH, grammar (forced tokens alone) or none",
-    )
-    p.add_argument(
-        "--constrain-draft",
-        action="store_true",
-        help="grammar-constrained drafting (legal tokens only; rows reused for verification)",
-    )
-    p.add_argument(
-        "--forced-tokens",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="extend drafts with grammar-forced tokens (default: the library's DEFAULT_FORCED_TOKENS)",
-    )
-    p.add_argument(
-        "--topk", type=int, default=1, help="branches per draft step (model drafters; default 1)"
-    )
-    p.add_argument(
-        "--num-steps", type=int, default=4, help="draft depth (model drafters; default 4)"
-    )
-    p.add_argument(
-        "--num-draft-tokens", type=int, default=8, help="draft tree size, root included (default 8)"
-    )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument(
-        "--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)"
-    )
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=256,
-        help="output token budget per request (default 256)",
-    )
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (default)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (default)")
-    p.add_argument(
-        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
-    )
-    p.add_argument("--no-spec", action="store_true", help="plain constrained decoding (no drafts)")
-    p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="grammar work after the verify forward, not under it",
-    )
-    p.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="run the forwards eagerly (CUDA graphs are used on CUDA devices only)",
-    )
-    p.add_argument(
-        "--no-fused-forward",
-        action="store_true",
-        help="run the model's own Hugging Face forward (default on CUDA: our fused decoder for Llama-family models)",
-    )
-    p.add_argument(
-        "--grammar-threads",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help="threads sharing a step's grammar work (default 1: more measured slower with xgrammar)",
-    )
-    p.add_argument(
-        "--lazy-grammar",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="verify greedy requests without tree fills, asking the grammar for each greedy token "
-        "(auto: on CUDA-graph steps whenever the fills would not hide under the forward)",
-    )
-    _register_limits(p)
-    p.add_argument(
-        "--no-schema-in-prompt",
-        action="store_true",
-        help="do not write the schema/tools/pattern into the prompt",
-    )
-    p.add_argument(
-        "--batch-file",
-        metavar="FILE.jsonl",
-        help='one JSON request per line: "prompt" plus one grammar field (json_schema, regex, ebnf, '
-        'lark, tools) and sampling fields, e.g. {"prompt": "Name a city", "regex": "[A-Z][a-z]+"}; '
-        "json_schema / tools take an object or a file path, ebnf / lark grammar text or a file path, "
-        "paths relative to the batch file",
-    )
-    p.add_argument(
-        "--json", action="store_true", help="print per-request results and stats as JSON"
     )
     p.add_argument(
         "--device",
@@ -151,6 +68,154 @@ def register(sub) -> None:
         choices=["auto", "cpu", "cuda"],
         help="auto = CUDA when available",
     )
+    p.add_argument(
+        "--batch-file",
+        metavar="FILE.jsonl",
+        help='one JSON request per line: "prompt" (or "messages", OpenAI-style turns) plus one '
+        "grammar field (json_schema, regex, ebnf, lark, tools) and sampling fields, e.g. "
+        '{"prompt": "Name a city", "regex": "[A-Z][a-z]+"}; json_schema / tools take an object or '
+        "a file path, ebnf / lark grammar text or a file path, paths relative to the batch file",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one final JSON record (per-request results, stats) instead of streaming text",
+    )
+
+    g = p.add_argument_group("grammar (one of --json-schema, --regex, --ebnf, --lark, --tools)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument(
+        "--json-schema", metavar="FILE|JSON", help="JSON schema: a file or inline JSON text"
+    )
+    one.add_argument("--regex", metavar="RE", help="regular expression the output must match")
+    one.add_argument("--ebnf", metavar="FILE", help="GBNF/EBNF grammar file (root rule: root)")
+    one.add_argument("--lark", metavar="FILE", help="Lark grammar file (start rule: start)")
+    one.add_argument(
+        "--tools",
+        metavar="FILE|JSON",
+        help="OpenAI-style tool list (a file or inline JSON); output = required tool calls",
+    )
+    g.add_argument(
+        "--grammar-backend",
+        "--backend",
+        dest="grammar_backend",
+        default="xgrammar",
+        help="xgrammar, outlines, llguidance, an entry point or module:Class",
+    )
+    g.add_argument(
+        "--no-schema-in-prompt",
+        action="store_true",
+        help="do not write the schema/tools/pattern into the prompt",
+    )
+
+    s = p.add_argument_group("speculation (names as in SGLang; the short names still work)")
+    s.add_argument(
+        "--speculative-algorithm",
+        "--draft",
+        dest="draft",
+        default="ngram",
+        metavar="ALGO",
+        help="drafter: ngram (prompt lookup), self:L (the target's first L layers), model:PATH "
+        "(a smaller model), grammar (forced tokens alone) or none",
+    )
+    s.add_argument(
+        "--speculative-num-steps",
+        "--num-steps",
+        dest="num_steps",
+        type=int,
+        default=4,
+        metavar="N",
+        help="draft depth (model drafters)",
+    )
+    s.add_argument(
+        "--speculative-eagle-topk",
+        "--topk",
+        dest="topk",
+        type=int,
+        default=1,
+        metavar="K",
+        help="draft branches per step (model drafters; not the sampling --top-k)",
+    )
+    s.add_argument(
+        "--speculative-num-draft-tokens",
+        "--num-draft-tokens",
+        dest="num_draft_tokens",
+        type=int,
+        default=8,
+        metavar="N",
+        help="draft tree size, root included",
+    )
+    s.add_argument("--no-spec", action="store_true", help="plain constrained decoding (no drafts)")
+    s.add_argument(
+        "--constrain-draft",
+        action="store_true",
+        help="grammar-constrained drafting (legal tokens only; rows reused for verification)",
+    )
+    s.add_argument(
+        "--forced-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"extend drafts with grammar-forced tokens (default: {_forced_tokens_default()})",
+    )
+
+    m = p.add_argument_group("sampling")
+    m.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    m.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    m.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)"
+    )
+    m.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    m.add_argument(
+        "--max-new-tokens", type=int, default=256, help="output token budget per request"
+    )
+    m.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    m.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off")
+    m.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off")
+    m.add_argument(
+        "--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)"
+    )
+
+    a = p.add_argument_group("performance (advanced)")
+    a.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"CPU threads of the model's forward (default: $OMP_NUM_THREADS if set, else "
+        f"{_default_threads_text()})",
+    )
+    a.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="grammar work after the verify forward, not under it",
+    )
+    a.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run the forwards eagerly (CUDA graphs are used on CUDA devices only)",
+    )
+    a.add_argument(
+        "--no-fused-forward",
+        action="store_true",
+        help="run the model's own Hugging Face forward, not our fused decoder for Llama-family "
+        "models (which CUDA devices use)",
+    )
+    a.add_argument(
+        "--grammar-threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="threads sharing a step's grammar work (default: 1; more measured slower with "
+        "xgrammar)",
+    )
+    a.add_argument(
+        "--lazy-grammar",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="verify greedy requests without tree fills, asking the grammar for each greedy token "
+        "(auto: on CUDA-graph steps whenever the fills would not hide under the forward)",
+    )
+    _register_limits(p)
     p.set_defaults(func=run)
 
 
@@ -238,6 +303,18 @@ def _nonnegative_int(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
     return n
+
+
+def _forced_tokens_default() -> str:
+    from ..worker.defaults import DEFAULT_FORCED_TOKENS
+
+    return "on" if DEFAULT_FORCED_TOKENS else "off"
+
+
+def _default_threads_text() -> str:
+    from ..worker.defaults import DEFAULT_CPU_THREADS
+
+    return str(DEFAULT_CPU_THREADS)
 
 
 def _positive_int(text: str) -> int:
@@ -349,6 +426,8 @@ def _json_type(value: Any) -> str:
 
 
 def _cli_spec(args):
+    """The grammar of the flags: ``--json-schema`` / ``--tools`` take a file or inline JSON
+    (text starting with ``{`` or ``[``), ``--ebnf`` / ``--lark`` a file."""
     fields = {
         "json_schema": args.json_schema,
         "regex": args.regex,
@@ -356,6 +435,14 @@ def _cli_spec(args):
         "lark": args.lark,
         "tools": args.tools,
     }
+    for key in ("json_schema", "tools"):
+        value = fields[key]
+        if value is not None and value.lstrip()[:1] in ("{", "["):
+            try:
+                fields[key] = json.loads(value)
+            except json.JSONDecodeError as e:
+                flag = "--" + key.replace("_", "-")
+                raise ValueError(f"{flag}: inline JSON is not valid: {e}") from None
     return _spec_from_fields(fields, files_only=True)
 
 
@@ -364,7 +451,7 @@ def _sampling(args, overrides: dict[str, Any]):
     Raises ValueError in one line naming the bad flag (``--top-p``) or line field (``'top_p'``)."""
     from pydantic import ValidationError
 
-    from ..worker.sampling import SamplingParams
+    from ..worker.sampling_params import SamplingParams
 
     values = dict(
         temperature=args.temperature,
@@ -431,9 +518,9 @@ def _jsonl_lines(text: str) -> list[str]:
 def _check_line_keys(rec: dict[str, Any]) -> None:
     """Raise ValueError naming a batch line's unknown keys and listing the accepted ones: a
     misspelt field (``temprature``) would otherwise be ignored without a word."""
-    from ..worker.sampling import SamplingParams
+    from ..worker.sampling_params import SamplingParams
 
-    accepted = ("prompt", *_GRAMMAR_FIELDS, "limits", *SamplingParams.model_fields)
+    accepted = ("prompt", "messages", *_GRAMMAR_FIELDS, "limits", *SamplingParams.model_fields)
     unknown = [k for k in rec if k not in accepted]
     if unknown:
         raise ValueError(
@@ -442,37 +529,67 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
         )
 
 
-def run(args) -> int:
-    from ..registry import load_backend_class
-    from ..specs import with_limits
-    from ..worker.api import (
-        build_prompt,
-        build_worker,
-        precompile,
-        resolve_device,
-        schema_prompt,
-        summarize,
-    )
-    from ..worker.request import Request, RequestResult
+def _line_turns(rec: Any, system: str | None) -> list[dict[str, str]]:
+    """A batch line's chat turns: its ``messages`` (OpenAI-style) or its ``prompt`` (with
+    ``--system`` before it). Raises ValueError naming the problem."""
+    from ..worker.api import check_messages
 
+    if not isinstance(rec, dict) or (
+        not isinstance(rec.get("prompt"), str) and "messages" not in rec
+    ):
+        raise ValueError("each line needs a string field 'prompt' or a 'messages' list")
+    if "prompt" in rec and "messages" in rec:
+        raise ValueError("give 'prompt' or 'messages', not both")
+    if "messages" in rec:
+        return check_messages(rec["messages"])
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": rec["prompt"]}
+    ]
+
+
+def run(args) -> int:
     if args.prompt is None and not args.batch_file:
         raise ValueError("give a PROMPT or --batch-file")
-    # bad flags, devices, files and the CLI grammar all fail here, before the model loads
-    load_backend_class(args.grammar_backend)
-    resolve_device(args.device)
-    base_sampling = _sampling(args, {})
-    config = _worker_config(args)
+    # file and grammar-flag errors before torch is imported (a second or more)
+    from ..specs import with_limits
+
     limits = _output_limits(args)
     global_spec = with_limits(_cli_spec(args), limits)
+    batch_text = _read_text(args.batch_file, "batch") if args.batch_file else None
+    base_sampling = _sampling(args, {})
 
-    # (rid, prompt text, spec, sampling) per request, or (rid, error) for a bad line; batch
+    from ..worker.defaults import apply_cpu_threads
+
+    threads = apply_cpu_threads(args.threads)  # before torch loads: OpenMP reads it once
+    # transformers' "Loading weights" bar is noise between the command and its streamed text
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+    from ..registry import load_backend_class
+    from ..worker.api import build_prompt, build_worker, precompile, resolve_device, summarize
+    from ..worker.api import with_schema as schema_turns
+    from ..worker.request import Request, RequestResult
+
+    # bad flags, devices, files and the CLI grammar all fail here, before the model loads;
+    # cheapest first (the backend's import brings its library and transformers)
+    config = _worker_config(args)
+    load_backend_class(args.grammar_backend)
+    resolve_device(args.device)
+
+    # (rid, chat turns, spec, sampling) per request, or (rid, error) for a bad line; batch
     # ids are the file's 1-based line numbers, as in the error messages
-    items: list[tuple[str, str, Any, Any] | tuple[str, str]] = []
+    items: list[tuple[str, list, Any, Any] | tuple[str, str]] = []
     if args.prompt is not None:
-        items.append((None, args.prompt, global_spec, base_sampling))
-    if args.batch_file:
+        items.append(
+            (
+                "prompt",
+                _line_turns({"prompt": args.prompt}, args.system),
+                global_spec,
+                base_sampling,
+            )
+        )
+    if batch_text is not None:
         base = Path(args.batch_file).parent
-        for n, line in enumerate(_jsonl_lines(_read_text(args.batch_file, "batch")), 1):
+        for n, line in enumerate(_jsonl_lines(batch_text), 1):
             if not line.strip():
                 continue
             try:
@@ -480,8 +597,7 @@ def run(args) -> int:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"not valid JSON: {e}") from None
-                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                    raise ValueError("each line needs a string field 'prompt'")
+                turns = _line_turns(rec, args.system)
                 _check_line_keys(rec)
                 line_limits = _line_limits(rec["limits"], limits) if "limits" in rec else limits
                 if any(k in rec for k in _GRAMMAR_FIELDS):
@@ -490,7 +606,7 @@ def run(args) -> int:
                     spec = with_limits(_cli_spec(args), line_limits)
                 else:
                     spec = global_spec
-                items.append((f"line-{n}", rec["prompt"], spec, _sampling(args, rec)))
+                items.append((f"line-{n}", turns, spec, _sampling(args, rec)))
             except (ValueError, FileNotFoundError) as e:
                 items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
         if not items or (args.prompt is not None and len(items) == 1):
@@ -509,17 +625,22 @@ def run(args) -> int:
         if len(item) == 2:
             slots.append(item)
             continue
-        rid, text, spec, sampling = item
-        user = text if spec is None or args.no_schema_in_prompt else schema_prompt(spec, text)
+        rid, turns, spec, sampling = item
+        if spec is not None and not args.no_schema_in_prompt:
+            turns = schema_turns(turns, spec)
         req = Request(
-            prompt=build_prompt(worker.tokenizer, user), grammar=spec, sampling=sampling, rid=rid
+            prompt=build_prompt(worker.tokenizer, turns), grammar=spec, sampling=sampling, rid=rid
         )
         slots.append(len(requests))
         requests.append(req)
 
+    streaming = not args.json and len(items) == 1 and len(requests) == 1
     t0 = time.perf_counter()
-    with worker, _progress(requests) as on_step:
-        results = worker.run(requests, on_step=on_step)
+    with worker, _progress(requests, show=not streaming or not sys.stdout.isatty()) as bar:
+        text_stream = _stdout_stream(worker.tokenizer) if streaming else None
+        results = worker.run(requests, on_step=_both(bar, text_stream))
+        if text_stream is not None:
+            text_stream.close(results)
     wall = time.perf_counter() - t0
     final: list[RequestResult] = []
     for slot in slots:
@@ -531,6 +652,7 @@ def run(args) -> int:
                     token_ids=[],
                     prompt_tokens=0,
                     finish_reason="error",
+                    finish_detail="error",
                     error=slot[1],
                     num_tokens=0,
                     steps=0,
@@ -551,11 +673,19 @@ def run(args) -> int:
                 f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}",
                 file=sys.stderr,
             )
+    cut = [
+        r
+        for r, req in zip(final, [requests[s] if isinstance(s, int) else None for s in slots])
+        if r.finish_reason == "length" and req is not None and req.grammar is not None
+    ]
     if args.json:
         runner = {  # what ran: the GPU speed depends on it
             "device": str(worker.runner.device),
             "decoder": "fused" if worker.runner.uses_fused_forward else "hf",
             "cuda_graphs": worker.runner.uses_cuda_graphs,
+            "cpu_threads": threads,
+            "draft": str(worker.config.draft),
+            "forced_tokens": worker.config.forced_tokens,
         }
         # one line: token id lists would take a line per id with an indent (pipe to jq to read)
         print(
@@ -569,31 +699,66 @@ def run(args) -> int:
         )
     else:
         for r in final:
+            if streaming:
+                if r.error:
+                    print(f"error: {r.error}", file=sys.stderr)
+                break
             if len(final) > 1:
                 print(f"--- {r.rid} [{r.finish_reason}]")
             if r.error:
                 print(f"error: {r.error}", file=sys.stderr if len(final) == 1 else sys.stdout)
             else:
                 print(r.text)
-                if len(final) == 1 and r.finish_reason == "length":
-                    print(
-                        f"note: stopped at --max-new-tokens ({r.num_tokens} tokens): the output is incomplete",
-                        file=sys.stderr,
-                    )
         print(
             f"{summary.output_tokens} tokens in {summary.wall_s:.2f} s ({summary.tokens_per_s:.1f} tok/s), "
             f"accept length {summary.accept_length:.2f}, grammar {summary.grammar_ms_per_step:.2f} ms/step "
-            f"({summary.grammar_exposed_ms_per_step:.2f} exposed)",
+            f"({summary.grammar_exposed_ms_per_step:.2f} exposed), {threads} CPU thread"
+            f"{'s' if threads > 1 else ''}, forced tokens {'on' if worker.config.forced_tokens else 'off'}",
             file=sys.stderr,
         )
-    return 1 if summary.errors else 0
+    for r in cut:
+        print(
+            f"spec-grammar generate: {r.rid}: output cut at --max-new-tokens ({r.num_tokens} "
+            "tokens) before its grammar completed: incomplete; raise --max-new-tokens",
+            file=sys.stderr,
+        )
+    if summary.errors:
+        return 1
+    return CUT_EXIT_CODE if cut else 0
+
+
+def _stdout_stream(tokenizer):
+    """A :class:`~spec_grammar.worker.streaming.TextStream` writing each chunk to stdout as it
+    is committed (flushed), a newline after the last."""
+    from ..worker.streaming import TextStream
+
+    def write(chunk) -> None:
+        sys.stdout.write(chunk.text + ("\n" if chunk.finish_reason is not None else ""))
+        sys.stdout.flush()
+
+    return TextStream(tokenizer, write)
+
+
+def _both(*callbacks):
+    """One ``on_step`` callback calling each of ``callbacks`` that is not None."""
+    live = [c for c in callbacks if c is not None]
+    if not live:
+        return None
+
+    def on_step(stats, states):
+        for c in live:
+            c(stats, states)
+
+    return on_step
 
 
 class _progress:
-    """A rich progress bar on stderr (only on a terminal) over the requested token budget."""
+    """A rich progress bar on stderr (only on a terminal, for 64+ tokens of budget, and not
+    while the text streams to the same terminal) over the requested token budget."""
 
-    def __init__(self, requests):
+    def __init__(self, requests, show: bool = True):
         self.total = sum(r.sampling.max_new_tokens for r in requests)
+        self.show = show
         self.bar = None
 
     def __enter__(self):
@@ -607,7 +772,7 @@ class _progress:
         )
 
         console = Console(stderr=True)
-        if not console.is_terminal or self.total < 64:
+        if not self.show or not console.is_terminal or self.total < 64:
             return None
         self.bar = Progress(
             TextColumn("generating"),

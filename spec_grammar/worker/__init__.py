@@ -1,15 +1,21 @@
 """The speculative worker: a batched tree-attention model runner, masked sampling and tree
 verification, drafters and the batch loop."""
 
-from .api import build_prompt, build_worker, generate, schema_prompt
-from .config import WorkerConfig
-from .engine import SpecWorker
-from .request import Request, RequestResult, StepStats
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .api import build_prompt, build_worker, generate, schema_prompt, stream
+    from .config import WorkerConfig
+    from .engine import SpecWorker
+    from .request import Request, RequestResult, StepStats
+    from .streaming import StreamChunk
 
 __all__ = [
     "SpecWorker",
     "WorkerConfig",
     "generate",
+    "stream",
+    "StreamChunk",
     "build_worker",
     "build_prompt",
     "schema_prompt",
@@ -17,3 +23,28 @@ __all__ = [
     "RequestResult",
     "StepStats",
 ]
+
+_LAZY = {
+    **dict.fromkeys(("build_prompt", "build_worker", "generate", "schema_prompt", "stream"), "api"),
+    "StreamChunk": "streaming",
+    "WorkerConfig": "config",
+    "SpecWorker": "engine",
+    **dict.fromkeys(("Request", "RequestResult", "StepStats"), "request"),
+}
+"""Public name -> its submodule, imported on first use (PEP 562): a submodule such as
+``worker.sampling`` or ``worker.config`` imported alone need not load the engine."""
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -2,12 +2,14 @@
 
 Example::
 
-    from spec_grammar import JsonSchema
+    from pydantic import BaseModel
     from spec_grammar.worker import generate, schema_prompt
 
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    [out] = generate([schema_prompt(schema, "Invent a user.")], grammar=JsonSchema(schema))
-    print(out.text, out.finish_reason, out.accept_length)
+    class User(BaseModel):
+        name: str
+
+    [out] = generate(schema_prompt(User, "Invent a user."), grammar=User, on_chunk=print)
+    print(out.text, out.finish_reason, out.accept_length, out.message())
 """
 
 from __future__ import annotations
@@ -15,21 +17,32 @@ from __future__ import annotations
 import inspect
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from pydantic import BaseModel
 
 from ..json_schema.limits import DEFAULT_OUTPUT_LIMITS, OutputLimits
-from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls, with_limits
+from ..specs import (
+    Ebnf,
+    GrammarSpec,
+    JsonSchema,
+    Lark,
+    Regex,
+    ToolCalls,
+    as_grammar_spec,
+    with_limits,
+)
 from .config import WorkerConfig, worker_config
 from .engine import SpecWorker
 from .request import Request, RequestResult, StepStats
 from .sampling import SamplingParams
+from .streaming import StreamChunk, TextStream
 
 __all__ = [
     "generate",
+    "stream",
     "build_worker",
     "build_prompt",
     "schema_prompt",
@@ -42,6 +55,8 @@ __all__ = [
 _lock = threading.Lock()
 _models: dict[tuple, tuple[Any, Any]] = {}
 _backends: dict[tuple, Any] = {}
+_tokenizers: dict[str, Any] = {}
+_tokenizer_lock = threading.Lock()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -56,13 +71,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _load(model: str, dtype: Any, device: torch.device) -> tuple[Any, Any]:
     """(model, tokenizer), cached per (name, dtype, device) for the process."""
-    from ..models import load_model, load_tokenizer
+    from ..models import load_model
 
     key = (model, str(dtype), str(device))
     with _lock:
         if key not in _models:
-            _models[key] = (load_model(model, dtype=dtype, device=device), load_tokenizer(model))
+            _models[key] = (load_model(model, dtype=dtype, device=device), _tokenizer(model))
         return _models[key]
+
+
+def _tokenizer(model: str) -> Any:
+    """``model``'s tokenizer, cached for the process (:func:`precompile` loads it before the
+    weights; the worker then reuses it: a second load cost ~1 s of a CLI start)."""
+    from ..models import load_tokenizer
+
+    with _tokenizer_lock:
+        if model not in _tokenizers:
+            _tokenizers[model] = load_tokenizer(model)
+        return _tokenizers[model]
 
 
 def _backend(name: str, model: str, tokenizer: Any, vocab_size: int) -> Any:
@@ -98,39 +124,80 @@ def precompile(
     the worker's compile is a cache hit. Returns the
     :class:`~spec_grammar.protocol.CompiledGrammar`; raises
     :class:`~spec_grammar.errors.GrammarCompileError` naming the problem."""
-    from ..models import load_tokenizer
     from ..registry import get_backend
 
-    tokenizer = load_tokenizer(model)
+    tokenizer = _tokenizer(model)
     vocab = _config_vocab_size(model)
     if vocab is None:  # width unknown until the model loads: check only (compiled again later)
         return get_backend(grammar_backend, tokenizer).compile(spec)
     return _backend(grammar_backend, model, tokenizer, vocab).compile(spec)
 
 
-def build_prompt(tokenizer: Any, user: str, *, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat (``system`` optional) ending with the assistant header,
-    through the tokenizer's chat template; the plain encoding of ``user`` when the tokenizer
-    has no template (base models such as the Gemma-3-270M GGUF)."""
+ROLES = ("system", "user", "assistant")
+"""The chat roles a ``messages`` list may hold (OpenAI's, without tool turns)."""
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """``messages`` as a list of ``{"role", "content"}`` dicts (OpenAI's chat format: roles
+    ``system``, ``user``, ``assistant``, string content). Raises ``ValueError`` naming the first
+    bad entry (``messages[2]: role 'tool' ...``) or an empty list."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise ValueError(
+                f"messages[{i}] must be an object with 'role' and 'content', got {m!r:.80}"
+            )
+        if m.get("role") not in ROLES:
+            raise ValueError(
+                f"messages[{i}]: role {m.get('role')!r} is not one of {', '.join(ROLES)}"
+            )
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}]: content must be a string")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def build_prompt(
+    tokenizer: Any, user: str | Sequence[dict[str, str]], *, system: str | None = None
+) -> list[int]:
+    """Token ids of a chat ending with the assistant header, through the tokenizer's chat
+    template. ``user``: the user's message, or a whole ``messages`` list (system, user and
+    assistant turns, OpenAI's format: :func:`check_messages`); ``system`` (optional) goes first.
+    Without a template (base models such as the Gemma-3-270M GGUF): the plain encoding of the
+    turns' contents, one per line. Raises ``ValueError`` for a malformed messages list."""
+    messages = (
+        [{"role": "user", "content": user}] if isinstance(user, str) else check_messages(user)
+    )
+    if system:
+        messages = [{"role": "system", "content": system}, *messages]
     if getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": user}
-        ]
         ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-    return list(tokenizer.encode(user))
+    return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
 
 
-def schema_prompt(grammar: GrammarSpec | dict | bool, task: str | None = None) -> str:
+def with_schema(messages: Sequence[dict[str, str]], grammar: Any) -> list[dict[str, str]]:
+    """``messages`` with :func:`schema_prompt` applied to the last user turn's content."""
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m["role"] == "user":
+            m["content"] = schema_prompt(grammar, m["content"])
+            break
+    return out
+
+
+def schema_prompt(grammar: Any, task: str | None = None) -> str:
     """A user message asking for output in the grammar's format, with the schema / tool list /
     pattern written into it (small models follow a schema they can read far better).
 
-    ``grammar``: a spec or a JSON schema dict. ``task``: what to produce (a generic request
-    when None).
+    ``grammar``: a spec, a JSON schema dict or a pydantic model class. ``task``: what to
+    produce (a generic request when None).
     """
-    spec = grammar if isinstance(grammar, GrammarSpec) else JsonSchema(grammar)
+    spec = as_grammar_spec(grammar)
     task = task or "Produce an example answer."
     if isinstance(spec, JsonSchema):
         return f"{task}\nAnswer with one JSON document valid under this JSON schema:\n{spec.schema_json()}"
@@ -196,21 +263,23 @@ _BUILD_OPTIONS = tuple(
 """What :func:`build_worker` loads: ``model``, ``grammar_backend``, ``device``, ``dtype``."""
 
 
-def _as_spec(g: Any) -> GrammarSpec | None:
-    if g is None or isinstance(g, GrammarSpec):
-        return g
-    if isinstance(g, (dict, bool)):
-        return JsonSchema(g)
-    raise TypeError(
-        f"a grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or a schema dict, got {type(g).__name__}"
-    )
+Prompt = str | Sequence[dict[str, str]]
+"""A prompt text (the user turn) or a ``messages`` list (OpenAI's chat format)."""
+
+
+def _is_messages(item: Any) -> bool:
+    return isinstance(item, (list, tuple)) and bool(item) and all(isinstance(m, dict) for m in item)
 
 
 def generate(
-    prompts_or_requests: str | Request | Sequence[str | Request],
+    prompts_or_requests: Prompt | Request | Sequence[Prompt | Request] | None = None,
     *,
+    messages: Sequence[dict[str, str]] | None = None,
+    system: str | None = None,
     grammar: Any = None,
+    schema_in_prompt: bool = False,
     chat: bool = True,
+    on_chunk: Callable[[StreamChunk], None] | None = None,
     config: WorkerConfig | None = None,
     output_limits: OutputLimits | dict | None = DEFAULT_OUTPUT_LIMITS,
     **options: Any,
@@ -218,17 +287,26 @@ def generate(
     """Generate for a batch of prompts in one worker run.
 
     Args:
-        prompts_or_requests: prompt text(s) (wrapped in the model's chat template when
-            ``chat``) or :class:`Request` objects (used as they are: their own grammar and
-            sampling params win).
-        grammar: one spec (or JSON-schema dict) for every prompt, or a list with one entry
-            (or None) per prompt.
+        prompts_or_requests: prompt text(s) (the user turn, wrapped in the model's chat
+            template when ``chat``), ``messages`` lists (system / user / assistant turns,
+            OpenAI's format; a list of such dicts at the top level is one conversation) or
+            :class:`Request` objects (used as they are: their own grammar and sampling params
+            win).
+        messages: one conversation, OpenAI-style (instead of ``prompts_or_requests``).
+        system: a system message put before each prompt text or conversation.
+        grammar: one grammar for every prompt (a spec, a JSON-schema dict or a pydantic model
+            class), or a list with one entry (or None) per prompt.
+        schema_in_prompt: write the grammar (schema, tools, pattern) into the last user turn
+            (:func:`schema_prompt`), as ``spec-grammar generate`` does by default.
         chat: apply the model's chat template to prompt texts.
         output_limits: the :class:`~spec_grammar.json_schema.limits.OutputLimits` (or a dict
             of its fields) given to every JSON schema / tool-list grammar that sets none of
             its own (``spec.limits is None``; :class:`Request` objects are used as they are);
             default :data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`, None for
             the grammars as written.
+        on_chunk: called with a :class:`~spec_grammar.worker.streaming.StreamChunk` each time a
+            request commits text (a whole accepted path at a time) and once at its end with
+            its ``finish_reason``; :func:`stream` is the iterator form.
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
         **options: by name, each where it is defined:
 
@@ -240,11 +318,13 @@ def generate(
               :class:`~spec_grammar.worker.sampling.SamplingParams`' fields (``temperature``,
               ``seed``, ``max_new_tokens``, ``stop`` (a string, a list of strings or None), ...).
 
-    Returns one :class:`RequestResult` per input, in order. A request whose grammar fails to
-    compile comes back with ``finish_reason="error"`` and the error; the others complete.
-    Raises ``TypeError`` for a keyword that is none of these, ``ValueError`` when a grammar
-    list does not match the prompts, pydantic's ``ValidationError`` for bad sampling values,
-    and what :func:`build_worker` raises.
+    Returns one :class:`RequestResult` per input, in order (:meth:`RequestResult.message`
+    reads one as a chat-completion message). A request whose grammar fails to compile comes
+    back with ``finish_reason="error"`` and the error; the others complete. Raises
+    ``TypeError`` for a keyword that is none of these, ``ValueError`` when a grammar list does
+    not match the prompts, for a malformed ``messages`` list or for both ``messages`` and
+    prompts, pydantic's ``ValidationError`` for bad sampling values, and what
+    :func:`build_worker` raises.
     """
     unknown = [
         name
@@ -255,11 +335,16 @@ def generate(
     ]
     if unknown:
         raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    if (messages is None) == (prompts_or_requests is None):
+        raise ValueError("give prompts_or_requests or messages=, one of them")
+    if messages is not None:
+        prompts_or_requests = [check_messages(messages)]
     items = (
         [prompts_or_requests]
-        if isinstance(prompts_or_requests, (str, Request))
+        if isinstance(prompts_or_requests, (str, Request)) or _is_messages(prompts_or_requests)
         else list(prompts_or_requests)
     )
+    items = [check_messages(i) if _is_messages(i) else i for i in items]
     grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(items)
     if len(grammars) != len(items):
         raise ValueError(f"{len(grammars)} grammars for {len(items)} prompts")
@@ -274,7 +359,7 @@ def generate(
     if isinstance(output_limits, dict):
         output_limits = OutputLimits(**output_limits)
     # a grammar of the wrong type fails before the load
-    specs = [with_limits(_as_spec(g), output_limits) for g in grammars]
+    specs = [with_limits(as_grammar_spec(g), output_limits) for g in grammars]
     load = {k: options.pop(k) for k in list(options) if k in _BUILD_OPTIONS}
     worker = build_worker(config=worker_config(config, options, "generate"), **load)
     requests = []
@@ -282,12 +367,57 @@ def generate(
         if isinstance(item, Request):
             requests.append(item)
             continue
-        # only text goes through the chat template; anything else is the request's prompt as
-        # given (token ids, or a wrong type that then fails that request alone)
-        prompt = build_prompt(worker.tokenizer, item) if chat and isinstance(item, str) else item
-        requests.append(Request(prompt=prompt, grammar=spec, sampling=params))
+        # only text and messages go through the chat template; anything else is the
+        # request's prompt as given (token ids, or a wrong type that then fails that request)
+        if chat and (isinstance(item, str) or _is_messages(item)):
+            turns = [{"role": "user", "content": item}] if isinstance(item, str) else item
+            if schema_in_prompt and spec is not None:
+                turns = with_schema(turns, spec)
+            item = build_prompt(worker.tokenizer, turns, system=system)
+        requests.append(Request(prompt=item, grammar=spec, sampling=params))
+    text_stream = TextStream(worker.tokenizer, on_chunk) if on_chunk is not None else None
     with worker:
-        return worker.run(requests)
+        results = worker.run(requests, on_step=text_stream)
+    if text_stream is not None:
+        text_stream.close(results)
+    return results
+
+
+def stream(
+    prompts_or_requests: Prompt | Request | Sequence[Prompt | Request] | None = None,
+    **kwargs: Any,
+) -> Iterator[StreamChunk]:
+    """:func:`generate` as an iterator of :class:`~spec_grammar.worker.streaming.StreamChunk`
+    (each request's committed text as it is accepted; its last chunk has ``finish_reason``).
+    Takes :func:`generate`'s arguments (not ``on_chunk``); the run happens in a thread while
+    the caller reads, and its exceptions are raised by the iterator. Example::
+
+        for chunk in stream("Name a city.", grammar=City):
+            print(chunk.text, end="", flush=True)
+    """
+    import queue
+
+    if "on_chunk" in kwargs:
+        raise TypeError("stream() takes no on_chunk (it yields the chunks)")
+    chunks: queue.Queue = queue.Queue()
+    done = object()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            generate(prompts_or_requests, on_chunk=chunks.put, **kwargs)
+        except BaseException as e:  # re-raised in the reader's thread
+            failure.append(e)
+        finally:
+            chunks.put(done)
+
+    thread = threading.Thread(target=run, name="spec-grammar-stream", daemon=True)
+    thread.start()
+    while (chunk := chunks.get()) is not done:
+        yield chunk
+    thread.join()
+    if failure:
+        raise failure[0]
 
 
 class RunSummary(BaseModel):

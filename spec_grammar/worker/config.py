@@ -75,7 +75,7 @@ class WorkerConfig(BaseModel):
         strict=True,
         description="Extend draft branches with grammar-forced tokens "
         "(:mod:`~spec_grammar.worker.drafters.forced`); default "
-        ":data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`. A "
+        ":data:`~spec_grammar.worker.defaults.DEFAULT_FORCED_TOKENS`. A "
         "``SpecWorker`` built without a config defaults it to False, so that a Drafter instance "
         "passed in runs exactly as given.",
     )

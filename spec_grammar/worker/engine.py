@@ -78,9 +78,18 @@ from .grammar_work import (
 )
 from .host_bitmask import HostBitmaskRing
 from .placement import EarlyMask, GrammarPlacement, LazyGrammar
-from .request import Request, RequestError, RequestResult, RequestState, StepStats, check_request
+from .request import (
+    Request,
+    RequestError,
+    RequestResult,
+    RequestState,
+    StepStats,
+    check_request,
+    finish_reason_of,
+)
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, process_tree_logits
+from .streaming import committed_text
 from .verify import verify
 
 __all__ = ["SpecWorker", "cut_tree_depth", "split_balanced"]
@@ -179,7 +188,7 @@ class SpecWorker:
             Without one, the options are ``**options`` over WorkerConfig's defaults, except
             ``forced_tokens``, False here so that a :class:`Drafter` instance passed in runs
             exactly as given (``generate`` and the CLI default it to
-            :data:`~spec_grammar.worker.drafters.constrained.DEFAULT_FORCED_TOKENS`).
+            :data:`~spec_grammar.worker.defaults.DEFAULT_FORCED_TOKENS`).
         backend: a :class:`~spec_grammar.protocol.GrammarBackend` built for this tokenizer
             with ``vocab_size`` = the model's logits width, a registered backend name, or
             None (then only plain requests are allowed; a grammar request fails alone).
@@ -954,7 +963,7 @@ class SpecWorker:
     ) -> int:
         """Append the committed run (accepted path tokens + bonus) to ``st``'s output,
         truncated at a stop token (the request ends: ``grammar`` with a grammar, else
-        ``stop``), a stop string or ``max_new_tokens``; the tokens go to the matcher's pending
+        ``eos``), a stop string or ``max_new_tokens``; the tokens go to the matcher's pending
         list unless ``fed``. Returns the tokens appended."""
         now = time.perf_counter()
         kept = 0
@@ -962,14 +971,14 @@ class SpecWorker:
             if tok in stops:
                 if st.matcher is not None and not fed:
                     st.pending.append(tok)  # the matcher sees its own termination
-                st.finish("grammar" if st.matcher is not None else "stop", now)
+                st.finish("grammar" if st.matcher is not None else "eos", now)
                 break
             st.output_ids.append(tok)
             if st.matcher is not None and not fed:
                 st.pending.append(tok)
             kept += 1
             if st.sampling.stop and self._hit_stop_string(st):
-                st.finish("stop", now)
+                st.finish("stop_string", now)
                 break
             if len(st.output_ids) >= st.sampling.max_new_tokens:
                 st.finish("length", now)
@@ -986,11 +995,7 @@ class SpecWorker:
             self.drafter.remove(st.rid)
 
     def _result(self, st: RequestState) -> RequestResult:
-        text = self.tokenizer.decode(st.output_ids)
-        if st.finish_reason == "stop" and st.sampling.stop:
-            cuts = [text.find(s) for s in st.sampling.stop if s and s in text]
-            if cuts:
-                text = text[: min(cuts)]
+        text = committed_text(self.tokenizer, st)
         n = len(st.output_ids)
         wall = max(st.end_s - st.start_s, 1e-9)
         return RequestResult(
@@ -998,7 +1003,8 @@ class SpecWorker:
             text=text,
             token_ids=list(st.output_ids),
             prompt_tokens=len(st.prompt_ids),
-            finish_reason=st.finish_reason or "error",
+            finish_reason=finish_reason_of(st.finish_reason or "error", st.request.grammar),
+            finish_detail=st.finish_reason or "error",
             error=st.error,
             num_tokens=n,
             steps=st.steps,

@@ -8,6 +8,7 @@ output_ids``; its last token is the root of the next draft tree.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from ..errors import SpecGrammarError
-from ..specs import GrammarSpec
+from ..specs import GrammarSpec, ToolCalls, as_grammar_spec
 from .sampling import SamplingParams
 
 __all__ = [
@@ -24,15 +25,35 @@ __all__ = [
     "RequestResult",
     "StepStats",
     "FinishReason",
+    "FinishDetail",
+    "finish_reason_of",
     "RequestError",
     "check_request",
 ]
 
-FinishReason = Literal["stop", "length", "grammar", "error", "cancelled"]
-"""Why a request ended: ``stop`` = EOS (no grammar) or a stop string; ``length`` =
-``max_new_tokens``; ``grammar`` = the grammar accepted a stop token (the document is complete);
-``error`` = the grammar failed to compile or a matcher refused a committed token;
-``cancelled`` = :meth:`SpecWorker.cancel` was called."""
+FinishReason = Literal["stop", "length", "tool_calls", "error", "cancelled"]
+"""Why a request ended, in OpenAI's chat-completion vocabulary: ``stop`` = a stop token (a
+grammar's document complete, or EOS without a grammar) or a stop string; ``length`` =
+``max_new_tokens`` (a grammar-constrained output is then incomplete); ``tool_calls`` = a
+:class:`~spec_grammar.specs.ToolCalls` grammar completed its calls. Two values OpenAI does not
+have: ``error`` (the request failed: see ``error``) and ``cancelled``
+(:meth:`SpecWorker.cancel`). The finer reason is :data:`FinishDetail`."""
+
+FinishDetail = Literal["eos", "stop_string", "grammar", "length", "error", "cancelled"]
+"""The worker's own reason a request ended: ``eos`` = a stop token without grammar;
+``stop_string`` = a stop string; ``grammar`` = the grammar accepted a stop token (the document
+is complete); ``length`` = ``max_new_tokens``; ``error`` = the grammar failed to compile or a
+matcher refused a committed token; ``cancelled`` = :meth:`SpecWorker.cancel` was called."""
+
+
+def finish_reason_of(detail: FinishDetail, grammar: GrammarSpec | None) -> FinishReason:
+    """The OpenAI ``finish_reason`` of a request that ended for ``detail`` under ``grammar``."""
+    if detail in ("eos", "stop_string"):
+        return "stop"
+    if detail == "grammar":
+        return "tool_calls" if isinstance(grammar, ToolCalls) else "stop"
+    return detail
+
 
 _ids = itertools.count()
 
@@ -43,7 +64,8 @@ class Request:
 
     Attributes:
         prompt: the full prompt text (chat template already applied) or its token ids.
-        grammar: the constraint, or None for plain decoding.
+        grammar: the constraint (a spec, a JSON-schema dict or a pydantic model class), or
+            None for plain decoding.
         sampling: a :class:`~spec_grammar.worker.sampling.SamplingParams` (None = defaults).
         rid: a unique id (one is made up when None).
     """
@@ -72,9 +94,10 @@ def one_line(e: ValidationError) -> str:
 
 def check_request(req: Request) -> SamplingParams:
     """Check ``req``'s fields and return its sampling params (defaults for None, a dict
-    converted). Raises :class:`RequestError` naming the field: a prompt that is neither text
-    nor a list of ints (numpy integers count; bools do not), a grammar that is not a
-    :class:`~spec_grammar.specs.GrammarSpec`, bad sampling values, an id that is not a string
+    converted; a JSON-schema dict or pydantic model class as ``grammar`` is replaced by its
+    :class:`~spec_grammar.specs.JsonSchema`). Raises :class:`RequestError` naming the field: a
+    prompt that is neither text nor a list of ints (numpy integers count; bools do not), a
+    grammar that is none of these or not a valid schema, bad sampling values, an id that is not a string
     (its :class:`RequestResult` could not carry it)."""
     if not isinstance(req.rid, str):
         raise RequestError(f"request id must be a string, got {type(req.rid).__name__} {req.rid!r}")
@@ -90,11 +113,10 @@ def check_request(req: Request) -> SamplingParams:
         ]
         if bad:
             raise RequestError(f"request {req.rid}: prompt token ids must be ints, got {bad[0]!r}")
-    if req.grammar is not None and not isinstance(req.grammar, GrammarSpec):
-        raise RequestError(
-            f"request {req.rid}: grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or None, "
-            f"got {type(req.grammar).__name__}"
-        )
+    try:  # a schema dict or pydantic model class becomes its JsonSchema here
+        req.grammar = as_grammar_spec(req.grammar)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"request {req.rid}: {e}") from None
     if req.sampling is None or isinstance(req.sampling, SamplingParams):
         return req.sampling or SamplingParams()
     if not isinstance(req.sampling, dict):
@@ -128,7 +150,7 @@ class RequestState:
     matcher: Any = None
     pending: list[int] = field(default_factory=list)
     finished: bool = False
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishDetail | None = None
     error: str | None = None
     steps: int = 0
     generator: Any = None
@@ -177,7 +199,7 @@ class RequestState:
         """The last committed token (node 0 of the next draft tree)."""
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
-    def finish(self, reason: FinishReason, end_s: float, error: str | None = None) -> None:
+    def finish(self, reason: FinishDetail, end_s: float, error: str | None = None) -> None:
         self.finished = True
         self.finish_reason = reason
         self.error = error
@@ -199,6 +221,9 @@ class RequestResult(BaseModel):
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: FinishReason
+    finish_detail: FinishDetail
+    """The worker's finer reason (:data:`FinishDetail`): ``grammar`` (document complete),
+    ``eos``, ``stop_string``, ``length``, ``error``, ``cancelled``."""
     error: str | None = None
     num_tokens: int
     steps: int
@@ -208,6 +233,31 @@ class RequestResult(BaseModel):
     grammar_ms_exposed: float
     warnings: list[str] = []
     """JSON-Schema keyword uses the grammar backend compiled but does not enforce."""
+
+    def message(self) -> dict[str, Any]:
+        """The output as an OpenAI chat-completion message: ``{"role": "assistant",
+        "content": text}``; when a tool-call grammar completed (``finish_reason ==
+        "tool_calls"``), ``content`` None and ``tool_calls`` =
+        ``[{"id", "type": "function", "function": {"name", "arguments"}}]`` with the
+        arguments as JSON text, as OpenAI returns them."""
+        if self.finish_reason != "tool_calls":
+            return {"role": "assistant", "content": self.text}
+        calls = json.loads(self.text)
+        return {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": f"call_{self.rid}_{i}",
+                    "type": "function",
+                    "function": {
+                        "name": call["name"],
+                        "arguments": json.dumps(call["arguments"], ensure_ascii=False),
+                    },
+                }
+                for i, call in enumerate(calls)
+            ],
+        }
 
 
 class StepStats(BaseModel):

@@ -10,6 +10,7 @@ import pytest
 
 from spec_grammar.cli import main
 from spec_grammar.worker import api
+from spec_grammar.worker.config import WorkerConfig
 from spec_grammar.worker.sampling import SamplingParams
 
 
@@ -135,6 +136,7 @@ class _EchoWorker:
         self.runner = types.SimpleNamespace(
             device="cpu", uses_fused_forward=False, uses_cuda_graphs=False
         )
+        self.config = WorkerConfig()
 
     def __enter__(self):
         return self
@@ -152,6 +154,7 @@ class _EchoWorker:
                 token_ids=[],
                 prompt_tokens=len(r.prompt),
                 finish_reason="length",
+                finish_detail="length",
                 error=None,
                 num_tokens=0,
                 steps=0,

@@ -174,7 +174,8 @@ def test_bad_batch_lines_fail_alone_with_line_ids(capsys, tmp_path):
     assert any("uniqueItems" in w for w in res["line-5"]["warnings"])
     bad_keys = res["line-6"]["error"]
     assert bad_keys.startswith(
-        f"{f}:6: unknown fields 'schema', 'max_tokens', 'temprature'; accepted: prompt, json_schema"
+        f"{f}:6: unknown fields 'schema', 'max_tokens', 'temprature'; accepted: prompt, messages, "
+        "json_schema"
     )
     assert "max_new_tokens" in bad_keys and "temperature" in bad_keys and "\n" not in bad_keys
     warn = [ln for ln in err.splitlines() if ln.startswith("warning: ")]
@@ -284,6 +285,9 @@ def test_model_loader_without_the_worker_extra_names_it(capsys, monkeypatch):
     from spec_grammar.models import load_tokenizer
 
     monkeypatch.setitem(sys.modules, "transformers", None)
+    # as in a fresh process: no tokenizer or model an earlier test left in the API's caches
+    monkeypatch.setattr(api, "_tokenizers", {})
+    monkeypatch.setattr(api, "_models", {})
     with pytest.raises(ModuleNotFoundError, match=r"spec-grammar\[worker\]") as e:
         load_tokenizer("smollm2")
     assert e.value.name == "transformers"

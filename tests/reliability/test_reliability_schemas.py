@@ -179,13 +179,13 @@ def test_mixed_real_world_batch_is_valid_typed_and_equal_to_plain_decoding(name)
             assert res.finish_reason == "error" and res.num_tokens == 0, res
             assert res.error == str(err.value) and res.error.startswith(f"[{name}] "), res.error
             continue
-        assert res.finish_reason in ("grammar", "length"), res
+        assert res.finish_detail in ("grammar", "length"), res
         assert res.token_ids == ref[req.rid].token_ids, (req.rid, res.text, ref[req.rid].text)
-        assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
+        assert replays(name, req.grammar, res.token_ids, res.finish_detail == "grammar"), res
         # a warning that only declares refusals (`<keyword>:refuses at ...`) weakens nothing:
         # such outputs are validated too
         weakened = [w for w in res.warnings if not w.split(" ", 1)[0].endswith(":refuses")]
-        if res.finish_reason != "grammar" or weakened:
+        if res.finish_detail != "grammar" or weakened:
             continue
         completed += 1
         doc = json.loads(res.text)

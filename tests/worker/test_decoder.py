@@ -110,7 +110,7 @@ def test_fused_worker_outputs_equal_hf_on_real_smollm2():
     for s, a, b in zip(schemas, outs[False], outs[True]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert replays(
-            "xgrammar", JsonSchema(schema=s["schema"]), b.token_ids, b.finish_reason == "stop"
+            "xgrammar", JsonSchema(schema=s["schema"]), b.token_ids, b.finish_detail == "grammar"
         )
 
 

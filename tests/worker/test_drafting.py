@@ -158,7 +158,7 @@ def test_greedy_outputs_identical_across_drafting_modes(name):
         for req, r, base in zip(requests(), results, ref):
             assert r.token_ids == base.token_ids, (mode, req.rid)
             assert r.finish_reason == base.finish_reason
-            assert replays(name, req.grammar, r.token_ids, r.finish_reason == "grammar")
+            assert replays(name, req.grammar, r.token_ids, r.finish_detail == "grammar")
         accept[mode] = sum(r.num_tokens for r in results) / sum(r.steps for r in results)
     # forced tokens alone must already draft something on tool calls
     assert accept["grammar"] > 1.0, accept

@@ -211,5 +211,8 @@ def test_cli_batch_file_marks_failed_lines(capsys, tmp_path):
     assert results[1]["error"].startswith(f"{batch}:2: ")
     assert "invalid JSON Schema at properties/a/type" in results[2]["error"]
     assert results[4]["error"].startswith("[xgrammar] regex failed to compile")
-    assert results[5]["error"] == f"{batch}:6: each line needs a string field 'prompt'"
+    assert (
+        results[5]["error"]
+        == f"{batch}:6: each line needs a string field 'prompt' or a 'messages' list"
+    )
     assert results[0]["text"] in ("yes", "no") or results[0]["finish_reason"] == "length"

@@ -184,7 +184,7 @@ class _SamplingOnly:
     def __exit__(self, *exc):
         return None
 
-    def run(self, reqs):
+    def run(self, reqs, on_step=None):
         return [r.sampling for r in reqs]
 
 

@@ -197,7 +197,7 @@ def _generate(setup, overlap: bool, bias: dict):
     with SpecWorker(
         model, tok, backend=backend, draft="ngram", num_draft_tokens=6, overlap=overlap
     ) as w:
-        return [(r.token_ids, r.finish_reason) for r in w.run(reqs)]
+        return [(r.token_ids, r.finish_detail) for r in w.run(reqs)]
 
 
 def test_worker_batched_path_equals_per_request_path(tiny_worker_setup):

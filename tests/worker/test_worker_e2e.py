@@ -24,6 +24,7 @@ from spec_grammar import Ebnf, JsonSchema, Regex
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker, build_prompt
+from spec_grammar.worker.defaults import DEFAULT_FORCED_TOKENS
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
 
@@ -163,11 +164,11 @@ def test_no_spec_outputs_are_valid(name):
         if kind == "bad":
             assert res.finish_reason == "error" and res.error and res.num_tokens == 0, res
             continue
-        assert res.finish_reason in ("grammar", "length", "stop"), res
+        assert res.finish_detail in ("grammar", "length", "eos"), res
         if kind == "plain":
             continue
-        assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar"), res
-        if res.finish_reason != "grammar":
+        assert replays(name, req.grammar, res.token_ids, res.finish_detail == "grammar"), res
+        if res.finish_detail != "grammar":
             assert res.num_tokens == MAX_NEW
             continue
         finished[kind] += 1
@@ -344,8 +345,8 @@ def test_truncation_inside_accepted_run():
     ref = reference(name)
     eos = tok.eos_token_id
     picks = [i for i, (k, _) in enumerate(kinds) if k != "bad"]
-    grammar_done = [i for i in picks if ref[i].finish_reason == "grammar"][:3]
-    eos_plain = [i for i in picks if ref[i].finish_reason == "stop"][:1]
+    grammar_done = [i for i in picks if ref[i].finish_detail == "grammar"][:3]
+    eos_plain = [i for i in picks if ref[i].finish_detail == "eos"][:1]
     length_cut = [i for i in picks if ref[i].finish_reason == "length"][:2]
     chosen = grammar_done + eos_plain + length_cut
     assert grammar_done and length_cut
@@ -374,7 +375,7 @@ def test_truncation_inside_accepted_run():
         assert (g.token_ids, g.finish_reason) == (ref[i].token_ids, ref[i].finish_reason), g
         assert g.steps == 1, "the whole run was drafted: one verify step must commit it"
     s = got[-1]
-    assert s.finish_reason == "stop" and s.token_ids == plain_ids[:first], (stop_str, s)
+    assert s.finish_detail == "stop_string" and s.token_ids == plain_ids[:first], (stop_str, s)
     assert stop_str not in s.text and text_so_far.startswith(s.text)
 
 
@@ -411,9 +412,9 @@ def test_mixed_batch_sampling_and_failures():
     assert a[4].finish_reason == "error" and "empty" in a[4].error
     assert a[2].finish_reason in ("stop", "length") and a[2].num_tokens > 0
     for req, res in zip(reqs[:2], a[:2]):
-        assert res.finish_reason in ("grammar", "length") and res.num_tokens > 0
-        assert replays(name, req.grammar, res.token_ids, res.finish_reason == "grammar")
-        if res.finish_reason == "grammar" and isinstance(req.grammar, JsonSchema):
+        assert res.finish_detail in ("grammar", "length") and res.num_tokens > 0
+        assert replays(name, req.grammar, res.token_ids, res.finish_detail == "grammar")
+        if res.finish_detail == "grammar" and isinstance(req.grammar, JsonSchema):
             jsonschema.Draft202012Validator(schema).validate(json.loads(res.text))
 
 
@@ -440,15 +441,21 @@ def test_cli_generate_json(tmp_path):
         "cpu",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode in (0, 3), proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     [res] = out["results"]
-    assert res["finish_reason"] in ("grammar", "length") and res["num_tokens"] > 0
-    if res["finish_reason"] == "grammar":
+    assert res["finish_detail"] in ("grammar", "length") and res["num_tokens"] > 0
+    assert proc.returncode == (3 if res["finish_detail"] == "length" else 0)  # 3: cut output
+    if res["finish_detail"] == "grammar":
         jsonschema.Draft202012Validator(schema).validate(json.loads(res["text"]))
     assert out["summary"]["requests"] == 1 and out["summary"]["errors"] == 0
     # on CPU: the model's own forward, no graphs
-    assert out["runner"] == {"device": "cpu", "decoder": "hf", "cuda_graphs": False}
+    assert {k: out["runner"][k] for k in ("device", "decoder", "cuda_graphs")} == {
+        "device": "cpu",
+        "decoder": "hf",
+        "cuda_graphs": False,
+    }
+    assert out["runner"]["forced_tokens"] is DEFAULT_FORCED_TOKENS  # says whether it is on
 
 
 @pytest.mark.parametrize(

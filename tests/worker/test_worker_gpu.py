@@ -78,10 +78,10 @@ def test_overlap_equals_sync_on_cuda(setup, draft):
         (r.token_ids, r.finish_reason) for r in off
     ]
     for r, schema in zip(on, schemas):
-        assert r.finish_reason in ("grammar", "length"), r.error
+        assert r.finish_detail in ("grammar", "length"), r.error
         m = backend.matcher(backend.compile(JsonSchema(schema)))
         assert m.accept_tokens(r.token_ids) == len(r.token_ids)  # oracle: a fresh matcher
-        if r.finish_reason == "grammar":
+        if r.finish_detail == "grammar":
             jsonschema.validate(json.loads(r.text), schema)
     assert on[-1].num_tokens == 24
 

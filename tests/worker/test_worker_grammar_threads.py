@@ -143,7 +143,7 @@ def test_threads_give_the_one_thread_output(name, threads, overlap):
         (r.rid, r.token_ids, r.finish_reason) for r in ref
     ]
     assert all(g.error is None for g in got)
-    assert ref[1].finish_reason == "grammar" and ref[1].num_tokens < MAX_NEW  # the early finisher
+    assert ref[1].finish_detail == "grammar" and ref[1].num_tokens < MAX_NEW  # the early finisher
     # per-request grammar time is still measured for every grammar request
     assert all(g.grammar_ms_hidden + g.grammar_ms_exposed > 0 for g in got if g.rid != "plain")
 

@@ -121,7 +121,7 @@ def test_worker_outputs_identical_with_and_without_graphs():
         ) as w:
             out = w.run(reqs)
             assert any(s.lazy_requests for s in w.step_stats) == bool(lazy)
-        return [(r.token_ids, r.finish_reason) for r in out], runner.graph_captures
+        return [(r.token_ids, r.finish_detail) for r in out], runner.graph_captures
 
     want, _ = run(False, False, lazy=False)
     for overlap, lazy in ((True, False), (False, False), (True, True)):
