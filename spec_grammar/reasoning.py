@@ -21,12 +21,53 @@ import torch
 
 from .errors import GrammarSpecError
 from .protocol import SpecGrammar
+from .tokenizer_info import TokenizerInfo
 from .tree import DraftTree
 from .vocab import encode_ids
 
-__all__ = ["ReasoningGrammar"]
+__all__ = ["ReasoningGrammar", "resolve_marker", "reasoning_token_count"]
 
 _TREE_DEPTH_MARGIN = 64
+
+
+def resolve_marker(info: TokenizerInfo, end_marker: str | Sequence[int]) -> tuple[bytes, list[int]]:
+    """The marker's bytes and the token ids that spell it (text is encoded with the tokenizer).
+
+    Raises :class:`GrammarSpecError` for an empty marker, ids outside the tokenizer or ids that
+    do not spell the text."""
+    if isinstance(end_marker, str):
+        marker = end_marker.encode()
+        ids = encode_ids(info.hf_tokenizer, end_marker) if end_marker else []
+    else:
+        ids = [int(t) for t in end_marker]
+        bad = [t for t in ids if not 0 <= t < info.tokenizer_vocab_size]
+        if bad:
+            raise GrammarSpecError(f"reasoning end marker token ids out of range: {bad}")
+        marker = b"".join(info.token_bytes[t] for t in ids)
+    if not marker:
+        raise GrammarSpecError("the reasoning end marker is empty")
+    if b"".join(info.token_bytes[t] for t in ids) != marker:
+        raise GrammarSpecError(
+            f"the tokenizer does not spell the reasoning end marker {marker!r} with {ids}: "
+            "pass its token ids"
+        )
+    return marker, ids
+
+
+def reasoning_token_count(
+    info: TokenizerInfo, token_ids: Sequence[int], marker: bytes
+) -> int | None:
+    """How many of ``token_ids`` are reasoning (marker included): the first token boundary
+    where the text so far ends with ``marker``, as :class:`ReasoningGrammar` finds it; None when
+    the marker never ends at a boundary."""
+    keep = len(marker) - 1
+    tail = b""
+    for n, t in enumerate(token_ids, 1):
+        text = tail + (info.token_bytes[t] if 0 <= t < info.tokenizer_vocab_size else b"")
+        if text.endswith(marker):
+            return n
+        tail = text[-keep:] if keep else b""
+    return None
 
 
 class ReasoningGrammar(SpecGrammar):
@@ -61,23 +102,7 @@ class ReasoningGrammar(SpecGrammar):
         super().__init__(inner.info, max_rollback_tokens=inner.max_rollback_tokens)
         if inner.num_accepted:
             raise GrammarSpecError("ReasoningGrammar needs a fresh inner matcher")
-        info = inner.info
-        if isinstance(end_marker, str):
-            marker = end_marker.encode()
-            ids = encode_ids(info.hf_tokenizer, end_marker) if end_marker else []
-        else:
-            ids = [int(t) for t in end_marker]
-            bad = [t for t in ids if not 0 <= t < info.tokenizer_vocab_size]
-            if bad:
-                raise GrammarSpecError(f"reasoning end marker token ids out of range: {bad}")
-            marker = b"".join(info.token_bytes[t] for t in ids)
-        if not marker:
-            raise GrammarSpecError("the reasoning end marker is empty")
-        if b"".join(info.token_bytes[t] for t in ids) != marker:
-            raise GrammarSpecError(
-                f"the tokenizer does not spell the reasoning end marker {marker!r} with "
-                f"{ids}: pass its token ids"
-            )
+        marker, ids = resolve_marker(inner.info, end_marker)
         if max_reasoning_tokens is not None and (
             isinstance(max_reasoning_tokens, bool) or int(max_reasoning_tokens) < 0
         ):

@@ -58,6 +58,8 @@ import torch
 
 from ..errors import SpecGrammarError
 from ..protocol import GrammarBackend
+from ..reasoning import ReasoningGrammar, reasoning_token_count, resolve_marker
+from ..tokenizer_info import TokenizerInfo
 from ..tree import DraftTree
 from .batch_verify import (
     GreedyRequest,
@@ -228,6 +230,7 @@ class SpecWorker:
             )
         )
         self.tokenizer = tokenizer
+        self._plain_token_info: TokenizerInfo | None = None
         self.backend = self._grammar_backend(backend)
         self.drafter = self._make_drafter()
         self.stop_token_ids = self._stop_tokens()
@@ -385,6 +388,10 @@ class SpecWorker:
             try:
                 compiled = self.backend.compile(req.grammar)
                 st.matcher = self.backend.matcher(compiled)
+                if req.reasoning_end is not None:
+                    st.matcher = ReasoningGrammar(
+                        st.matcher, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens
+                    )
                 st.warnings = compiled.warnings
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
@@ -980,13 +987,37 @@ class SpecWorker:
         text = self.tokenizer.decode(st.output_ids)
         return any(s and s in text for s in st.sampling.stop)
 
+    def _split_reasoning(self, st: RequestState) -> tuple[str | None, list[int]]:
+        """(reasoning text without the marker, the output ids after it) of a request with
+        ``reasoning_end``; (None, all output ids) otherwise or for a bad marker (the request
+        already ended with its error)."""
+        end = st.request.reasoning_end
+        if end is None or not st.output_ids:
+            return None, st.output_ids
+        info = self.backend.tokenizer_info if self.backend is not None else self._token_info()
+        try:
+            marker, _ = resolve_marker(info, end)
+        except SpecGrammarError:
+            return None, st.output_ids
+        k = reasoning_token_count(info, st.output_ids, marker)
+        if k is None:
+            return self.tokenizer.decode(st.output_ids), []
+        reasoning = self.tokenizer.decode(st.output_ids[:k])
+        return reasoning.removesuffix(marker.decode("utf-8", "replace")), st.output_ids[k:]
+
+    def _token_info(self) -> TokenizerInfo:
+        if self._plain_token_info is None:
+            self._plain_token_info = TokenizerInfo.from_huggingface(self.tokenizer)
+        return self._plain_token_info
+
     def _release(self, st: RequestState) -> None:
         if st.rid in self.runner.request_ids:
             self.runner.remove(st.rid)
             self.drafter.remove(st.rid)
 
     def _result(self, st: RequestState) -> RequestResult:
-        text = self.tokenizer.decode(st.output_ids)
+        reasoning, output = self._split_reasoning(st)
+        text = self.tokenizer.decode(output)
         if st.finish_reason == "stop" and st.sampling.stop:
             cuts = [text.find(s) for s in st.sampling.stop if s and s in text]
             if cuts:
@@ -998,6 +1029,7 @@ class SpecWorker:
             text=text,
             token_ids=list(st.output_ids),
             prompt_tokens=len(st.prompt_ids),
+            reasoning_text=reasoning,
             finish_reason=st.finish_reason or "error",
             error=st.error,
             num_tokens=n,

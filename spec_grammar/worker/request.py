@@ -46,12 +46,21 @@ class Request:
         grammar: the constraint, or None for plain decoding.
         sampling: a :class:`~spec_grammar.worker.sampling.SamplingParams` (None = defaults).
         rid: a unique id (one is made up when None).
+        reasoning_end: the reasoning end marker (text such as ``"</think>"``, or token ids):
+            output up to and including it is free text, the grammar applies after it
+            (:class:`~spec_grammar.reasoning.ReasoningGrammar`); the result's ``text`` is then
+            the part after the marker and ``reasoning_text`` the part before it. None: the
+            grammar applies from the first token.
+        max_reasoning_tokens: with ``reasoning_end``, the reasoning budget: after that many
+            tokens without the marker, the marker is forced.
     """
 
     prompt: str | list[int]
     grammar: GrammarSpec | None = None
     sampling: Any = None
     rid: str | None = None
+    reasoning_end: str | list[int] | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.rid is None:
@@ -95,6 +104,7 @@ def check_request(req: Request) -> SamplingParams:
             f"request {req.rid}: grammar must be a spec (JsonSchema, Regex, Ebnf, Lark, ToolCalls) or None, "
             f"got {type(req.grammar).__name__}"
         )
+    _check_reasoning(req)
     if req.sampling is None or isinstance(req.sampling, SamplingParams):
         return req.sampling or SamplingParams()
     if not isinstance(req.sampling, dict):
@@ -105,6 +115,26 @@ def check_request(req: Request) -> SamplingParams:
         return SamplingParams(**req.sampling)
     except ValidationError as e:
         raise RequestError(f"request {req.rid}: bad sampling: {one_line(e)}") from None
+
+
+def _check_reasoning(req: Request) -> None:
+    end, budget = req.reasoning_end, req.max_reasoning_tokens
+    if end is not None:
+        ids_ok = isinstance(end, (list, tuple)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in end
+        )
+        if not (isinstance(end, str) or ids_ok) or not end:
+            raise RequestError(
+                f"request {req.rid}: reasoning_end must be non-empty text or a list of token ids, "
+                f"got {end!r:.60}"
+            )
+    if budget is not None:
+        if end is None:
+            raise RequestError(f"request {req.rid}: max_reasoning_tokens needs reasoning_end")
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+            raise RequestError(
+                f"request {req.rid}: max_reasoning_tokens must be an int >= 0, got {budget!r:.40}"
+            )
 
 
 @dataclass(eq=False)
@@ -198,6 +228,9 @@ class RequestResult(BaseModel):
     text: str
     token_ids: list[int]
     prompt_tokens: int
+    reasoning_text: str | None = None
+    """With ``reasoning_end``: the output before the marker (``text`` is the part after it);
+    the whole output when the marker never came."""
     finish_reason: FinishReason
     error: str | None = None
     num_tokens: int
