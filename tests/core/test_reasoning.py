@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import check_tree_against_replay, row_of
 
 from spec_grammar import (
-    DraftTree,
     GrammarStateError,
     JsonSchema,
-    allocate_token_bitmask,
     get_backend,
 )
 from spec_grammar.errors import GrammarSpecError
@@ -39,12 +38,6 @@ def grammar(request, tok):
 def make(grammar, **kw):
     backend, compiled = grammar
     return ReasoningGrammar(backend.matcher(compiled), MARKER, **kw)
-
-
-def row_of(m):
-    buf = allocate_token_bitmask(1, m.info.vocab_size)
-    m.fill_next_token_bitmask(buf, 0)
-    return buf.numpy()[0].copy()
 
 
 def free_row(info):
@@ -186,30 +179,4 @@ def test_tree_rows_straddling_the_marker_equal_replay(grammar, tok, data):
         [-1] + list(range(chain)) + [data.draw(st.integers(0, i - 1)) for i in range(chain + 1, n)]
     )
     tokens = [0] + rest[:chain] + [data.draw(st.sampled_from(pool)) for _ in range(chain + 1, n)]
-    tree = DraftTree.from_parents(tokens, parents)
-
-    m = make(grammar)
-    assert m.accept_tokens(prefix) == len(prefix)
-    buf = allocate_token_bitmask(n, m.info.vocab_size)
-    valid = m.fill_tree_bitmask(tree, buf, 0).tolist()
-    assert m.num_accepted == len(prefix)
-
-    for node in range(n):
-        path = []
-        v = node
-        while v > 0:
-            path.append(tokens[v])
-            v = parents[v]
-        path.reverse()
-        fresh = make(grammar)
-        fresh.accept_tokens(prefix)
-        ok = True
-        for t in path:
-            if fresh.is_terminated() or not fresh.accept_token(t):
-                ok = False
-                break
-        assert valid[node] == ok, (node, path)
-        if ok and not fresh.is_terminated():
-            assert (buf.numpy()[node] == row_of(fresh)).all(), (node, path)
-        else:
-            assert not buf.numpy()[node].any()
+    check_tree_against_replay(lambda: make(grammar), prefix, tokens, parents)
