@@ -77,7 +77,14 @@ def reference(name: str) -> list:
     return run(name, no_spec=True)
 
 
-@pytest.mark.parametrize("name", JSON_BACKENDS)
+# xgrammar in the default run; the others (their matchers are checked in
+# tests/core/test_reasoning.py) under --run-slow
+SLOW = [pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(b, marks=[] if b == "xgrammar" else SLOW) for b in JSON_BACKENDS]
+)
 def test_reasoning_outputs_follow_the_grammar_after_the_marker(name):
     info = backend(name).tokenizer_info
     marker = MARKER.encode()
@@ -103,7 +110,7 @@ def test_reasoning_outputs_follow_the_grammar_after_the_marker(name):
 @pytest.mark.parametrize(
     "name,config",
     [
-        pytest.param(b, c, marks=[pytest.mark.slow] if c == "ngram-tree-sync" else [])
+        pytest.param(b, c, marks=[] if b == "xgrammar" and c != "ngram-tree-sync" else SLOW)
         for b in JSON_BACKENDS
         for c in (CONFIGS if b == "xgrammar" else ("ngram-tree-overlap",))
     ],
