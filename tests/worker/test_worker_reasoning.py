@@ -29,7 +29,10 @@ SCHEMA = {
 }
 PROMPT = f"Think step by step, write {MARKER}, then answer in JSON: which city is Paris in?"
 CONFIGS = {
-    "ngram-tree-overlap": dict(draft="ngram", num_draft_tokens=6, overlap=True),
+    # forced tokens and constrained drafting with the n-gram drafter, a model drafter without
+    "ngram-tree-overlap": dict(
+        draft="ngram", num_draft_tokens=6, overlap=True, forced_tokens=True, constrain_draft=True
+    ),
     "ngram-tree-sync": dict(draft="ngram", num_draft_tokens=6, overlap=False),
     "ngram-lazy": dict(draft="ngram", num_draft_tokens=6, lazy_grammar=True),
     "self-tree": dict(draft="self:2", topk=2, num_steps=3, num_draft_tokens=6),

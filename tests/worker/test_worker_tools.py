@@ -23,7 +23,10 @@ pytestmark = pytest.mark.model
 
 MAX_NEW = 64
 CONFIGS = {
-    "ngram-tree-overlap": dict(draft="ngram", num_draft_tokens=6, overlap=True),
+    # forced tokens and constrained drafting with the n-gram drafter, a model drafter without
+    "ngram-tree-overlap": dict(
+        draft="ngram", num_draft_tokens=6, overlap=True, forced_tokens=True, constrain_draft=True
+    ),
     "ngram-lazy": dict(draft="ngram", num_draft_tokens=6, lazy_grammar=True),
     "self-tree-sync": dict(draft="self:2", topk=2, num_steps=3, num_draft_tokens=6, overlap=False),
 }
