@@ -11,7 +11,14 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .errors import GrammarSpecError
 from .json_schema.limits import OutputLimits
@@ -137,13 +144,39 @@ class Lark(GrammarSpec):
         super().__init__(**data)
 
 
-class ToolCalls(GrammarSpec):
-    """Output is the ``tool_choice="required"`` JSON array ``[{"name": ..., "arguments": {...}}, ...]``
-    (at least one call) for an OpenAI-style tool list
-    ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
+ToolCallFormat = Literal["json_array", "tagged"]
+"""How tool calls are written.
 
-    Backends compile it through :meth:`to_json_schema` (``limits`` included: ``max_items``
-    caps the calls too where ``parallel_tool_calls`` leaves their number open).
+- ``json_array``: the whole output is ``[{"name": ..., "arguments": {...}}, ...]``.
+- ``tagged``: each call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (the
+  Hermes / Qwen convention; tags configurable), with free text around the calls under
+  ``tool_choice="auto"`` (:class:`~spec_grammar.tool_calls.TaggedToolCalls`).
+"""
+
+
+class ToolCalls(GrammarSpec):
+    """Tool calls for an OpenAI-style tool list
+    ``[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]``.
+
+    Fields (OpenAI chat-completions semantics):
+
+    - ``tool_choice``: ``"required"`` (at least one call; the default), ``"auto"`` (free text
+      or calls: needs the ``tagged`` format), a function name or
+      ``{"type": "function", "function": {"name": ...}}`` (that function only, at least once).
+    - ``parallel_tool_calls``: False = at most one call.
+    - ``max_tool_calls``: a bound on the number of calls (None: no bound).
+    - ``format``: ``json_array`` (default) or ``tagged`` (default under ``"auto"``), with
+      ``call_open`` / ``call_close`` as the tags.
+    - a function with ``"strict": true`` gets OpenAI's strict schema: every object of its
+      parameters takes no keys beyond its ``properties`` and requires all of them.
+
+    - ``limits``: output limits (:class:`~spec_grammar.json_schema.limits.OutputLimits`) for
+      the call JSON; ``max_items`` caps the number of calls where neither
+      ``parallel_tool_calls`` nor ``max_tool_calls`` bounds it.
+
+    Backends compile :meth:`to_json_schema` (the whole array, or one call for ``tagged``).
+    Raises :class:`~spec_grammar.errors.GrammarSpecError` for no tools, a tool without a name,
+    ``tool_choice="none"`` or an unknown function, ``"auto"`` with the ``json_array`` format.
     """
 
     kind: Literal["tool_calls"] = "tool_calls"
@@ -151,6 +184,11 @@ class ToolCalls(GrammarSpec):
     whitespace: Whitespace = "spaced"
     parallel_tool_calls: bool = True
     limits: OutputLimits | None = None
+    tool_choice: str = "required"
+    max_tool_calls: int | None = Field(None, ge=1)
+    format: ToolCallFormat | None = None
+    call_open: str = Field("<tool_call>", min_length=1)
+    call_close: str = Field("</tool_call>", min_length=1)
 
     def __init__(self, tools: Any = None, /, **data: Any):
         if tools is not None:
@@ -171,16 +209,64 @@ class ToolCalls(GrammarSpec):
                 raise ValueError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema")
         return tools
 
-    def to_json_schema(self) -> JsonSchema:
-        """The equivalent :class:`JsonSchema` (array of ``anyOf`` over the tools, name first).
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _named_choice(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # {"type": "function", "function": {"name": "f"}}
+            name = (value.get("function") or {}).get("name")
+            if not isinstance(name, str):
+                raise ValueError("a named tool_choice needs function.name")
+            return name
+        return value
+
+    @model_validator(mode="after")
+    def _check_choice(self) -> ToolCalls:
+        if self.tool_choice == "none":
+            raise ValueError(
+                'tool_choice="none" asks for no tool call: send the request without a '
+                "ToolCalls grammar"
+            )
+        names = [t.get("function", t)["name"] for t in self.tools]
+        if self.tool_choice not in ("required", "auto") and self.tool_choice not in names:
+            raise ValueError(
+                f"tool_choice names {self.tool_choice!r}, which is not in tools {names}"
+            )
+        if self.tool_choice == "auto" and self.format == "json_array":
+            raise ValueError(
+                'tool_choice="auto" needs the tagged format (free text around the calls)'
+            )
+        return self
+
+    @property
+    def call_format(self) -> ToolCallFormat:
+        """The format in effect: ``format``, else ``tagged`` under ``"auto"``, else
+        ``json_array``."""
+        return self.format or ("tagged" if self.tool_choice == "auto" else "json_array")
+
+    @property
+    def max_calls(self) -> int | None:
+        """The most calls allowed: 1 without parallel calls, else ``max_tool_calls``."""
+        return 1 if not self.parallel_tool_calls else self.max_tool_calls
+
+    def functions(self) -> list[dict[str, Any]]:
+        """The function dicts a call may name (one under a named ``tool_choice``)."""
+        fns = [t.get("function", t) for t in self.tools]
+        if self.tool_choice in ("required", "auto"):
+            return fns
+        return [f for f in fns if f["name"] == self.tool_choice]
+
+    def call_schema(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(schema of one call, ``$defs`` it needs): ``{"name": const, "arguments": params}``
+        per selected function, ``anyOf`` when several.
 
         Parameters with local references (``#``, ``#/$defs/X``: what pydantic writes for
         nested models) move to ``#/$defs/tool<i>`` with their refs rebased there, so they still
         resolve (outlines-core follows pointers through object keys only)."""
         variants, defs = [], {}
-        for i, tool in enumerate(self.tools):
-            fn = tool.get("function", tool)
+        for i, fn in enumerate(self.functions()):
             params = fn.get("parameters", {"type": "object", "properties": {}})
+            if fn.get("strict") is True:
+                params = openai_strict(params)
             rebased = _rebase_refs(params, f"#/$defs/tool{i}")
             if rebased != params:
                 defs[f"tool{i}"], params = rebased, {"$ref": f"#/$defs/tool{i}"}
@@ -195,13 +281,36 @@ class ToolCalls(GrammarSpec):
                     "additionalProperties": False,
                 }
             )
-        items = variants[0] if len(variants) == 1 else {"anyOf": variants}
-        schema: dict[str, Any] = {"type": "array", "items": items, "minItems": 1}
-        if not self.parallel_tool_calls:
-            schema["maxItems"] = 1
+        return (variants[0] if len(variants) == 1 else {"anyOf": variants}), defs
+
+    def to_json_schema(self) -> JsonSchema:
+        """The :class:`JsonSchema` a backend compiles: the array of calls (``json_array``) or
+        one call (``tagged``: the tags and the text around calls are
+        :class:`~spec_grammar.tool_calls.TaggedToolCalls`' work)."""
+        call, defs = self.call_schema()
+        if self.call_format == "tagged":
+            schema: dict[str, Any] = dict(call)
+        else:
+            schema = {"type": "array", "items": call, "minItems": 1}
+            if self.max_calls is not None:
+                schema["maxItems"] = self.max_calls
         if defs:
             schema["$defs"] = defs
         return JsonSchema(schema, whitespace=self.whitespace, limits=self.limits)
+
+
+def openai_strict(schema: Any) -> Any:
+    """``schema`` as OpenAI's strict mode reads a function's parameters: every object schema
+    (``type: object`` or with ``properties``) takes only its ``properties``
+    (``additionalProperties: false``) and requires every one of them."""
+
+    def strict(node: dict[str, Any], _where: str) -> dict[str, Any]:
+        if node.get("type") == "object" or "properties" in node:
+            props = node.get("properties", {})
+            return {**node, "required": list(props), "additionalProperties": False}
+        return node
+
+    return map_subschemas(schema, strict)
 
 
 def _rebase_refs(schema: Any, at: str) -> Any:

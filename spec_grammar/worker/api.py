@@ -203,10 +203,19 @@ def schema_prompt(grammar: Any, task: str | None = None) -> str:
         return f"{task}\nAnswer with one JSON document valid under this JSON schema:\n{spec.schema_json()}"
     if isinstance(spec, ToolCalls):
         tools = json.dumps(spec.tools, ensure_ascii=False)
-        return (
-            f"{task}\nYou can call these tools:\n{tools}\nAnswer with a JSON list of calls, each "
-            '{"name": ..., "arguments": {...}}.'
-        )
+        if spec.call_format == "json_array":
+            how = 'Answer with a JSON list of calls, each {"name": ..., "arguments": {...}}.'
+        else:
+            how = (
+                f'Call a tool by writing {spec.call_open}{{"name": ..., "arguments": {{...}}}}'
+                f"{spec.call_close}"
+                + (
+                    ", or answer in plain text when no tool fits."
+                    if spec.tool_choice == "auto"
+                    else "."
+                )
+            )
+        return f"{task}\nYou can call these tools:\n{tools}\n{how}"
     if isinstance(spec, Regex):
         return f"{task}\nAnswer with text matching the regular expression: {spec.pattern}"
     if isinstance(spec, (Ebnf, Lark)):

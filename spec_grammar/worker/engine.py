@@ -58,6 +58,10 @@ import torch
 
 from ..errors import SpecGrammarError
 from ..protocol import GrammarBackend
+from ..reasoning import ReasoningGrammar, reasoning_token_count, resolve_marker
+from ..specs import ToolCalls
+from ..tokenizer_info import TokenizerInfo
+from ..tool_calls import parse_tool_calls
 from ..tree import DraftTree
 from .batch_verify import (
     GreedyRequest,
@@ -237,6 +241,7 @@ class SpecWorker:
             )
         )
         self.tokenizer = tokenizer
+        self._plain_token_info: TokenizerInfo | None = None
         self.backend = self._grammar_backend(backend)
         self.drafter = self._make_drafter()
         self.stop_token_ids = self._stop_tokens()
@@ -394,6 +399,10 @@ class SpecWorker:
             try:
                 compiled = self.backend.compile(req.grammar)
                 st.matcher = self.backend.matcher(compiled)
+                if req.reasoning_end is not None:
+                    st.matcher = ReasoningGrammar(
+                        st.matcher, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens
+                    )
                 st.warnings = compiled.warnings
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
@@ -989,13 +998,50 @@ class SpecWorker:
         text = self.tokenizer.decode(st.output_ids)
         return any(s and s in text for s in st.sampling.stop)
 
+    def _split_reasoning(self, st: RequestState, text: str) -> tuple[str | None, str]:
+        """(reasoning text without the marker, the text after it) of a request with
+        ``reasoning_end`` (all of ``text`` is reasoning when the marker never came); (None,
+        ``text``) otherwise or for a bad marker (the request already ended with its error)."""
+        end = st.request.reasoning_end
+        if end is None:
+            return None, text
+        info = self.backend.tokenizer_info if self.backend is not None else self._token_info()
+        try:
+            marker, _ = resolve_marker(info, end)
+        except SpecGrammarError:
+            return None, text
+        k = reasoning_token_count(info, st.output_ids, marker)
+        if k is None:
+            return text, ""
+        head = self.tokenizer.decode(st.output_ids[:k])
+        return head.removesuffix(marker.decode("utf-8", "replace")), text[len(head) :]
+
+    @staticmethod
+    def _tool_calls(st: RequestState, text: str) -> tuple[str | None, list[dict] | None]:
+        """(message content, parsed calls) of a tool-call request its grammar completed;
+        (None, None) for any other (no calls: None)."""
+        spec = st.request.grammar
+        if not isinstance(spec, ToolCalls) or st.finish_reason != "grammar":
+            return None, None
+        try:
+            content, calls = parse_tool_calls(text, spec)
+        except ValueError:  # a grammar's document always parses; never fail the result on it
+            return None, None
+        return content, calls or None
+
+    def _token_info(self) -> TokenizerInfo:
+        if self._plain_token_info is None:
+            self._plain_token_info = TokenizerInfo.from_huggingface(self.tokenizer)
+        return self._plain_token_info
+
     def _release(self, st: RequestState) -> None:
         if st.rid in self.runner.request_ids:
             self.runner.remove(st.rid)
             self.drafter.remove(st.rid)
 
     def _result(self, st: RequestState) -> RequestResult:
-        text = committed_text(self.tokenizer, st)
+        reasoning, text = self._split_reasoning(st, committed_text(self.tokenizer, st))
+        content, calls = self._tool_calls(st, text)
         n = len(st.output_ids)
         wall = max(st.end_s - st.start_s, 1e-9)
         return RequestResult(
@@ -1003,7 +1049,10 @@ class SpecWorker:
             text=text,
             token_ids=list(st.output_ids),
             prompt_tokens=len(st.prompt_ids),
-            finish_reason=finish_reason_of(st.finish_reason or "error", st.request.grammar),
+            reasoning_text=reasoning,
+            content=content,
+            tool_calls=calls,
+            finish_reason=finish_reason_of(st.finish_reason or "error", st.request.grammar, text),
             finish_detail=st.finish_reason or "error",
             error=st.error,
             num_tokens=n,

@@ -46,12 +46,20 @@ is complete); ``length`` = ``max_new_tokens``; ``error`` = the grammar failed to
 matcher refused a committed token; ``cancelled`` = :meth:`SpecWorker.cancel` was called."""
 
 
-def finish_reason_of(detail: FinishDetail, grammar: GrammarSpec | None) -> FinishReason:
-    """The OpenAI ``finish_reason`` of a request that ended for ``detail`` under ``grammar``."""
+def finish_reason_of(
+    detail: FinishDetail, grammar: GrammarSpec | None, text: str = ""
+) -> FinishReason:
+    """The OpenAI ``finish_reason`` of a request that ended for ``detail`` under ``grammar``
+    with output ``text``: ``tool_calls`` when a tool-call grammar completed with calls (a
+    tagged-format output without any call is a text answer: ``stop``)."""
     if detail in ("eos", "stop_string"):
         return "stop"
     if detail == "grammar":
-        return "tool_calls" if isinstance(grammar, ToolCalls) else "stop"
+        if isinstance(grammar, ToolCalls) and (
+            grammar.call_format == "json_array" or grammar.call_open in text
+        ):
+            return "tool_calls"
+        return "stop"
     return detail
 
 
@@ -68,12 +76,21 @@ class Request:
             None for plain decoding.
         sampling: a :class:`~spec_grammar.worker.sampling.SamplingParams` (None = defaults).
         rid: a unique id (one is made up when None).
+        reasoning_end: the reasoning end marker (text such as ``"</think>"``, or token ids):
+            output up to and including it is free text, the grammar applies after it
+            (:class:`~spec_grammar.reasoning.ReasoningGrammar`); the result's ``text`` is then
+            the part after the marker and ``reasoning_text`` the part before it. None: the
+            grammar applies from the first token.
+        max_reasoning_tokens: with ``reasoning_end``, the reasoning budget: after that many
+            tokens without the marker, the marker is forced.
     """
 
     prompt: str | list[int]
     grammar: GrammarSpec | None = None
     sampling: Any = None
     rid: str | None = None
+    reasoning_end: str | list[int] | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.rid is None:
@@ -117,6 +134,7 @@ def check_request(req: Request) -> SamplingParams:
         req.grammar = as_grammar_spec(req.grammar)
     except (TypeError, ValueError) as e:
         raise RequestError(f"request {req.rid}: {e}") from None
+    _check_reasoning(req)
     if req.sampling is None or isinstance(req.sampling, SamplingParams):
         return req.sampling or SamplingParams()
     if not isinstance(req.sampling, dict):
@@ -127,6 +145,26 @@ def check_request(req: Request) -> SamplingParams:
         return SamplingParams(**req.sampling)
     except ValidationError as e:
         raise RequestError(f"request {req.rid}: bad sampling: {one_line(e)}") from None
+
+
+def _check_reasoning(req: Request) -> None:
+    end, budget = req.reasoning_end, req.max_reasoning_tokens
+    if end is not None:
+        ids_ok = isinstance(end, (list, tuple)) and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in end
+        )
+        if not (isinstance(end, str) or ids_ok) or not end:
+            raise RequestError(
+                f"request {req.rid}: reasoning_end must be non-empty text or a list of token ids, "
+                f"got {end!r:.60}"
+            )
+    if budget is not None:
+        if end is None:
+            raise RequestError(f"request {req.rid}: max_reasoning_tokens needs reasoning_end")
+        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or budget < 0:
+            raise RequestError(
+                f"request {req.rid}: max_reasoning_tokens must be an int >= 0, got {budget!r:.40}"
+            )
 
 
 @dataclass(eq=False)
@@ -220,6 +258,13 @@ class RequestResult(BaseModel):
     text: str
     token_ids: list[int]
     prompt_tokens: int
+    reasoning_text: str | None = None
+    """With ``reasoning_end``: the output before the marker (``text`` is the part after it);
+    the whole output when the marker never came."""
+    tool_calls: list[dict[str, Any]] | None = None
+    """A tool-call grammar's calls once it completed, each ``{"name", "arguments"}``."""
+    content: str | None = None
+    """With ``tool_calls``: the text around the calls (tagged format), None for a JSON array."""
     finish_reason: FinishReason
     finish_detail: FinishDetail
     """The worker's finer reason (:data:`FinishDetail`): ``grammar`` (document complete),
@@ -236,17 +281,17 @@ class RequestResult(BaseModel):
 
     def message(self) -> dict[str, Any]:
         """The output as an OpenAI chat-completion message: ``{"role": "assistant",
-        "content": text}``; when a tool-call grammar completed (``finish_reason ==
-        "tool_calls"``), ``content`` None and ``tool_calls`` =
-        ``[{"id", "type": "function", "function": {"name", "arguments"}}]`` with the
-        arguments as JSON text, as OpenAI returns them."""
-        if self.finish_reason != "tool_calls":
-            return {"role": "assistant", "content": self.text}
-        calls = json.loads(self.text)
-        return {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
+        "content": text}``; when a tool-call grammar completed with calls (``finish_reason ==
+        "tool_calls"``), ``content`` = the text around the calls (None for a JSON array) and
+        ``tool_calls`` = ``[{"id", "type": "function", "function": {"name", "arguments"}}]``
+        with the arguments as JSON text, as OpenAI returns them; with a reasoning marker, the
+        reasoning in ``reasoning_content`` (vLLM's and DeepSeek's field)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning_text is not None:
+            msg["reasoning_content"] = self.reasoning_text
+        if self.tool_calls:
+            msg["content"] = self.content
+            msg["tool_calls"] = [
                 {
                     "id": f"call_{self.rid}_{i}",
                     "type": "function",
@@ -255,9 +300,9 @@ class RequestResult(BaseModel):
                         "arguments": json.dumps(call["arguments"], ensure_ascii=False),
                     },
                 }
-                for i, call in enumerate(calls)
-            ],
-        }
+                for i, call in enumerate(self.tool_calls)
+            ]
+        return msg
 
 
 class StepStats(BaseModel):

@@ -64,7 +64,7 @@ class TextStream:
             text = committed_text(self.tokenizer, st) if st.output_ids else ""
             if st.finished:
                 self._done.add(rid)
-                reason = finish_reason_of(st.finish_reason or "error", st.request.grammar)
+                reason = finish_reason_of(st.finish_reason or "error", st.request.grammar, text)
                 self.on_chunk(StreamChunk(rid, text[sent:], reason))
                 continue
             stops = st.sampling.stop if st.sampling is not None else ()

@@ -43,3 +43,44 @@ def state_error(m, ref, run: list[int]) -> str | None:
     m.fill_next_token_bitmask(a)
     ref.fill_next_token_bitmask(b)
     return None if torch.equal(a, b) else "next-token masks differ"
+
+
+def row_of(m):
+    """The matcher's next-token row, a fresh ``(W,)`` int32 array."""
+    from spec_grammar import allocate_token_bitmask
+
+    buf = allocate_token_bitmask(1, m.info.vocab_size)
+    m.fill_next_token_bitmask(buf, 0)
+    return buf.numpy()[0].copy()
+
+
+def check_tree_against_replay(make, prefix: list[int], tokens: list[int], parents: list[int]):
+    """``make()`` -> a fresh matcher. Fills the tree (``tokens``/``parents``) after ``prefix``
+    and asserts every valid flag and row equals a fresh matcher replaying that node's path, and
+    that the fill left the matcher where it was."""
+    from spec_grammar import DraftTree, allocate_token_bitmask
+
+    tree = DraftTree.from_parents(tokens, parents)
+    m = make()
+    assert m.accept_tokens(prefix) == len(prefix)
+    buf = allocate_token_bitmask(len(tokens), m.info.vocab_size)
+    valid = m.fill_tree_bitmask(tree, buf, 0).tolist()
+    assert m.num_accepted == len(prefix)
+    assert (row_of(m) == buf.numpy()[0]).all()
+    for node in range(len(tokens)):
+        path, v = [], node
+        while v > 0:
+            path.append(tokens[v])
+            v = parents[v]
+        fresh = make()
+        fresh.accept_tokens(prefix)
+        ok = True
+        for t in reversed(path):
+            if fresh.is_terminated() or not fresh.accept_token(t):
+                ok = False
+                break
+        assert valid[node] == ok, (node, path)
+        if ok and not fresh.is_terminated():
+            assert (buf.numpy()[node] == row_of(fresh)).all(), (node, path)
+        else:
+            assert not buf.numpy()[node].any(), (node, path)
