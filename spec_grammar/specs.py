@@ -245,8 +245,15 @@ class ToolCalls(GrammarSpec):
 
     @property
     def max_calls(self) -> int | None:
-        """The most calls allowed: 1 without parallel calls, else ``max_tool_calls``."""
-        return 1 if not self.parallel_tool_calls else self.max_tool_calls
+        """The most calls allowed: 1 without parallel calls, else ``max_tool_calls``, else the
+        output limits' ``max_items`` (at least 1), else None (no bound)."""
+        if not self.parallel_tool_calls:
+            return 1
+        if self.max_tool_calls is not None:
+            return self.max_tool_calls
+        if self.limits is not None and self.limits.max_items is not None:
+            return max(self.limits.max_items, 1)
+        return None
 
     def functions(self) -> list[dict[str, Any]]:
         """The function dicts a call may name (one under a named ``tool_choice``)."""
