@@ -26,7 +26,7 @@ import torch
 from spec_grammar.bitmask import bitmask_width
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import UnsupportedGrammarError
-from spec_grammar.json_schema.limits import bound_numbers
+from spec_grammar.json_schema.limits import bound_numbers, types_of
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
@@ -201,6 +201,20 @@ _BOUNDED_NUMBER = (
 
 _BOUNDED_FRACTION_DIGITS = 6
 """Fraction digits xgrammar 0.2.9 writes at most in a number with bounds (its range regex)."""
+
+
+def _has_number(schema: Any) -> bool:
+    """Whether any subschema is typed ``number`` (fractions: what the bounded form limits)."""
+    found = []
+
+    def look(node: dict[str, Any], _where: str) -> dict[str, Any]:
+        if "number" in types_of(node):
+            found.append(True)
+        return node
+
+    map_subschemas(schema, look)
+    return bool(found)
+
 
 _ESCAPED_NAME = (
     "xgrammar 0.2.9 does not match a property whose name needs a JSON escape while other "
@@ -663,6 +677,12 @@ class XGrammarBackend(GrammarBackend):
                 notes.append(
                     f"max_digits at /: xgrammar 0.2.9 writes up to {_BOUNDED_FRACTION_DIGITS} "
                     f"fraction digits in a bounded number, more than max_digits={digits}"
+                )
+            elif digits is not None and digits > _BOUNDED_FRACTION_DIGITS and _has_number(older):
+                notes.append(
+                    f"max_digits:refuses at /: xgrammar 0.2.9 writes at most "
+                    f"{_BOUNDED_FRACTION_DIGITS} fraction digits in a bounded number, fewer than "
+                    f"max_digits={digits} allows"
                 )
             if older is not spec.json_schema:
                 schema = json.dumps(older, ensure_ascii=False)

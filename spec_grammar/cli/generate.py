@@ -221,7 +221,7 @@ def register(sub) -> None:
 
 def _register_limits(p) -> None:
     """The output-limit flags, in their own help group."""
-    from ..json_schema.limits import DEFAULT_OUTPUT_LIMITS as D
+    from ..json_schema.limit_defaults import DEFAULT_LIMIT_VALUES as D
 
     g = p.add_argument_group(
         "output limits",
@@ -232,32 +232,32 @@ def _register_limits(p) -> None:
         "--max-whitespace",
         type=_positive_int,
         metavar="N",
-        help=f"longest whitespace run between JSON tokens (flexible whitespace; default {D.max_whitespace})",
+        help=f"longest whitespace run between JSON tokens (flexible whitespace; default {D['max_whitespace']})",
     )
     g.add_argument(
         "--max-digits",
         type=_positive_int,
         metavar="N",
-        help=f"most digits in a number's integer / fraction part (default {D.max_digits})",
+        help=f"most digits in a number's integer / fraction part (default {D['max_digits']})",
     )
     g.add_argument(
         "--max-string-length",
         type=_nonnegative_int,
         metavar="N",
-        help=f"maxLength of strings whose schema sets none (default {D.max_string_length})",
+        help=f"maxLength of strings whose schema sets none (default {D['max_string_length']})",
     )
     g.add_argument(
         "--max-items",
         type=_nonnegative_int,
         metavar="N",
-        help=f"maxItems of arrays whose schema sets none (default {D.max_items})",
+        help=f"maxItems of arrays whose schema sets none (default {D['max_items']})",
     )
     g.add_argument(
         "--closed-objects",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="objects whose schema declares properties and says nothing of others take no others "
-        f"(default {'on' if D.closed_objects else 'off'})",
+        f"(default {'on' if D['closed_objects'] else 'off'})",
     )
     g.add_argument(
         "--no-output-limits",
