@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .errors import GrammarSpecError
+from .errors import GrammarSpecError, GrammarStateError
 from .protocol import SpecGrammar
 from .tokenizer_info import TokenizerInfo
 from .tree import DraftTree
@@ -46,6 +46,10 @@ def resolve_marker(info: TokenizerInfo, end_marker: str | Sequence[int]) -> tupl
         marker = b"".join(info.token_bytes[t] for t in ids)
     if not marker:
         raise GrammarSpecError("the reasoning end marker is empty")
+    if set(ids) & set(info.stop_token_ids):
+        raise GrammarSpecError(
+            f"the reasoning end marker {marker!r} holds a stop token (stop tokens end the output)"
+        )
     if b"".join(info.token_bytes[t] for t in ids) != marker:
         raise GrammarSpecError(
             f"the tokenizer does not spell the reasoning end marker {marker!r} with {ids}: "
@@ -104,10 +108,12 @@ class ReasoningGrammar(SpecGrammar):
             raise GrammarSpecError("ReasoningGrammar needs a fresh inner matcher")
         marker, ids = resolve_marker(inner.info, end_marker)
         if max_reasoning_tokens is not None and (
-            isinstance(max_reasoning_tokens, bool) or int(max_reasoning_tokens) < 0
+            isinstance(max_reasoning_tokens, bool)
+            or not hasattr(max_reasoning_tokens, "__index__")
+            or max_reasoning_tokens < 0
         ):
             raise GrammarSpecError(
-                f"max_reasoning_tokens must be None or >= 0, got {max_reasoning_tokens!r}"
+                f"max_reasoning_tokens must be None or an int >= 0, got {max_reasoning_tokens!r}"
             )
         self.inner = inner
         self.end_marker = marker
@@ -170,14 +176,17 @@ class ReasoningGrammar(SpecGrammar):
         return self._fork()._accept_tokens(tokens)
 
     def _rollback(self, num_tokens: int) -> None:
-        k = num_tokens
-        if self._done:
-            in_grammar = min(k, self.inner.num_accepted)
-            if in_grammar:
-                self.inner.rollback(in_grammar)
-            k -= in_grammar
-            if k:
-                self._done = False
+        in_grammar = min(num_tokens, self.inner.num_accepted) if self._done else 0
+        k = num_tokens - in_grammar  # reasoning tokens to undo
+        if k > len(self._tails):  # checked first: nothing changes on a refused rollback
+            raise GrammarStateError(
+                f"rollback({num_tokens}) reaches past the reasoning state kept "
+                "(max_rollback_tokens + a draft-tree depth margin)"
+            )
+        if in_grammar:
+            self.inner.rollback(in_grammar)
+        if k:
+            self._done = False
         for _ in range(k):
             self._tail = self._tails.pop()
         self._num_reasoning -= k
@@ -211,7 +220,16 @@ class ReasoningGrammar(SpecGrammar):
         if self._done:
             return self.inner.forced_tokens()
         pos = self._forced_marker_pos()
-        return [] if pos is None else list(self.end_marker_ids[pos:])
+        if pos is None:
+            return []
+        forced, tail = [], self._tail  # up to the token that completes the marker
+        for t in self.end_marker_ids[pos:]:
+            forced.append(t)
+            text = tail + self.info.token_bytes[t]
+            if text.endswith(self.end_marker):
+                break
+            tail = text[-(len(self.end_marker) - 1) :] if len(self.end_marker) > 1 else b""
+        return forced
 
     def _fill_tree_bitmask(
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int

@@ -182,10 +182,10 @@ class ToolCalls(GrammarSpec):
     kind: Literal["tool_calls"] = "tool_calls"
     tools: list[dict[str, Any]]
     whitespace: Whitespace = "spaced"
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = Field(True, strict=True)
     limits: OutputLimits | None = None
     tool_choice: str = "required"
-    max_tool_calls: int | None = Field(None, ge=1)
+    max_tool_calls: int | None = Field(None, ge=1, strict=True)
     format: ToolCallFormat | None = None
     call_open: str = Field("<tool_call>", min_length=1)
     call_close: str = Field("</tool_call>", min_length=1)
@@ -213,9 +213,18 @@ class ToolCalls(GrammarSpec):
     @classmethod
     def _named_choice(cls, value: Any) -> Any:
         if isinstance(value, dict):  # {"type": "function", "function": {"name": "f"}}
+            if value.get("type", "function") != "function":
+                raise ValueError(
+                    f"a named tool_choice has type 'function', got {value.get('type')!r}"
+                )
             name = (value.get("function") or {}).get("name")
             if not isinstance(name, str):
                 raise ValueError("a named tool_choice needs function.name")
+            if name in ("auto", "required", "none"):
+                raise ValueError(
+                    f"a function named {name!r} cannot be chosen by name (the word is a "
+                    "tool_choice mode): rename it"
+                )
             return name
         return value
 

@@ -16,7 +16,6 @@ it terminated, rows after the trigger left unconstrained).
 from __future__ import annotations
 
 import json
-import re
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .errors import GrammarSpecError
+from .errors import GrammarSpecError, GrammarStateError
 from .protocol import SpecGrammar
 from .specs import ToolCalls
 from .tokenizer_info import TokenizerInfo
@@ -54,8 +53,15 @@ class _Snapshot(NamedTuple):
 
 
 def _spell(info: TokenizerInfo, text: str, what: str) -> tuple[bytes, tuple[int, ...]]:
-    ids = tuple(encode_ids(info.hf_tokenizer, text))
+    """The tag's bytes and canonical ids. Raises :class:`GrammarSpecError` for a tag of
+    whitespace only (free text could never hold a space), one holding a stop token (it would
+    end the output) and one the tokenizer does not spell back exactly."""
     raw = text.encode()
+    if not raw.strip(_WS):
+        raise GrammarSpecError(f"the {what} {text!r} is whitespace only")
+    ids = tuple(encode_ids(info.hf_tokenizer, text))
+    if set(ids) & set(info.stop_token_ids):
+        raise GrammarSpecError(f"the {what} {text!r} holds a stop token")
     if b"".join(info.token_bytes[t] for t in ids) != raw:
         raise GrammarSpecError(f"the tokenizer does not spell the {what} {text!r} back exactly")
     return raw, ids
@@ -78,14 +84,13 @@ def _split_trigger_tokens(info: TokenizerInfo, trigger: bytes) -> list[np.ndarra
         banned: list[list[int]] = [[] for _ in range(n)]
         firsts = set(trigger)
         for t, b in enumerate(info.token_bytes):
+            at = b.find(trigger)  # anywhere in the token
+            if at >= 0 and b[at + n :].strip(_WS):
+                banned[0].append(t)
             if not b or b[0] not in firsts:
                 continue
-            for j in range(n):
-                if j == 0:
-                    at = b.find(trigger)
-                    if at >= 0 and b[at + n :].strip(_WS):
-                        banned[0].append(t)
-                elif b.startswith(trigger[j:]) and b[n - j :].strip(_WS):
+            for j in range(1, n):
+                if b.startswith(trigger[j:]) and b[n - j :].strip(_WS):
                     banned[j].append(t)
         per_info[trigger] = [np.array(ids, dtype=np.int64) for ids in banned]
     return per_info[trigger]
@@ -223,7 +228,8 @@ class TaggedToolCalls(SpecGrammar):
         text = self._tail + self.info.token_bytes[token]
         keep = len(self.open_tag) - 1
         self._tail = text[-keep:] if keep else b""
-        if text.rstrip(_WS).endswith(self.open_tag):
+        stripped = text.rstrip(_WS)
+        if text.endswith(self.open_tag) or (stripped != text and stripped.endswith(self.open_tag)):
             self._start_call()
         return True
 
@@ -273,6 +279,11 @@ class TaggedToolCalls(SpecGrammar):
             self._mode = FREE if self.auto else OPEN
 
     def _rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._history):
+            raise GrammarStateError(
+                f"rollback({num_tokens}) reaches past the {len(self._history)} tokens of state "
+                "kept (max_rollback_tokens + a draft-tree depth margin)"
+            )
         for _ in range(num_tokens):
             snap = self._history.pop()
             if snap.advanced_call:
@@ -328,9 +339,14 @@ class TaggedToolCalls(SpecGrammar):
         return self._open_tokens if self._mode == OPEN else self._close_tokens
 
     def _tag_rest_ids(self) -> list[int]:
-        """The canonical tokens of the rest of the tag being written."""
+        """The canonical tokens of the rest of the tag being written (none when the tag was
+        cut inside a UTF-8 character: only a token finishing those bytes fits there)."""
         tag = self.open_tag if self._mode == OPEN else self.close_tag
-        return encode_ids(self.info.hf_tokenizer, tag[self._pos :].decode("utf-8", "replace"))
+        try:
+            rest = tag[self._pos :].decode("utf-8")
+        except UnicodeDecodeError:
+            return []
+        return encode_ids(self.info.hf_tokenizer, rest)
 
     def _is_terminated(self) -> bool:
         return self._terminated
@@ -382,13 +398,32 @@ def parse_tool_calls(text: str, spec: ToolCalls) -> tuple[str | None, list[dict[
     """An output read back as OpenAI's assistant message: ``(content, tool_calls)``, each call
     ``{"name": str, "arguments": dict}``.
 
-    ``json_array``: the whole text is the array (content None). ``tagged``: the text between
-    each ``call_open`` / ``call_close`` pair is a call; the rest, stripped, is the content
-    (None when empty). Raises ``ValueError`` (``json.JSONDecodeError``) on a call that is not
-    JSON (an output cut at the token limit)."""
+    ``json_array``: the whole text is the array (content None). ``tagged``: after each
+    ``call_open``, (whitespace and) one JSON value, (whitespace and) ``call_close``, read as the
+    grammar reads them (a ``call_close`` inside a JSON string does not end the call); the rest,
+    stripped, is the content (None when empty). Raises ``ValueError`` on a call that is not
+    JSON or not closed (an output cut at the token limit)."""
     if spec.call_format == "json_array":
         return None, list(json.loads(text))
-    pattern = re.escape(spec.call_open) + r"(.*?)" + re.escape(spec.call_close)
-    calls = [json.loads(m) for m in re.findall(pattern, text, flags=re.S)]
-    content = re.sub(pattern, "", text, flags=re.S).strip()
-    return content or None, calls
+    decoder = json.JSONDecoder()
+    calls: list[dict[str, Any]] = []
+    content: list[str] = []
+    pos = 0
+    while (start := text.find(spec.call_open, pos)) >= 0:
+        content.append(text[pos:start])
+        at = _skip_ws(text, start + len(spec.call_open))
+        call, at = decoder.raw_decode(text, at)
+        at = _skip_ws(text, at)
+        if not text.startswith(spec.call_close, at):
+            raise ValueError(f"tool call at character {start} is not closed by {spec.call_close!r}")
+        calls.append(call)
+        pos = at + len(spec.call_close)
+    content.append(text[pos:])
+    joined = "".join(content).strip()
+    return joined or None, calls
+
+
+def _skip_ws(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at

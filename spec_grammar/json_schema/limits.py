@@ -174,6 +174,8 @@ def close_objects(schema: Any) -> Any:
     itself when nothing changes."""
     text = json.dumps(schema)
     guarded = any(f'"{k}"' in text for k in _CONJUNCTIVE)
+    if _names_come_from_elsewhere(schema, guarded and '"$ref"' in text):
+        return schema
 
     def node(n: dict[str, Any], where: str) -> dict[str, Any]:
         props = n.get("properties")
@@ -191,6 +193,43 @@ def close_objects(schema: Any) -> Any:
         return {**n, "additionalProperties": False}
 
     return map_subschemas(schema, node)
+
+
+_ANNOTATIONS = frozenset(
+    {"$ref", "$dynamicRef", "title", "description", "default", "examples", "$comment", "deprecated"}
+)
+_APPLICATORS = ("anyOf", *_CONJUNCTIVE)
+
+
+def _names_come_from_elsewhere(schema: Any, ref_under_conjunction: bool) -> bool:
+    """Whether an object's allowed names may be declared by another schema that applies to the
+    same instance, where closing one of them would refuse the other's names: a ``$ref``
+    beside other keywords (target and siblings apply together), a node with ``properties``
+    whose applicator branches (``anyOf``, ``allOf``, ...) name ``properties`` too, or a
+    reference where ``oneOf`` / ``not`` / ... appear (a target reached from such a branch
+    would stop matching). Then nothing is closed."""
+    found: list[bool] = []
+
+    def branches(node: dict[str, Any]) -> list[Any]:
+        out: list[Any] = []
+        for k in _APPLICATORS:
+            v = node.get(k)
+            out.extend(v if isinstance(v, list) else [v] if isinstance(v, dict) else [])
+        if isinstance(node.get("dependentSchemas"), dict):
+            out.extend(node["dependentSchemas"].values())
+        return out
+
+    def look(node: dict[str, Any], _where: str) -> dict[str, Any]:
+        if ("$ref" in node or "$dynamicRef" in node) and set(node) - _ANNOTATIONS:
+            found.append(True)
+        elif "properties" in node and any(
+            isinstance(b, dict) and ("properties" in b or "$ref" in b) for b in branches(node)
+        ):
+            found.append(True)
+        return node
+
+    map_subschemas(schema, look)
+    return ref_under_conjunction or bool(found)
 
 
 def _num(v: Any) -> float | None:

@@ -227,3 +227,53 @@ def test_limits_validation_and_with_limits():
     )
     # the limits are part of the compile-cache key
     assert s.cache_key() != JsonSchema({"type": "string"}).cache_key()
+
+
+ALIASED = [
+    # names from a $ref beside the object's own properties
+    (
+        {
+            "type": "object",
+            "$ref": "#/$defs/A",
+            "properties": {"b": {"type": "integer"}},
+            "$defs": {"A": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+        },
+        {"a": 1, "b": 2},
+        True,
+    ),
+    # names of the same object from a parent's anyOf branch
+    (
+        {
+            "type": "object",
+            "properties": {"p": {"type": "object", "properties": {"a": {}}}},
+            "anyOf": [{"properties": {"p": {"properties": {"b": {}}}}}],
+        },
+        {"p": {"a": 1, "b": 2}},
+        True,
+    ),
+    # a property reached by reference from a oneOf branch: closing it would let more through
+    (
+        {
+            "type": "object",
+            "properties": {
+                "foo": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                "bar": {
+                    "oneOf": [
+                        {"$ref": "#/properties/foo"},
+                        {"type": "object", "required": ["b"]},
+                    ]
+                },
+            },
+        },
+        {"bar": {"a": 1, "b": 2}},
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize("schema,doc,valid", ALIASED)
+def test_closing_keeps_names_declared_elsewhere_and_stays_a_subset(schema, doc, valid):
+    """Objects whose names may come from another node (a sibling $ref, an applicator branch)
+    stay open; the rewrite never accepts what the user's schema rejects (jsonschema)."""
+    assert jsonschema.Draft202012Validator(schema).is_valid(doc) == valid
+    assert jsonschema.Draft202012Validator(close_objects(schema)).is_valid(doc) == valid

@@ -180,3 +180,24 @@ def test_tree_rows_straddling_the_marker_equal_replay(grammar, tok, data):
     )
     tokens = [0] + rest[:chain] + [data.draw(st.sampled_from(pool)) for _ in range(chain + 1, n)]
     check_tree_against_replay(lambda: make(grammar), prefix, tokens, parents)
+
+
+def test_marker_holding_a_stop_token_or_a_bad_budget_is_refused(grammar, tok):
+    backend, compiled = grammar
+    eos = tok.eos_token_id
+    for marker in ([eos], tok.convert_ids_to_tokens(eos)):
+        with pytest.raises(GrammarSpecError, match="stop token"):
+            ReasoningGrammar(backend.matcher(compiled), marker)
+    for budget in (2.7, "3", True, float("inf")):
+        with pytest.raises(GrammarSpecError, match="max_reasoning_tokens"):
+            ReasoningGrammar(backend.matcher(compiled), MARKER, max_reasoning_tokens=budget)
+
+
+def test_forced_marker_stops_where_the_marker_completes(grammar, tok):
+    """A marker whose start repeats at its end: the text before the budget may already hold
+    its first part, and forcing stops at the token that completes it."""
+    backend, compiled = grammar
+    m = ReasoningGrammar(backend.matcher(compiled), "END END", max_reasoning_tokens=2)
+    assert m.accept_tokens(encode_ids(tok, "END ")[:2]) == 2
+    forced = m.forced_tokens()
+    assert m.accept_tokens(forced) == len(forced) and not m.in_reasoning

@@ -253,3 +253,73 @@ def test_parse_tool_calls_reads_both_formats():
     assert parse_tool_calls("just text", tagged) == ("just text", [])
     with pytest.raises(ValueError):
         parse_tool_calls('<tool_call>{"name": </tool_call>', tagged)
+
+
+def test_bad_tags_and_choices_are_typed_errors(backend, tok):
+    eos = tok.convert_ids_to_tokens(tok.eos_token_id)
+    for tags in (
+        dict(call_open=" "),
+        dict(call_open="\n"),
+        dict(call_close=eos),
+        dict(call_open=eos),
+    ):
+        with pytest.raises(GrammarSpecError):
+            backend.matcher(backend.compile(ToolCalls(TOOLS, tool_choice="auto", **tags)))
+    named = [{"type": "function", "function": {"name": "auto"}}, ADD]
+    with pytest.raises(GrammarSpecError, match="cannot be chosen by name"):
+        ToolCalls(named, tool_choice={"type": "function", "function": {"name": "auto"}})
+    for bad in (dict(max_tool_calls=True), dict(parallel_tool_calls="no")):
+        with pytest.raises(GrammarSpecError):
+            ToolCalls(TOOLS, **bad)
+
+
+def test_tag_ending_in_whitespace_opens_a_call(backend, tok):
+    """Hermes writes ``<tool_call>\\n``: a tag with its own trailing newline is still a tag."""
+    spec = ToolCalls(TOOLS, tool_choice="auto", call_open="<tool_call>\n")
+    m = backend.matcher(backend.compile(spec))
+    assert m.accept_tokens(encode_ids(tok, "hi <tool_call>\n")) and m.accept_tokens(
+        encode_ids(tok, CALL_ADD)
+    )
+    assert m.accept_tokens(encode_ids(tok, "</tool_call>")) and m.num_calls == 1
+    assert not accepts_all(
+        backend.matcher(backend.compile(spec)), ["<tool_call>\n", "not json"], tok
+    )
+
+
+@pytest.mark.parametrize("tag", ["<tool_call>", "{", "::"])
+def test_free_text_never_hides_a_tag_inside_a_token(tok, tag):
+    """Every token holding the tag with more than whitespace after it is banned from free text
+    (the whole vocabulary checked, a tag anywhere inside a token included)."""
+    b = get_backend("xgrammar", tok)
+    m = b.matcher(b.compile(ToolCalls(TOOLS, tool_choice="auto", call_open=tag)))
+    row = row_of(m)
+    raw = tag.encode()
+    for t, piece in enumerate(m.info.token_bytes):
+        at = piece.find(raw)
+        if at >= 0 and piece[at + len(raw) :].strip():
+            assert not (row[t >> 5] >> (t & 31)) & 1, piece
+
+
+def test_parse_reads_calls_as_the_grammar_does(backend, tok):
+    spec = ToolCalls(TOOLS, tool_choice="auto")
+    call = '{"name": "get_weather", "arguments": {"city": "</tool_call>"}}'
+    assert accepts_all(
+        backend.matcher(backend.compile(spec)), ["<tool_call>", call, "</tool_call>"], tok
+    )
+    assert parse_tool_calls(f"<tool_call>{call}</tool_call>", spec)[1] == [json.loads(call)]
+    with pytest.raises(ValueError, match="not closed"):
+        parse_tool_calls(f"Sure <tool_call>{CALL_ADD}", spec)
+    with pytest.raises(ValueError):
+        parse_tool_calls('Sure <tool_call>{"name": "f", "argu', spec)
+
+
+def test_deep_trees_past_the_kept_state_are_a_typed_error(tok):
+    from spec_grammar import DraftTree, GrammarStateError, allocate_token_bitmask
+
+    b = get_backend("xgrammar", tok, max_rollback_tokens=8)
+    m = b.matcher(b.compile(ToolCalls(TOOLS, tool_choice="auto")))
+    word = encode_ids(tok, " a")[0]
+    n = m.max_rollback_tokens + 100
+    tree = DraftTree.from_parents([0] + [word] * (n - 1), [-1] + list(range(n - 1)))
+    with pytest.raises(GrammarStateError):
+        m.fill_tree_bitmask(tree, allocate_token_bitmask(n, m.info.vocab_size))
