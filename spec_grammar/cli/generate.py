@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark", "tools")
+_REASONING_FIELDS = ("reasoning_end", "max_reasoning_tokens")
 
 
 CUT_EXIT_CODE = 3
@@ -106,6 +107,26 @@ def register(sub) -> None:
         "--no-schema-in-prompt",
         action="store_true",
         help="do not write the schema/tools/pattern into the prompt",
+    )
+
+    g.add_argument(
+        "--tool-choice",
+        default="required",
+        metavar="auto|required|NAME",
+        help="with --tools: required (a JSON array of calls), auto (free text or tagged "
+        "<tool_call>...</tool_call> calls) or a function's name (default: required)",
+    )
+    g.add_argument(
+        "--reasoning-end",
+        metavar="TEXT",
+        help="reasoning end marker (e.g. '</think>'): free text up to it, the grammar after it "
+        "(default: none, the grammar from the first token)",
+    )
+    g.add_argument(
+        "--max-reasoning-tokens",
+        type=_positive_int,
+        metavar="N",
+        help="with --reasoning-end: force the marker after N reasoning tokens (default: no budget)",
     )
 
     s = p.add_argument_group("speculation (names as in SGLang; the short names still work)")
@@ -395,7 +416,9 @@ def _spec_from_fields(
         if key == "json_schema" and not isinstance(value, (dict, bool)):
             # parsed already: JsonSchema(str) would re-parse a JSON string as schema text
             raise ValueError(f"a JSON schema must be an object or boolean, got {_json_type(value)}")
-        return JsonSchema(value) if key == "json_schema" else ToolCalls(value)
+        if key == "json_schema":
+            return JsonSchema(value)
+        return ToolCalls(value, tool_choice=fields.get("tool_choice") or "required")
     what = key.upper() if key == "ebnf" else "Lark"
     one_line = "\n" not in value
     if files_only or (one_line and _is_file(path(value))):
@@ -434,6 +457,7 @@ def _cli_spec(args):
         "ebnf": args.ebnf,
         "lark": args.lark,
         "tools": args.tools,
+        "tool_choice": args.tool_choice,
     }
     for key in ("json_schema", "tools"):
         value = fields[key]
@@ -520,7 +544,15 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
     misspelt field (``temprature``) would otherwise be ignored without a word."""
     from ..worker.sampling_params import SamplingParams
 
-    accepted = ("prompt", "messages", *_GRAMMAR_FIELDS, "limits", *SamplingParams.model_fields)
+    accepted = (
+        "prompt",
+        "messages",
+        *_GRAMMAR_FIELDS,
+        "tool_choice",
+        "limits",
+        *_REASONING_FIELDS,
+        *SamplingParams.model_fields,
+    )
     unknown = [k for k in rec if k not in accepted]
     if unknown:
         raise ValueError(
@@ -553,6 +585,8 @@ def run(args) -> int:
     # file and grammar-flag errors before torch is imported (a second or more)
     from ..specs import with_limits
 
+    if args.max_reasoning_tokens is not None and args.reasoning_end is None:
+        raise ValueError("--max-reasoning-tokens needs --reasoning-end")
     limits = _output_limits(args)
     global_spec = with_limits(_cli_spec(args), limits)
     batch_text = _read_text(args.batch_file, "batch") if args.batch_file else None
@@ -578,6 +612,8 @@ def run(args) -> int:
     # (rid, chat turns, spec, sampling) per request, or (rid, error) for a bad line; batch
     # ids are the file's 1-based line numbers, as in the error messages
     items: list[tuple[str, list, Any, Any] | tuple[str, str]] = []
+    cli_reasoning = (args.reasoning_end, args.max_reasoning_tokens)
+    reasoning: dict[str, tuple[Any, Any]] = {"prompt": cli_reasoning}
     if args.prompt is not None:
         items.append(
             (
@@ -607,6 +643,9 @@ def run(args) -> int:
                 else:
                     spec = global_spec
                 items.append((f"line-{n}", turns, spec, _sampling(args, rec)))
+                reasoning[f"line-{n}"] = tuple(  # type: ignore[assignment]
+                    rec.get(k, v) for k, v in zip(_REASONING_FIELDS, cli_reasoning)
+                )
             except (ValueError, FileNotFoundError) as e:
                 items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
         if not items or (args.prompt is not None and len(items) == 1):
@@ -629,7 +668,12 @@ def run(args) -> int:
         if spec is not None and not args.no_schema_in_prompt:
             turns = schema_turns(turns, spec)
         req = Request(
-            prompt=build_prompt(worker.tokenizer, turns), grammar=spec, sampling=sampling, rid=rid
+            prompt=build_prompt(worker.tokenizer, turns),
+            grammar=spec,
+            sampling=sampling,
+            rid=rid,
+            reasoning_end=reasoning[rid][0],
+            max_reasoning_tokens=reasoning[rid][1],
         )
         slots.append(len(requests))
         requests.append(req)

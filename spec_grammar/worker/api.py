@@ -229,6 +229,7 @@ def build_worker(
     grammar_backend: str | None = "xgrammar",
     device: str | torch.device | None = "auto",
     dtype: Any = None,
+    threads: int | None = None,
     config: WorkerConfig | None = None,
     **options: Any,
 ) -> SpecWorker:
@@ -241,6 +242,10 @@ def build_worker(
             plain requests only.
         device: ``auto`` (CUDA when available) / ``cpu`` / ``cuda``.
         dtype: model dtype (default float32).
+        threads: on a CPU device, torch's intra-op threads (``torch.set_num_threads``): this
+            count, else ``$OMP_NUM_THREADS`` when set, else
+            :data:`~spec_grammar.worker.defaults.DEFAULT_CPU_THREADS` (the CLI's policy: one
+            thread measured fastest on a busy 2-core host; ``benchmarks/results/startup.md``).
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`);
             ``**options``, its fields by name (``draft="self:4"``, ``num_draft_tokens=16``,
             ``overlap=False``, ...), override it or WorkerConfig's defaults.
@@ -256,6 +261,14 @@ def build_worker(
         from ..registry import load_backend_class
 
         load_backend_class(grammar_backend)
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    if dev.type == "cpu":
+        from .defaults import cpu_threads
+
+        torch.set_num_threads(cpu_threads(threads))
     target, tokenizer = _load(model, dtype, dev)
     vocab = int(target.config.vocab_size)
     backend = (
@@ -269,7 +282,8 @@ _BUILD_OPTIONS = tuple(
     for name, param in inspect.signature(build_worker).parameters.items()
     if param.kind is inspect.Parameter.KEYWORD_ONLY and name != "config"
 )
-"""What :func:`build_worker` loads: ``model``, ``grammar_backend``, ``device``, ``dtype``."""
+"""What :func:`build_worker` takes besides the config: ``model``, ``grammar_backend``,
+``device``, ``dtype``, ``threads``."""
 
 
 Prompt = str | Sequence[dict[str, str]]
@@ -291,6 +305,8 @@ def generate(
     on_chunk: Callable[[StreamChunk], None] | None = None,
     config: WorkerConfig | None = None,
     output_limits: OutputLimits | dict | None = DEFAULT_OUTPUT_LIMITS,
+    reasoning_end: str | list[int] | None = None,
+    max_reasoning_tokens: int | None = None,
     **options: Any,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
@@ -316,6 +332,9 @@ def generate(
         on_chunk: called with a :class:`~spec_grammar.worker.streaming.StreamChunk` each time a
             request commits text (a whole accepted path at a time) and once at its end with
             its ``finish_reason``; :func:`stream` is the iterator form.
+        reasoning_end: the reasoning end marker of every prompt (text such as
+            ``"</think>"`` or token ids): free text up to it, the grammar after it
+            (``docs/reasoning-and-tools.md``); ``max_reasoning_tokens``, its budget.
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
         **options: by name, each where it is defined:
 
@@ -383,7 +402,15 @@ def generate(
             if schema_in_prompt and spec is not None:
                 turns = with_schema(turns, spec)
             item = build_prompt(worker.tokenizer, turns, system=system)
-        requests.append(Request(prompt=item, grammar=spec, sampling=params))
+        requests.append(
+            Request(
+                prompt=item,
+                grammar=spec,
+                sampling=params,
+                reasoning_end=reasoning_end,
+                max_reasoning_tokens=max_reasoning_tokens,
+            )
+        )
     text_stream = TextStream(worker.tokenizer, on_chunk) if on_chunk is not None else None
     with worker:
         results = worker.run(requests, on_step=text_stream)

@@ -165,3 +165,34 @@ def test_streamed_stdout_is_the_output_and_inline_schema_validates(capsys):
     assert rc == 0, err
     jsonschema.validate(json.loads(out), schema)
     assert "forced tokens on" in err.splitlines()[-1] or not DEFAULT_FORCED_TOKENS
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (
+            ["--tools", '[{"type": "function", "function": {"name": "f"}}]', "--tool-choice", "g"],
+            "not in tools",
+        ),
+        (["--regex", "a", "--max-reasoning-tokens", "3"], "needs --reasoning-end"),
+    ],
+)
+def test_tool_choice_and_reasoning_flags_fail_before_the_model_loads(argv, needle, capsys):
+    from spec_grammar.cli import main
+
+    assert main(["generate", *argv, "hi"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_batch_lines_take_tool_choice_and_reasoning_fields():
+    from spec_grammar.cli.generate import _check_line_keys
+
+    _check_line_keys(
+        {
+            "prompt": "x",
+            "tools": [],
+            "tool_choice": "auto",
+            "reasoning_end": "</think>",
+            "max_reasoning_tokens": 4,
+        }
+    )
