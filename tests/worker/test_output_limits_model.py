@@ -23,7 +23,7 @@ def test_a_cut_prompt_completes_valid_under_the_limits(backend):
     [cut] = api.generate(prompt, output_limits=None, **common)
     assert cut.finish_reason == "length", cut.text  # the runaway: digits until the budget
     [done] = api.generate(prompt, output_limits=OutputLimits(max_string_length=32), **common)
-    assert done.finish_reason == "grammar", done.text
+    assert done.finish_detail == "grammar", done.text
     doc = json.loads(done.text)
     jsonschema.validate(doc, SCHEMA, cls=jsonschema.Draft202012Validator)
     assert len(doc["digits"]) <= 32

@@ -466,7 +466,7 @@ def test_cli_generate_json(tmp_path):
             ["generate", "--grammar-backend", "no-such-backend", "--regex", "a", "hi"],
             "unknown grammar backend",
         ),
-        (["generate", "--json-schema", "{bad}", "hi"], "not found"),
+        (["generate", "--json-schema", "{bad}", "hi"], "inline JSON is not valid"),
         (["generate", "--ebnf", "/nonexistent/g.ebnf", "hi"], "not found"),
     ],
 )

@@ -92,7 +92,7 @@ def test_reasoning_outputs_follow_the_grammar_after_the_marker(name):
     info = backend(name).tokenizer_info
     marker = MARKER.encode()
     for req, res in zip(requests(name), reference(name)):
-        assert res.finish_reason in ("grammar", "length"), res
+        assert res.finish_detail in ("grammar", "length"), res
         ids = res.token_ids
         if req.reasoning_end is None:
             assert res.reasoning_text is None
@@ -104,10 +104,10 @@ def test_reasoning_outputs_follow_the_grammar_after_the_marker(name):
             ), res
             assert not set(ids[:k]) & set(info.stop_token_ids)
             assert res.reasoning_text + MARKER == info.decode(ids[:k])
-        assert replays(name, req.grammar, ids[k:], res.finish_reason == "grammar"), res
-        if res.finish_reason == "grammar" and req.rid != "regex":
+        assert replays(name, req.grammar, ids[k:], res.finish_detail == "grammar"), res
+        if res.finish_detail == "grammar" and req.rid != "regex":
             jsonschema.validate(json.loads(res.text), SCHEMA)
-    assert sum(r.finish_reason == "grammar" for r in reference(name)) >= 3
+    assert sum(r.finish_detail == "grammar" for r in reference(name)) >= 3
 
 
 @pytest.mark.parametrize(
@@ -121,9 +121,9 @@ def test_reasoning_outputs_follow_the_grammar_after_the_marker(name):
 def test_speculative_equals_plain_decoding_with_reasoning(name, config):
     got = run(name, **CONFIGS[config])
     for r, g in zip(reference(name), got):
-        assert (g.token_ids, g.finish_reason, g.reasoning_text) == (
+        assert (g.token_ids, g.finish_detail, g.reasoning_text) == (
             r.token_ids,
-            r.finish_reason,
+            r.finish_detail,
             r.reasoning_text,
         ), (r.rid, r.text, g.text)
 

@@ -78,10 +78,10 @@ def check_calls(req: Request, res) -> int:
     """Asserts the output replays and that every closed call names a selected tool with valid
     arguments; returns the number of calls."""
     spec = req.grammar
-    assert res.finish_reason in ("grammar", "length"), res
-    assert replays(res_backend[0], spec, res.token_ids, res.finish_reason == "grammar"), res
+    assert res.finish_detail in ("grammar", "length"), res
+    assert replays(res_backend[0], spec, res.token_ids, res.finish_detail == "grammar"), res
     text = res.text
-    if res.finish_reason != "grammar":  # cut: only the calls closed so far are complete
+    if res.finish_detail != "grammar":  # cut: only the calls closed so far are complete
         text = (
             text[: text.rfind(spec.call_close) + len(spec.call_close)]
             if spec.call_format == "tagged"
@@ -128,7 +128,7 @@ def test_every_emitted_call_parses_and_validates(name):
 def test_speculative_equals_plain_decoding_with_tools(name, config):
     got = run(name, **CONFIGS[config])
     for r, g in zip(reference(name), got):
-        assert (g.token_ids, g.finish_reason) == (r.token_ids, r.finish_reason), (
+        assert (g.token_ids, g.finish_detail) == (r.token_ids, r.finish_detail), (
             r.rid,
             r.text,
             g.text,
