@@ -58,19 +58,27 @@ def resolve_marker(info: TokenizerInfo, end_marker: str | Sequence[int]) -> tupl
     return marker, ids
 
 
+def marker_step(tail: bytes, piece: bytes, marker: bytes) -> tuple[bytes, bool]:
+    """One token of text against ``marker``: (the new tail, the last ``len(marker) - 1`` bytes,
+    all a later match needs; whether the text now ends with the marker). ``tail`` is the
+    previous step's tail (``b""`` at the start)."""
+    text = tail + piece
+    keep = len(marker) - 1
+    return (text[-keep:] if keep else b""), text.endswith(marker)
+
+
 def reasoning_token_count(
     info: TokenizerInfo, token_ids: Sequence[int], marker: bytes
 ) -> int | None:
     """How many of ``token_ids`` are reasoning (marker included): the first token boundary
     where the text so far ends with ``marker``, as :class:`ReasoningGrammar` finds it; None when
     the marker never ends at a boundary."""
-    keep = len(marker) - 1
     tail = b""
     for n, t in enumerate(token_ids, 1):
-        text = tail + (info.token_bytes[t] if 0 <= t < info.tokenizer_vocab_size else b"")
-        if text.endswith(marker):
+        piece = info.token_bytes[t] if 0 <= t < info.tokenizer_vocab_size else b""
+        tail, ended = marker_step(tail, piece, marker)
+        if ended:
             return n
-        tail = text[-keep:] if keep else b""
     return None
 
 
@@ -156,12 +164,11 @@ class ReasoningGrammar(SpecGrammar):
         pos = self._forced_marker_pos()
         if pos is not None and token != self.end_marker_ids[pos]:
             return False
-        text = self._tail + self.info.token_bytes[token]
         self._tails.append(self._tail)
-        keep = len(self.end_marker) - 1
-        self._tail = text[-keep:] if keep else b""
+        self._tail, self._done = marker_step(
+            self._tail, self.info.token_bytes[token], self.end_marker
+        )
         self._num_reasoning += 1
-        self._done = text.endswith(self.end_marker)
         return True
 
     def _accept_tokens(self, tokens: list[int]) -> int:
@@ -225,10 +232,9 @@ class ReasoningGrammar(SpecGrammar):
         forced, tail = [], self._tail  # up to the token that completes the marker
         for t in self.end_marker_ids[pos:]:
             forced.append(t)
-            text = tail + self.info.token_bytes[t]
-            if text.endswith(self.end_marker):
+            tail, ended = marker_step(tail, self.info.token_bytes[t], self.end_marker)
+            if ended:
                 break
-            tail = text[-(len(self.end_marker) - 1) :] if len(self.end_marker) > 1 else b""
         return forced
 
     def _fill_tree_bitmask(
