@@ -445,7 +445,12 @@ class GrammarBackend(ABC):
         if isinstance(spec, ToolCalls) and spec.call_format == "tagged":
             from .tool_calls import TaggedToolCalls  # it builds on this module
 
-            return TaggedToolCalls(lambda: self._checked_matcher(compiled), spec)
+            return TaggedToolCalls(
+                lambda: self._checked_matcher(compiled),
+                spec,
+                self.tokenizer_info,
+                max_rollback_tokens=self.max_rollback_tokens,
+            )
         return self._checked_matcher(compiled)
 
     def _checked_matcher(self, compiled: CompiledGrammar) -> SpecGrammar:

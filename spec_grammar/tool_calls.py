@@ -142,6 +142,7 @@ class TaggedToolCalls(SpecGrammar):
         new_call_matcher: makes a fresh matcher of one call's JSON (the backend's compile of
             ``spec.to_json_schema()``); called once per call.
         spec: the :class:`~spec_grammar.specs.ToolCalls` spec (``call_format == "tagged"``).
+        info, max_rollback_tokens: those of the backend making the call matchers.
 
     Output: under ``"auto"``, free text with calls anywhere, then a stop token; otherwise one
     or more calls (``call_open`` + JSON + ``call_close``) back to back, then a stop token. At
@@ -152,10 +153,15 @@ class TaggedToolCalls(SpecGrammar):
     Raises :class:`GrammarSpecError` when the tokenizer cannot spell a tag exactly.
     """
 
-    def __init__(self, new_call_matcher: Callable[[], SpecGrammar], spec: ToolCalls):
-        probe = new_call_matcher()
-        super().__init__(probe.info, max_rollback_tokens=probe.max_rollback_tokens)
-        info = probe.info
+    def __init__(
+        self,
+        new_call_matcher: Callable[[], SpecGrammar],
+        spec: ToolCalls,
+        info: TokenizerInfo,
+        *,
+        max_rollback_tokens: int,
+    ):
+        super().__init__(info, max_rollback_tokens=max_rollback_tokens)
         self._new_call = new_call_matcher
         self.open_tag, self.open_ids = _spell(info, spec.call_open, "opening tag")
         self.close_tag, self.close_ids = _spell(info, spec.call_close, "closing tag")
@@ -166,6 +172,7 @@ class TaggedToolCalls(SpecGrammar):
         self._banned = _split_trigger_tokens(info, self.open_tag) if self.auto else []
         self._ws_tokens = _whitespace_tokens(info)
         self._ws_set = frozenset(self._ws_tokens.tolist())
+        self._stop_array = np.array(sorted(self._stop_ids), dtype=np.int64)
         self._mode = FREE if self.auto else OPEN
         self._pos = 0
         self._pad = False  # the one whitespace token allowed before a call / its closing tag
@@ -323,17 +330,13 @@ class TaggedToolCalls(SpecGrammar):
         else:
             words[:] = 0
             if mode in (OPEN, CLOSE):
-                for t in self._tag_table()[self._pos]:
-                    _set(words, int(t))
+                _set(words, self._tag_table()[self._pos])
         if self._pad_allowed():
-            ws = self._ws_tokens
-            np.bitwise_or.at(words, ws >> 5, np.uint32(1) << (ws & 31).astype(np.uint32))
-        stops = np.fromiter(self._stop_ids, dtype=np.int64)
+            _set(words, self._ws_tokens)
         if self._stop_allowed():
-            for t in stops:
-                _set(words, int(t))
+            _set(words, self._stop_array)
         else:
-            _clear(words, stops)
+            _clear(words, self._stop_array)
 
     def _tag_table(self) -> list[np.ndarray]:
         return self._open_tokens if self._mode == OPEN else self._close_tokens
@@ -362,8 +365,9 @@ class TaggedToolCalls(SpecGrammar):
         return self._fork()._accept_tokens(tokens)
 
 
-def _set(words: np.ndarray, t: int) -> None:
-    words[t >> 5] |= np.uint32(1 << (t & 31))
+def _set(words: np.ndarray, ids: np.ndarray) -> None:
+    if len(ids):
+        np.bitwise_or.at(words, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
 
 
 def _clear(words: np.ndarray, ids: np.ndarray) -> None:
