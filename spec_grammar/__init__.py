@@ -48,19 +48,9 @@ _LAZY = {
 to import, which ``spec-grammar --help`` and argument errors should not pay."""
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+from .lazy_exports import lazy_exports  # noqa: E402 (after the name table it serves)
 
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
 
 
 __version__ = "0.1.0"

@@ -35,16 +35,6 @@ _LAZY = {
 ``worker.sampling`` or ``worker.config`` imported alone need not load the engine."""
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+from ..lazy_exports import lazy_exports  # noqa: E402 (after the name table it serves)
 
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
