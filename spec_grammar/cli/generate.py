@@ -317,13 +317,7 @@ def _line_limits(value: Any, base):
 
 def _nonnegative_int(text: str) -> int:
     """argparse type: an int >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
+    return _int_at_least(text, 0)
 
 
 def _forced_tokens_default() -> str:
@@ -340,12 +334,16 @@ def _default_threads_text() -> str:
 
 def _positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
+    return _int_at_least(text, 1)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {n}")
     return n
 
 
