@@ -288,10 +288,11 @@ class ModelRunner:
             Ignored off CUDA. Graph outputs are valid until the next forward of this runner.
         fused_forward: run the model through our fused decoder (:mod:`.decoder`: merged
             projections, one kernel per norm / rotary + KV write / SiLU; Llama, Mistral without
-            sliding window, Qwen2) instead of its HF forward. None (default): on for CUDA
-            devices with Triton when the model is supported, else off. True: required (raises
-            :class:`RunnerError` naming why a model is unsupported); off CUDA it runs the
-            same operations in torch (they match the HF forward).
+            sliding window, Qwen2) instead of its HF forward. None (default): on when the
+            model is supported, on CPU and on CUDA devices with Triton, else off. True:
+            required (raises :class:`RunnerError` naming why a model is unsupported). Off CUDA it
+            runs the same operations in torch (they match the HF forward) with oneDNN
+            projections, and eager forwards skip the padding rows of ragged trees.
         graphs: the graph store full-batch forwards replay through, instead of the one
             ``cuda_graphs`` asks for: a :class:`~.cuda_graphs.ForwardGraphs` or an object with
             its ``run`` / ``clear`` / ``captures`` / ``last_events`` (the tests emulate replays
@@ -369,7 +370,9 @@ class ModelRunner:
                 f"fused_forward=True, but the fused decoder cannot run this model: {reason}"
             )
         if fused_forward is None:
-            fused_forward = reason is None and self.device.type == "cuda" and triton_ops is not None
+            fused_forward = reason is None and (
+                self.device.type == "cpu" or (self.device.type == "cuda" and triton_ops is not None)
+            )
         self._fused = FusedLlama(model) if fused_forward else None
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self._store = _KVStore(self.device, getattr(text_config, "num_hidden_layers", 1))
@@ -730,8 +733,22 @@ class ModelRunner:
             rows=sel,
             kv_len=kv_len,
             logits_to_keep=logits_to_keep,
+            valid=self._real_tokens(inputs["parents"]),
         )
         return logits, None
+
+    def _real_tokens(self, parents: torch.Tensor) -> torch.Tensor | None:
+        """Flat indices of the real tokens of a padded ``(b, n)`` batch (node 0 of each row, and
+        every node with a parent; padding nodes are extra roots), for the fused forward on CPU
+        where a GEMM costs what its rows cost; None when nothing is padding or elsewhere (on
+        CUDA the padded shape runs the Triton kernels and costs about the same)."""
+        if self._fused is None or self.device.type != "cpu":
+            return None
+        real = parents >= 0
+        real[:, 0] = True
+        if bool(real.all()):
+            return None
+        return real.reshape(-1).nonzero().squeeze(1)
 
     def _device_forward(
         self,
@@ -743,6 +760,7 @@ class ModelRunner:
         rows: slice | torch.Tensor,
         kv_len: int,
         logits_to_keep: int,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The model forward on device tensors (capturable: no host synchronization).
 
@@ -751,6 +769,7 @@ class ModelRunner:
             lens: ``(b,)`` long committed KV lengths; row_idx: ``(b,)`` long KV rows (the same
             rows as ``rows``, the slice or tensor the cache reads through).
             kv_len: key length of the attention (``>= max(lens) + n``).
+            valid: the fused forward's ``valid`` (:meth:`FusedLlama.forward`), or None.
 
         Returns float32 logits ``(b, n or logits_to_keep, V)``.
         """
@@ -788,6 +807,7 @@ class ModelRunner:
                 rows,
                 kv_len,
                 logits_to_keep,
+                valid,
             )
         cache = _BatchCache(self._store, rows, row_idx, write_pos, kv_len)
         with torch.inference_mode():

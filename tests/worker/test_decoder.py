@@ -87,6 +87,32 @@ def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     )
 
 
+def test_fused_float32_cpu_forward_matches_hf_on_ragged_trees():
+    """float32 on CPU: the projections run through oneDNN (another GEMM than HF's MKL one) and
+    ragged batches run on their real rows only (padding skipped), so logits agree with HF's to
+    float32 rounding, not exactly, through churn with ragged trees and subsets."""
+    model = _small("qwen2").to(torch.float32)
+    hf = ModelRunner(model, fused_forward=False, prefill_chunk=7)
+    fused = ModelRunner(model, prefill_chunk=7)
+    assert fused.uses_fused_forward
+
+    def check(x, y, step):
+        assert torch.allclose(x, y, rtol=0, atol=1e-4), (step, (x - y).abs().max())
+
+    compare_under_churn(
+        hf,
+        fused,
+        random.Random(1),
+        steps=10,
+        new_every=3,
+        prompt_lens=[1, 5, 17],
+        tree_sizes=[1, 2, 7],
+        vocab=500,
+        check=check,
+        subsets=True,
+    )
+
+
 @pytest.mark.model
 def test_fused_worker_outputs_equal_hf_on_real_smollm2():
     """The speculative worker on the real SmolLM2 (float64) writes the same tokens with the
@@ -154,7 +180,7 @@ def test_unsupported_models_and_bad_values_are_refused():
         ModelRunner(window, fused_forward=True)
     with pytest.raises(RunnerError, match="fused_forward must be"):
         ModelRunner(_small("mha"), fused_forward="on")
-    assert not ModelRunner(_small("mha")).uses_fused_forward  # auto off on CPU
+    assert ModelRunner(_small("mha")).uses_fused_forward  # auto: on for a supported model
 
 
 _INTERPRET_SCRIPT = textwrap.dedent(

@@ -201,6 +201,7 @@ class FusedLlama:
         rows: slice | torch.Tensor,
         kv_len: int,
         logits_to_keep: int = 0,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of ``b`` requests' ``n`` tokens each (capturable: no host synchronization).
 
@@ -212,34 +213,31 @@ class FusedLlama:
             row_idx: ``(b,)`` long cache rows; write_pos: ``(b, n)`` long positions the tokens'
                 KV is written at; rows: the same rows as a slice or long tensor (for reading).
             logits_to_keep: logits of the last this-many tokens only (0: all).
+            valid: ``(T,)`` long indices into the ``b * n`` tokens of those that are real (the
+                others are padding): the projections, norms and the LM head run on these ``T``
+                rows only and only their KV is written (attention still runs on the padded
+                ``(b, n)`` layout); the logits of padding rows are zero. None: all ``b * n``.
+                On CPU, where a GEMM's cost grows with its rows, this skips the padding of
+                ragged trees; CUDA-graph forwards leave it None (a fixed shape per bucket).
 
         Returns float32 logits ``(b, n or logits_to_keep, V)``.
         """
         b, n = tokens.shape
-        t = b * n
-        h = F.embedding(tokens.reshape(t), self.embed)  # the residual stream, updated in place
-        cos, sin = ops.rotary_cos_sin(
-            positions.reshape(t), self.inv_freq, self.rope_scaling, self.embed.dtype
-        )
+        tok, pos, wpos = tokens.reshape(-1), positions.reshape(-1), write_pos.reshape(-1)
+        flat_rows = None
+        if valid is not None:
+            flat_rows = row_idx[:, None].expand(b, n).reshape(-1)[valid]
+            tok, pos, wpos = tok[valid], pos[valid], wpos[valid]
+        h = F.embedding(tok, self.embed)  # the residual stream, updated in place
+        cos, sin = ops.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.embed.dtype)
         if self.group > 1:
             mask = mask.repeat(1, 1, self.group, 1)  # row g * n + i is query i of group member g
         x = ops.rms_norm(h, self.layers[0].in_norm, self.layers[0].eps)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = ops.linear(x, layer.qkv_w, layer.qkv_b)
             k_buf, v_buf = store.layer(i, self._kv_like)
-            q = ops.rope_and_cache(
-                qkv,
-                cos,
-                sin,
-                k_buf,
-                v_buf,
-                row_idx,
-                write_pos,
-                b,
-                n,
-                self.heads,
-                self.kv_heads,
-                self.head_dim,
+            q = self._rope_and_cache(
+                qkv, cos, sin, k_buf, v_buf, flat_rows, wpos, row_idx, valid, b, n
             )
             attn = F.scaled_dot_product_attention(
                 q.view(b, self.kv_heads, self.group * n, self.head_dim),
@@ -249,9 +247,17 @@ class FusedLlama:
                 scale=layer.scaling,
             )
             # (memory-efficient attention may return a non-contiguous output: reshape, not view)
-            attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2).reshape(t, -1)
-            x = ops.rms_norm(layer.o(attn), layer.post_norm, layer.post_eps, residual=h)
-            mlp = layer.down(ops.silu_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b)))
+            attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2).reshape(b * n, -1)
+            if valid is not None:
+                attn = attn[valid]
+            x = ops.rms_norm(
+                ops.linear(attn, layer.o.weight, layer.o.bias),
+                layer.post_norm,
+                layer.post_eps,
+                residual=h,
+            )
+            up = ops.silu_mul(ops.linear(x, layer.gate_up_w, layer.gate_up_b))
+            mlp = ops.linear(up, layer.down.weight, layer.down.bias)
             nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
             x = ops.rms_norm(
                 mlp,
@@ -259,7 +265,33 @@ class FusedLlama:
                 nxt.eps if nxt else self.norm_eps,
                 residual=h,
             )
-        x = x.view(b, n, -1)
         if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        return self.lm_head(x).float()
+            x = self._padded(x, valid, b * n).view(b, n, -1)[:, -logits_to_keep:]
+            return self._head(x.reshape(-1, x.shape[-1])).view(b, logits_to_keep, -1)
+        return self._padded(self._head(x), valid, b * n).view(b, n, -1)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``(T, V)`` of the final hidden states ``x (T, H)``."""
+        return ops.linear(x, self.lm_head.weight, self.lm_head.bias).float()
+
+    @staticmethod
+    def _padded(x: torch.Tensor, valid: torch.Tensor | None, total: int) -> torch.Tensor:
+        """The ``(total, ...)`` tensor with ``x``'s rows at ``valid`` and zeros elsewhere
+        (``x`` itself when ``valid`` is None)."""
+        if valid is None:
+            return x
+        out = x.new_zeros(total, *x.shape[1:])
+        out[valid] = x
+        return out
+
+    def _rope_and_cache(self, qkv, cos, sin, k_buf, v_buf, flat_rows, wpos, row_idx, valid, b, n):
+        """Rotated queries ``(b, heads, n, head_dim)`` contiguous (zeros at padding), with the
+        KV of the ``valid`` tokens (all when None) written to the cache."""
+        dims = (self.heads, self.kv_heads, self.head_dim)
+        if valid is None:
+            return ops.rope_and_cache(
+                qkv, cos, sin, k_buf, v_buf, row_idx, wpos.view(b, n), b, n, *dims
+            )
+        q = ops.rope_and_cache_rows(qkv, cos, sin, k_buf, v_buf, flat_rows, wpos, *dims)
+        q = self._padded(q, valid, b * n).view(b, n, self.heads, self.head_dim)
+        return q.transpose(1, 2).contiguous()
