@@ -156,6 +156,21 @@ class DraftTree:
             )
         return tree
 
+    def subtree(self, keep: Sequence[int]) -> DraftTree:
+        """The tree of the nodes ``keep`` (ascending node indices, the root first, each node's
+        parent kept), in their order. Raises :class:`~spec_grammar.errors.DraftTreeError` when
+        ``keep`` is not such a set."""
+        index = {old: new for new, old in enumerate(keep)}
+        if not keep or keep[0] != 0 or list(keep) != sorted(index):
+            raise DraftTreeError(f"keep must list ascending node indices from the root, got {keep}")
+        parents = [-1]
+        for i in keep[1:]:
+            p = self.parent_list[i] if 0 <= i < self.num_nodes else None
+            if p not in index:
+                raise DraftTreeError(f"node {i} is kept without its parent (or does not exist)")
+            parents.append(index[p])
+        return DraftTree([self.token_list[i] for i in keep], parents)
+
     # -- views ------------------------------------------------------------------------------
     @property
     def num_nodes(self) -> int:

@@ -84,6 +84,15 @@ class WorkerConfig(BaseModel):
         strict=True,
         description="Plain constrained decoding (root-only trees) through the same code path.",
     )
+    draft_budget: bool = Field(
+        True,
+        strict=True,
+        description="Cut each step's draft trees to the nodes that maximise expected committed "
+        "tokens per second, from each request's measured acceptance and a measured cost model "
+        "of the step by forward rows (:mod:`~spec_grammar.worker.draft_budget`; a request may "
+        "get no drafts at all). False: verify every proposed node. Greedy outputs do not "
+        "depend on it.",
+    )
     overlap: bool = Field(
         True,
         strict=True,

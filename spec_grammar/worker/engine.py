@@ -5,7 +5,8 @@ Per step (DESIGN.md section 4; SGLang's "Overlap grammar with speculative decode
 #31488, adapted to one CPU process):
 
 1. **Draft** (``_draft``): one tree per live request (``Drafter.propose``), root = last
-   committed token; trees deeper than the request's remaining token budget are cut.
+   committed token; trees deeper than the request's remaining token budget are cut, then
+   the draft budget (:mod:`.draft_budget`) keeps the nodes that pay for their rows.
 2. **Verify forward** (``_launch_verify``): ``ModelRunner.forward_trees`` over every node of
    every tree.
 3. **Grammar work** (:meth:`SpecWorker.grammar_work`, :mod:`.grammar_work`), while step 2
@@ -70,6 +71,7 @@ from .batch_verify import (
     verify_greedy_batch,
 )
 from .config import WorkerConfig, worker_config
+from .draft_budget import DraftBudget
 from .drafters import Drafter, NoDrafter
 from .drafters.constrained import make_grammar_drafter
 from .grammar_work import (
@@ -104,12 +106,7 @@ def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     depth = tree.depth_list
     if max(depth) <= max_depth:
         return tree
-    keep = [i for i in range(tree.num_nodes) if depth[i] <= max_depth]
-    index = {old: new for new, old in enumerate(keep)}
-    return DraftTree(
-        [tree.token_list[i] for i in keep],
-        [-1 if i == 0 else index[tree.parent_list[i]] for i in keep],
-    )
+    return tree.subtree([i for i in range(tree.num_nodes) if depth[i] <= max_depth])
 
 
 @dataclass(eq=False)
@@ -136,6 +133,9 @@ class _Step:
     work: GrammarWork | None = None
     exposed_ms: float = 0.0  # grammar work beyond the forward
     gpu_ms: float | None = None  # the forward's GPU time, when measured
+    proposed_nodes: int = 0  # draft nodes proposed, before the draft budget
+    rows: int = 0  # rows the verify forward computes
+    predicted_ms: float | None = None  # the draft budget's prediction of t1 -> end of step
 
     @property
     def rids(self) -> list[str]:
@@ -244,6 +244,7 @@ class SpecWorker:
         self._plain_token_info: TokenizerInfo | None = None
         self.backend = self._grammar_backend(backend)
         self.drafter = self._make_drafter()
+        self._budget = DraftBudget() if cfg.draft_budget else None
         self.stop_token_ids = self._stop_tokens()
         self.step_stats: list[StepStats] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -570,6 +571,11 @@ class SpecWorker:
         if not live:
             self._advance_matchers([], draining)  # the last tokens of requests that finished
             return _idle_step((time.perf_counter() - t0) * 1e3)
+        proposed = sum(t.num_nodes for t in trees)
+        if self._budget is not None:
+            trees = self._budget.choose([st.rid for st in live], trees, self.runner.forward_rows)
+        fwd_rows = self.runner.forward_rows([t.num_nodes for t in trees])
+        predicted = self._budget.predict(fwd_rows) if self._budget is not None else None
         t1 = time.perf_counter()
         greedy = [batch_greedy_eligible(st.sampling) for st in live]
         lazy = self._lazy_requests(live, trees, greedy)
@@ -578,11 +584,14 @@ class SpecWorker:
         )
         bitmask = self._bitmasks.acquire(rows) if rows else None
         step = _Step(live, trees, draining, greedy, lazy, bitmask, t0=t0, t1=t1)
+        step.proposed_nodes, step.rows, step.predicted_ms = proposed, fwd_rows, predicted
         try:
             self._launch_verify(step)
             self._mask_on_device(step)
             self._charge_grammar_time(step)
             committed, lazy_ms = self._accept_all(step)
+            if self._budget is not None:
+                self._budget.record_step(fwd_rows, (time.perf_counter() - t1) * 1e3)
             self._record_measurements(step, lazy_ms)
             return self._step_stats(step, committed, sum(lazy_ms.values()))
         finally:
@@ -841,6 +850,9 @@ class SpecWorker:
             forbidden_rows=step.work.forbidden_rows,
             early_mask=step.work.masked_rows is not None,
             lazy_requests=len(step.lazy),
+            proposed_nodes=step.proposed_nodes,
+            forward_rows=step.rows,
+            predicted_ms=step.predicted_ms,
         )
 
     def _device_masks(
@@ -939,6 +951,8 @@ class SpecWorker:
         nodes, bonus = (
             verified if verified is not None else self._verify_one(st, tree, logits, work)
         )
+        if self._budget is not None:
+            self._budget.accept.record(st.rid, tree, nodes)
         run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
         kept = self._append_run(st, run, stops, fed)
         if st.finished:
@@ -1038,6 +1052,8 @@ class SpecWorker:
         if st.rid in self.runner.request_ids:
             self.runner.remove(st.rid)
             self.drafter.remove(st.rid)
+        if self._budget is not None:
+            self._budget.accept.forget(st.rid)
 
     def _result(self, st: RequestState) -> RequestResult:
         reasoning, text = self._split_reasoning(st, committed_text(self.tokenizer, st))

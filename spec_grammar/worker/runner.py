@@ -625,6 +625,23 @@ class ModelRunner:
             top = top[inverse] if with_argmax else None
         return (logits, top) if with_argmax else logits
 
+    def forward_rows(self, node_counts: Sequence[int]) -> int:
+        """The rows a :meth:`forward_trees` over trees of ``node_counts`` nodes computes (its
+        cost grows with them): their sum where the fused forward skips padding (CPU), the
+        CUDA-graph bucket shape for a forward over every live request that replays a graph,
+        else ``len(node_counts) * max(node_counts)`` (the padded batch)."""
+        b, n_max = len(node_counts), max(node_counts, default=0)
+        if self._fused is not None and self.device.type == "cpu":
+            return int(sum(node_counts))
+        if (
+            self._graphs is not None
+            and b == len(self._rids)
+            and b <= _MAX_GRAPH_BATCH
+            and n_max <= _MAX_GRAPH_NODES
+        ):
+            return bucket(b) * bucket(n_max)
+        return b * n_max
+
     def commit(self, rid: str, accepted_nodes: Sequence[int]) -> None:
         """Keep the KV of ``accepted_nodes`` (root first: ``[0, a1, .., ak]``, each the parent of
         the next, in the tree of the last :meth:`forward_trees` that included ``rid``); the

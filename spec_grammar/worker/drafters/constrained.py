@@ -109,17 +109,22 @@ class GrammarAwareDrafter(Drafter):
     def draft_rows(self, rid: str, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The verification rows of ``tree`` computed while drafting it: ``(bitmask (N, W)
         int32, valid (N,) bool)``, or None when none were kept (no grammar, no ``constrain``).
-        ``tree`` may be the proposed tree cut to a smaller depth (the worker's token budget)."""
+        ``tree`` may be a subtree of the proposed one (:meth:`DraftTree.subtree`: the worker's
+        token and draft budgets cut trees): a row depends only on its token path, so each node
+        takes the row of the proposed node with the same path; None when one has none."""
         got = self._rows.get(rid)
         if got is None:
             return None
         full, rows, valid = got
         if tree is full:
             return rows, valid
-        max_depth = max(tree.depth_list)
-        keep = [i for i, d in enumerate(full.depth_list) if d <= max_depth]
-        if [full.token_list[i] for i in keep] != tree.token_list:
-            return None
+        by_path = {(full.parent_list[i], full.token_list[i]): i for i in range(full.num_nodes)}
+        keep = [0] * tree.num_nodes
+        for i in range(1, tree.num_nodes):
+            node = by_path.get((keep[tree.parent_list[i]], tree.token_list[i]))
+            if node is None:
+                return None
+            keep[i] = node
         return rows[keep], valid[keep]
 
     # -- drafting ----------------------------------------------------------------------------

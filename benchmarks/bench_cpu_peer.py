@@ -1,0 +1,339 @@
+"""Our CPU worker against vLLM's CPU build in the same run (issue #23): tokens/s, tokens per
+CPU-second, step time, accept length, token identity.
+
+Requests (greedy, SmolLM2-135M float32, the same token ids in both engines):
+
+- ``json``: 8 JSONSchemaBench schemas + 4 BFCL tool schemas, each written into the chat prompt
+  (:func:`spec_grammar.worker.schema_prompt`); the grammar is the EBNF our xgrammar backend
+  compiles the schema (with our default output limits) to, given as EBNF to both vLLM's own
+  xgrammar backend and ours, so both constrain to the same language.
+- ``prose``: 8 free-text prompts, no grammar (n-gram matches are rare).
+
+Configurations: vLLM plain and with its n-gram drafter (``--vllm-python`` names the vLLM venv's
+interpreter; each vLLM configuration runs in its own process, engine start excluded from the
+times); ours plain (``no_spec``), fixed trees (``draft_budget=False``) and the default
+(adaptive draft budget). Batch 1 runs the requests one at a time; batch 8 / 12, one batch (the
+first 8 / all of them). CPU-seconds: the process tree's user + system time over the timed
+calls (vLLM's engine process busy-polls). One OMP thread per engine by default (``--threads``).
+
+    .venv/bin/python benchmarks/bench_cpu_peer.py --vllm-python /work/venv-vllm/bin/python \\
+        --out benchmarks/results/cpu-peer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+PROSE = [
+    "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe the water cycle to a ten-year-old.",
+    "What are some good habits for staying focused while studying?",
+    "Write a paragraph about the history of the bicycle.",
+    "Explain why the sky is blue.",
+    "Give me advice for planting a small vegetable garden.",
+    "Describe a walk through a busy market in the morning.",
+    "What makes a good friend?",
+]
+
+
+def _cpu_seconds() -> float:
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:
+            pass
+    return total
+
+
+# -- the requests ------------------------------------------------------------------------------
+def build_requests(max_tokens: int) -> dict[str, list[dict]]:
+    """``{"json": [...], "prose": [...]}``, each request ``{"id", "prompt_ids", "ebnf" | None,
+    "max_tokens"}``."""
+    from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
+    from spec_grammar.models import load_tokenizer
+    from spec_grammar.registry import get_backend
+    from spec_grammar.specs import JsonSchema
+    from spec_grammar.worker.api import schema_prompt
+
+    tok = load_tokenizer("smollm2")
+    backend = get_backend("xgrammar", tok)
+    schemas = [(s["id"], s["schema"]) for s in jsonschemabench_sample("Github_easy")[:8]]
+    schemas += [(c["id"], c["required_schema"]) for c in bfcl_cases()[:4]]
+
+    def ids(text: str) -> list[int]:
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        return tok.encode(chat, add_special_tokens=False)
+
+    out: dict[str, list[dict]] = {"json": [], "prose": []}
+    for rid, schema in schemas:
+        spec = JsonSchema(schema=schema)
+        compiled = backend.compile(spec)
+        out["json"].append(
+            {
+                "id": rid,
+                "prompt_ids": list(ids(schema_prompt(spec))),
+                "ebnf": str(compiled.native.grammar),
+                "max_tokens": max_tokens,
+            }
+        )
+    for i, text in enumerate(PROSE):
+        out["prose"].append(
+            {
+                "id": f"prose{i}",
+                "prompt_ids": list(ids(text)),
+                "ebnf": None,
+                "max_tokens": max_tokens,
+            }
+        )
+    return out
+
+
+def batches(requests: list[dict], sizes: list[int]) -> list[tuple[int, list[list[dict]]]]:
+    """Per batch size: the calls (batch 1: one per request; b: the first b, one call)."""
+    return [(b, [[r] for r in requests] if b == 1 else [requests[:b]]) for b in sizes]
+
+
+# -- vLLM (runs inside the vLLM venv) ------------------------------------------------------------
+def vllm_job(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    llm = LLM(
+        job["model"],
+        dtype="float32",
+        max_model_len=2048,
+        max_num_seqs=max(job["sizes"]),
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+        structured_outputs_config={"backend": "xgrammar"},
+        speculative_config=job["speculative"],
+    )
+    results = []
+    for kind, reqs in job["requests"].items():
+        for b, calls in batches(reqs, job["sizes"]):
+            before = _spec_counters(llm)
+            cpu0, t0 = _cpu_seconds(), time.perf_counter()
+            outs = []
+            for call in calls:
+                prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in call]
+                params = [
+                    SamplingParams(
+                        temperature=0,
+                        max_tokens=r["max_tokens"],
+                        structured_outputs=StructuredOutputsParams(grammar=r["ebnf"])
+                        if r["ebnf"]
+                        else None,
+                    )
+                    for r in call
+                ]
+                outs += llm.generate(prompts, params, use_tqdm=False)
+            seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+            after = _spec_counters(llm)
+            spec = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            results.append(
+                {
+                    "kind": kind,
+                    "batch": b,
+                    "seconds": seconds,
+                    "cpu_seconds": cpu,
+                    "spec": spec,
+                    "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                }
+            )
+    return {"results": results}
+
+
+def _spec_counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num") and hasattr(metric, "value"):
+            out[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
+    return out
+
+
+def run_vllm(python: str, model: str, spec: dict | None, requests, sizes, threads: int) -> dict:
+    env = dict(os.environ)
+    env.pop("SPEC_GRAMMAR_VLLM_BACKEND", None)
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
+        OMP_NUM_THREADS=str(threads),
+    )
+    env.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "vllm-bench"))
+    job = {"model": model, "speculative": spec, "requests": requests, "sizes": sizes}
+    proc = subprocess.run(
+        [python, str(HERE), "--vllm-job", json.dumps(job)], env=env, capture_output=True, text=True
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(proc.stderr[-4000:])
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+# -- ours ----------------------------------------------------------------------------------------
+def run_ours(model: str, options: dict, requests, sizes, threads: int) -> dict:
+    from spec_grammar.specs import Ebnf
+    from spec_grammar.worker.api import build_worker
+    from spec_grammar.worker.request import Request
+    from spec_grammar.worker.sampling import SamplingParams
+
+    worker = build_worker(model=model, threads=threads, **options)
+    results = []
+    with worker:
+        for kind, reqs in requests.items():
+            for b, calls in batches(reqs, sizes):
+                cpu0, t0 = _cpu_seconds(), time.perf_counter()
+                outs, steps = [], []
+                for call in calls:
+                    outs += worker.run(
+                        [
+                            Request(
+                                r["prompt_ids"],
+                                Ebnf(text=r["ebnf"]) if r["ebnf"] else None,
+                                SamplingParams(max_new_tokens=r["max_tokens"]),
+                            )
+                            for r in call
+                        ]
+                    )
+                    steps += worker.step_stats
+                seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+                busy = [s for s in steps if s.batch_size]
+                results.append(
+                    {
+                        "kind": kind,
+                        "batch": b,
+                        "seconds": seconds,
+                        "cpu_seconds": cpu,
+                        "steps": len(busy),
+                        "step_ms": sum(s.step_ms for s in busy) / max(len(busy), 1),
+                        "nodes_per_step": sum(s.num_nodes for s in busy) / max(len(busy), 1),
+                        "proposed_per_step": sum(s.proposed_nodes for s in busy)
+                        / max(len(busy), 1),
+                        "predicted_vs_measured": [
+                            (s.predicted_ms, s.step_ms - s.draft_ms)
+                            for s in busy
+                            if s.predicted_ms is not None
+                        ],
+                        "token_ids": [o.token_ids for o in outs],
+                        "finish": [o.finish_reason for o in outs],
+                    }
+                )
+    return {"results": results}
+
+
+# -- the table -----------------------------------------------------------------------------------
+def _strip_stop(ids: list[int], stops: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stops else ids
+
+
+def table(runs: dict[str, dict], stops: set[int]) -> str:
+    ref = runs["vLLM plain"]["results"]
+    rows = [
+        "| prompts | batch | config | tok/s | x vLLM spec | x vLLM plain | tok/CPU-s | ms/step | "
+        "nodes/step | accept length | same tokens as vLLM plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, base in enumerate(ref):
+        rates = {}
+        for name, run in runs.items():
+            r = run["results"][i]
+            toks = sum(len(_strip_stop(t, stops)) for t in r["token_ids"])
+            rates[name] = (toks, r)
+        vspec = rates["vLLM n-gram"][0] / rates["vLLM n-gram"][1]["seconds"]
+        vplain = rates["vLLM plain"][0] / rates["vLLM plain"][1]["seconds"]
+        for name, (toks, r) in rates.items():
+            tps = toks / r["seconds"]
+            same = sum(
+                _strip_stop(a, stops) == _strip_stop(b, stops)
+                for a, b in zip(r["token_ids"], base["token_ids"])
+            )
+            if "steps" in r:
+                ms, nodes = f"{r['step_ms']:.0f}", f"{r['nodes_per_step']:.1f}"
+                accept = toks / max(r["steps"], 1) / base["batch"]
+                accept_s = (
+                    f"{accept * base['batch']:.2f}/step" if base["batch"] > 1 else f"{accept:.2f}"
+                )
+            else:
+                ms = nodes = "-"
+                spec = r.get("spec") or {}
+                drafts = spec.get("num_drafts", 0)
+                accept_s = (
+                    f"{1 + spec.get('num_accepted_tokens', 0) / drafts:.2f}" if drafts else "1.00"
+                )
+            rows.append(
+                f"| {base['kind']} | {base['batch']} | {name} | {tps:.1f} | {tps / vspec:.2f} | "
+                f"{tps / vplain:.2f} | {toks / max(r['cpu_seconds'], 1e-9):.1f} | {ms} | {nodes} | "
+                f"{accept_s} | {same}/{len(base['token_ids'])} |"
+            )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", help="the vLLM venv's python (vLLM rows left out without)")
+    ap.add_argument("--vllm-job", help=argparse.SUPPRESS)
+    ap.add_argument("--sizes", default="1,8,12", help="batch sizes")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1, help="OMP threads of each engine")
+    ap.add_argument("--kinds", default="json,prose")
+    ap.add_argument("--ours-only", action="store_true", help="skip vLLM (a quick look)")
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    args = ap.parse_args()
+    if args.vllm_job:
+        print("RESULT " + json.dumps(vllm_job(json.loads(args.vllm_job))), flush=True)
+        return
+
+    from spec_grammar.models import load_model, load_tokenizer
+
+    sizes = [int(x) for x in args.sizes.split(",")]
+    requests = {
+        k: v for k, v in build_requests(args.max_tokens).items() if k in args.kinds.split(",")
+    }
+    model = load_model("smollm2").name_or_path  # the directory our loader writes
+    runs: dict[str, dict] = {}
+    if args.vllm_python and not args.ours_only:
+        for name, spec in (
+            ("vLLM plain", None),
+            (
+                "vLLM n-gram",
+                {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+            ),
+        ):
+            print(f"running {name}", file=sys.stderr, flush=True)
+            runs[name] = run_vllm(args.vllm_python, model, spec, requests, sizes, args.threads)
+    for name, options in (
+        ("ours plain", {"no_spec": True}),
+        ("ours fixed trees", {"draft_budget": False}),
+        ("ours default (budget)", {}),
+    ):
+        print(f"running {name}", file=sys.stderr, flush=True)
+        runs[name] = run_ours(model, options, requests, sizes, args.threads)
+    if "vLLM plain" not in runs:  # compare with our plain decoding instead
+        runs = {"vLLM plain": runs["ours plain"], "vLLM n-gram": runs["ours plain"], **runs}
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(runs))
+    tok = load_tokenizer("smollm2")
+    md = table(runs, {tok.eos_token_id})
+    print(md)
+    if args.out:
+        Path(args.out + ".md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

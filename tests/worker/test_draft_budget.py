@@ -1,0 +1,188 @@
+"""The per-step draft budget (:mod:`spec_grammar.worker.draft_budget`): its choice against a
+brute-force search over every cut, its cost model against the function it measured, subtrees
+against their definition, and the worker under it: greedy outputs equal plain decoding's,
+and drafts that are never accepted stop being verified."""
+
+import itertools
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from spec_grammar.errors import DraftTreeError
+from spec_grammar.models import load_tokenizer
+from spec_grammar.tree import DraftTree
+from spec_grammar.worker.draft_budget import AcceptModel, DraftBudget, StepCostModel, node_gains
+from spec_grammar.worker.drafters import Drafter
+from spec_grammar.worker.engine import SpecWorker
+from spec_grammar.worker.request import Request
+from spec_grammar.worker.sampling import SamplingParams
+
+
+def _random_tree(rng: random.Random, n: int) -> DraftTree:
+    return DraftTree.from_parents(
+        [rng.randrange(100) for _ in range(n)], [-1] + [rng.randrange(i) for i in range(1, n)]
+    )
+
+
+def test_subtree_keeps_the_nodes_links_and_order():
+    rng = random.Random(0)
+    for _ in range(200):
+        tree = _random_tree(rng, rng.randrange(1, 12))
+        keep = [0] + [i for i in range(1, tree.num_nodes) if rng.random() < 0.6]
+        keep = [i for i in keep if all(a in keep for a in _ancestors(tree, i))]
+        sub = tree.subtree(keep)
+        assert sub.token_list == [tree.token_list[i] for i in keep]
+        for new, old in enumerate(keep[1:], start=1):
+            assert keep[sub.parent_list[new]] == tree.parent_list[old]
+    tree = DraftTree.chain(5, [6, 7, 8])
+    with pytest.raises(DraftTreeError, match="without its parent"):
+        tree.subtree([0, 2])
+    with pytest.raises(DraftTreeError, match="ascending"):
+        tree.subtree([0, 2, 1])
+    with pytest.raises(DraftTreeError, match="ascending"):
+        tree.subtree([1])
+
+
+def _ancestors(tree: DraftTree, i: int) -> list[int]:
+    out = []
+    while tree.parent_list[i] != -1:
+        i = tree.parent_list[i]
+        out.append(i)
+    return out
+
+
+def test_cost_model_fits_the_line_it_measured_and_follows_a_change():
+    cost = StepCostModel()
+    assert cost.predict(4) is None
+    cost.record(8, 80.0)
+    assert cost.predict(8) == 80.0 and cost.predict(2) == 80.0 and cost.predict(16) == 160.0
+    rng = random.Random(0)
+    for _ in range(40):
+        rows = rng.randrange(1, 33)
+        cost.record(rows, 30.0 + 2.5 * rows)
+    assert cost.predict(1) == pytest.approx(32.5, rel=0.05)
+    assert cost.predict(40) == pytest.approx(130.0, rel=0.05)
+    for _ in range(200):  # the host got twice as slow: the old steps are forgotten
+        rows = rng.randrange(1, 33)
+        cost.record(rows, 2 * (30.0 + 2.5 * rows))
+    assert cost.predict(20) == pytest.approx(2 * 80.0, rel=0.02)
+    stalled = cost.predict(20)
+    cost.record(20, 50 * stalled)  # one stalled step moves it by at most its capped weight
+    assert cost.predict(20) < 1.1 * stalled
+
+
+def _expected_tokens(trees, keeps, q) -> float:
+    total = 0.0
+    for tree, keep in zip(trees, keeps):
+        gains = node_gains(tree.subtree(keep), q)
+        total += sum(gains)  # the root's 1.0 is the bonus token
+    return total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_budget_choice_is_the_best_cut_by_brute_force(seed):
+    """Chains of up to 4 drafts for 3 requests, the cost model fed a flat-then-linear cost:
+    the chosen cut maximises expected tokens per predicted millisecond among all (5^3) cuts,
+    as an exhaustive search finds."""
+    rng = random.Random(seed)
+    floor, per_row, knee = rng.uniform(20, 60), rng.uniform(1, 12), rng.randrange(1, 8)
+
+    def ms(rows: int) -> float:
+        return floor + per_row * max(0, rows - knee)
+
+    budget = DraftBudget(explore_every=10**9)
+    for rows in range(1, 16):
+        budget.record_step(rows, ms(rows))
+    q = rng.uniform(0.05, 0.95)
+    trees = [DraftTree.chain(1, [rng.randrange(50) for _ in range(4)]) for _ in range(3)]
+    rids = ["a", "b", "c"]
+    for rid, tree in zip(rids, trees):  # every request accepts a fraction q of its drafts
+        for _ in range(200):
+            accepted = 1 + sum(1 for _ in itertools.takewhile(lambda _: rng.random() < q, range(4)))
+            budget.accept.record(rid, tree, list(range(accepted)))
+    chosen = budget.choose(rids, trees, lambda counts: sum(counts))
+    rates = {rid: budget.accept.rate(rid) for rid in rids}
+
+    def value(counts) -> float:
+        keeps = [list(range(c)) for c in counts]
+        gain = sum(_expected_tokens([t], [k], rates[r]) for t, k, r in zip(trees, keeps, rids))
+        return gain / budget.predict(sum(counts))
+
+    best = max(value(c) for c in itertools.product(range(1, 6), repeat=3))
+    assert value([t.num_nodes for t in chosen]) == pytest.approx(best, rel=1e-9)
+
+
+def test_accept_model_tracks_each_request():
+    model = AcceptModel()
+    chain = DraftTree.chain(1, [2, 3, 4])
+    for _ in range(30):
+        model.record("good", chain, [0, 1, 2, 3])  # all three drafts accepted
+        model.record("bad", chain, [0])  # the first draft refused
+    assert model.rate("good") > 0.9 > 0.1 > model.rate("bad")
+    model.forget("good")
+    assert 0.1 < model.rate("good") < 0.9  # back to the batch-wide rate
+
+
+class _WrongDrafter(Drafter):
+    """Chains of token 0, which the tiny model below never picks greedily."""
+
+    name = "wrong"
+
+    def propose(self, batch):
+        return [DraftTree.chain(st.root_token, [0] * (self.num_draft_tokens - 1)) for st in batch]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[0] -= 100.0  # token 0 is never the greedy choice
+        model.lm_head.weight[2] -= 100.0  # nor EOS: every request runs its 40 tokens
+    return model
+
+
+def _run(model, drafter, budget: bool, no_spec: bool = False):
+    reqs = [
+        Request([3 + i, 9, 17, 4], None, SamplingParams(max_new_tokens=40), rid=f"r{i}")
+        for i in range(3)
+    ]
+    worker = SpecWorker(
+        model,
+        load_tokenizer("smollm2"),  # decodes the tiny model's ids; EOS is 2 in both
+        backend=None,
+        draft=drafter,
+        draft_budget=budget,
+        no_spec=no_spec,
+    )
+    with worker:
+        out = worker.run(reqs)
+    return [o.token_ids for o in out], worker.step_stats
+
+
+def test_worker_stops_verifying_drafts_that_never_pay(tiny_model):
+    """Drafts never accepted: after its two measuring steps the budget verifies roots only
+    (plain decoding) except on its exploration steps; greedy outputs equal plain decoding's and
+    those with every draft verified."""
+    plain, _ = _run(tiny_model, None, budget=False, no_spec=True)
+    fixed, fixed_steps = _run(tiny_model, _WrongDrafter(num_draft_tokens=5), budget=False)
+    cut, steps = _run(tiny_model, _WrongDrafter(num_draft_tokens=5), budget=True)
+    assert plain == fixed == cut
+    assert all(s.num_nodes == s.proposed_nodes for s in fixed_steps)
+    busy = [s for s in steps if s.batch_size][4:]
+    roots_only = [s for s in busy if s.num_nodes == s.batch_size]
+    assert len(roots_only) >= 0.8 * len(busy)
+    assert all(s.proposed_nodes == 5 * s.batch_size for s in busy)
+    assert all(s.predicted_ms is not None and s.forward_rows == s.num_nodes for s in busy)
