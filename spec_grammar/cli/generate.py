@@ -216,10 +216,16 @@ def register(sub) -> None:
         help="run the forwards eagerly (CUDA graphs are used on CUDA devices only)",
     )
     a.add_argument(
+        "--no-draft-budget",
+        action="store_true",
+        help="verify every drafted node (default: each step keeps the nodes that pay for their "
+        "rows, from measured acceptance and step cost; a request may get none)",
+    )
+    a.add_argument(
         "--no-fused-forward",
         action="store_true",
-        help="run the model's own Hugging Face forward, not our fused decoder for Llama-family "
-        "models (which CUDA devices use)",
+        help="run the model's own Hugging Face forward, not our fused decoder (used by default "
+        "for Llama-family models)",
     )
     a.add_argument(
         "--grammar-threads",
@@ -515,6 +521,7 @@ def _worker_config(args):
         constrain_draft=args.constrain_draft,
         cuda_graphs=False if args.no_cuda_graphs else None,
         fused_forward=False if args.no_fused_forward else None,
+        draft_budget=not args.no_draft_budget,
         grammar_threads=args.grammar_threads,
         lazy_grammar={"auto": None, "on": True, "off": False}[args.lazy_grammar],
         **({} if args.forced_tokens is None else {"forced_tokens": args.forced_tokens}),
@@ -736,6 +743,9 @@ def run(args) -> int:
                     "results": [r.model_dump() for r in final],
                     "summary": summary.model_dump(),
                     "runner": runner,
+                    # per step: the draft budget's choice (proposed_nodes -> num_nodes,
+                    # forward_rows) and its predicted_ms against step_ms - draft_ms
+                    "steps": [s.model_dump() for s in worker.step_stats],
                 }
             )
         )

@@ -27,7 +27,9 @@ arXiv:2406.16858, 2024, ranks nodes by path confidence).
   than the best, so the cost model keeps learning the counts just above its choice.
 
 Greedy outputs do not depend on the budget: every kept node is verified as before, and a cut
-node is one the target would have had to accept to matter.
+node is one the target would have had to accept to matter. Sampled requests keep their whole
+trees (a seeded sample depends on the tree it is verified against, and the budget's choices
+depend on measured times).
 """
 
 from __future__ import annotations
@@ -168,22 +170,29 @@ class DraftBudget:
         rids: Sequence[str],
         trees: Sequence[DraftTree],
         rows_of: Callable[[Sequence[int]], int],
+        fixed: Sequence[bool] | None = None,
     ) -> list[DraftTree]:
         """This step's trees, each the proposed one or a :meth:`DraftTree.subtree` of it (the
         root always kept). ``rows_of(node_counts)``: the rows a verify forward over trees of
-        these node counts computes."""
+        these node counts computes. ``fixed[i]``: request ``i`` keeps its whole tree (sampled
+        requests: a seeded sample depends on the tree it is verified against, so their trees
+        must not depend on timings)."""
         self._steps += 1
-        cands = []
+        fixed = fixed or [False] * len(trees)
+        counts = [t.num_nodes if f else 1 for t, f in zip(trees, fixed)]
+        gain, cands = 0.0, []
         for i, (rid, tree) in enumerate(zip(rids, trees)):
             gains = node_gains(tree, self.accept.rate(rid))
-            cands.extend((-gains[n], i, n) for n in range(1, tree.num_nodes))
+            if fixed[i]:
+                gain += sum(gains)
+            else:
+                gain += 1.0
+                cands.extend((-gains[n], i, n) for n in range(1, tree.num_nodes))
         if not cands or self.cost.measured == 0:
             return list(trees)  # nothing to cut, or the first step: measure the whole proposal
         cands.sort()
         if self.cost.measured == 1 and self.cost.has(rows_of([t.num_nodes for t in trees])):
-            return self._cut(trees, cands, 0)  # the second: measure plain decoding
-        counts = [1] * len(trees)
-        gain = float(len(trees))
+            return self._cut(trees, cands, 0, fixed)  # the second: measure plain decoding
         best_n, best_rate = 0, gain / self.cost.predict(rows_of(counts))
         for n, (neg_gain, i, _) in enumerate(cands, start=1):
             counts[i] += 1
@@ -193,15 +202,21 @@ class DraftBudget:
                 best_n, best_rate = n, rate
         if self._steps % self.explore_every == 0:
             best_n = min(len(cands), max(2 * best_n, best_n + len(trees)))
-        return self._cut(trees, cands, best_n)
+        return self._cut(trees, cands, best_n, fixed)
 
     @staticmethod
-    def _cut(trees: Sequence[DraftTree], ranked: list, n: int) -> list[DraftTree]:
-        """``trees`` keeping the root and the first ``n`` nodes of ``ranked``."""
+    def _cut(
+        trees: Sequence[DraftTree], ranked: list, n: int, fixed: Sequence[bool]
+    ) -> list[DraftTree]:
+        """``trees`` keeping the root and the first ``n`` nodes of ``ranked`` (all of a
+        ``fixed`` tree)."""
         keep: list[list[int]] = [[0] for _ in trees]
         for _, i, node in ranked[:n]:
             keep[i].append(node)
-        return [t if len(k) == t.num_nodes else t.subtree(sorted(k)) for t, k in zip(trees, keep)]
+        return [
+            t if f or len(k) == t.num_nodes else t.subtree(sorted(k))
+            for t, k, f in zip(trees, keep, fixed)
+        ]
 
     def predict(self, rows: int) -> float | None:
         """The cost model's milliseconds for a step of ``rows`` rows (None before any step)."""

@@ -573,7 +573,12 @@ class SpecWorker:
             return _idle_step((time.perf_counter() - t0) * 1e3)
         proposed = sum(t.num_nodes for t in trees)
         if self._budget is not None:
-            trees = self._budget.choose([st.rid for st in live], trees, self.runner.forward_rows)
+            trees = self._budget.choose(
+                [st.rid for st in live],
+                trees,
+                self.runner.forward_rows,
+                fixed=[not st.sampling.greedy for st in live],
+            )
         fwd_rows = self.runner.forward_rows([t.num_nodes for t in trees])
         predicted = self._budget.predict(fwd_rows) if self._budget is not None else None
         t1 = time.perf_counter()

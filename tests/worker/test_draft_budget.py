@@ -186,3 +186,17 @@ def test_worker_stops_verifying_drafts_that_never_pay(tiny_model):
     assert len(roots_only) >= 0.8 * len(busy)
     assert all(s.proposed_nodes == 5 * s.batch_size for s in busy)
     assert all(s.predicted_ms is not None and s.forward_rows == s.num_nodes for s in busy)
+
+
+def test_fixed_trees_are_kept_whole():
+    """A sampled request's tree (``fixed``) is verified whole even when the budget cuts every
+    other tree to its root (drafts never accepted, every row costly)."""
+    budget = DraftBudget(explore_every=10**9)
+    for rows in (2, 30):
+        budget.record_step(rows, 10.0 * rows)
+    trees = [DraftTree.chain(1, [2, 3, 4, 5]) for _ in range(2)]
+    for _ in range(50):
+        budget.accept.record("a", trees[0], [0])
+        budget.accept.record("b", trees[1], [0])
+    cut = budget.choose(["a", "b"], trees, sum, fixed=[False, True])
+    assert cut[0].num_nodes == 1 and cut[1] is trees[1]
