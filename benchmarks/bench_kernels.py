@@ -1,15 +1,25 @@
 """Mask-apply and fused-verify kernels against the memory-bandwidth bound and other libraries.
 
 GPU (default when CUDA is available): for rows x vocab x dtype, times spec-grammar's apply,
-xgrammar's ``apply_token_bitmask_inplace(backend="triton")`` and
-``llguidance.torch.apply_token_bitmask_inplace`` in the same run, and the fused masked argmax /
-softmax against apply followed by ``torch.argmax`` / ``torch.softmax``.
+xgrammar's ``apply_token_bitmask_inplace`` with ``backend="cuda"`` (its CUDA C++ kernel) and
+``backend="triton"``, and ``llguidance.torch.apply_token_bitmask_inplace``, in the same run;
+unless ``--apply-only``, also the fused masked argmax / softmax against apply followed by
+``torch.argmax`` / ``torch.softmax``.
 
-Device time: each call is captured in a CUDA graph once per input set, with enough distinct sets
-to span 4x the L2 (so every call reads cold memory); the median of 20 replays (CUDA events,
-after 50 ms of warm-up replays) over the number of sets. Also recorded: eager time
-(``triton.testing.do_bench`` median, L2 flushed), which includes host launch time where that
-exceeds the flush.
+Every call reads cold memory: each candidate gets enough distinct input sets to span 4x the L2,
+and its calls go round them. Two times per call:
+
+* graph replay: the calls (one per set) captured back to back in one CUDA graph; after 50 ms of
+  warm-up replays, the median of 20 replays (CUDA events) over the number of sets. Device time
+  only.
+* eager: the same calls launched eagerly back to back from Python, as an engine calls the apply
+  once per step outside its CUDA graphs; after 50 ms of warm-up loops, the median of 20 loops
+  (CUDA events around each loop) over the number of sets. Where a call's host time (argument
+  checks, launch) exceeds its device time, this is the host time.
+
+Also recorded: the host time of one launch (``launch_us``: wall time of 2,000 back-to-back
+calls on a one-row input over 2,000) and, with ``--sweep``, the apply time of several Triton
+block configurations per shape (how the defaults were chosen).
 
 Bound of the in-place apply: one read and one write of the logits plus one read of the mask,
 over the device-to-device copy bandwidth measured in the same run (bytes read + written by an
@@ -49,7 +59,7 @@ from spec_grammar.kernels import apply_token_bitmask_inplace, masked_argmax, mas
 from spec_grammar.kernels.cpu import apply_token_bitmask_inplace_torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GPU_ROWS, GPU_VOCABS = (64, 512, 2048), (49_152, 262_144)
+GPU_ROWS, GPU_VOCABS = (64, 512, 2048), (49_152, 128_256, 262_144)
 CPU_ROWS, CPU_VOCABS = (1, 16, 64), (49_152, 262_144)
 TEMPERATURE = 0.8
 
@@ -71,13 +81,35 @@ def make_mask(kind: str, rows: int, vocab: int, device: str, gen: torch.Generato
 
 # ----------------------------------------------------------------------------- GPU
 
+APPLY = "spec_grammar"
+
 
 def eager_time_ms(fn) -> float:
-    """``do_bench`` median with the L2 flushed before each call; host launch time shows when
-    it exceeds the flush."""
+    """``do_bench`` median with the L2 flushed before each call (the copy bandwidth, and
+    calls that cannot be captured in a graph)."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def _warm(run) -> None:
+    """50 ms of ``run`` + synchronize, so clocks have ramped after the host-side setup."""
+    warm = time.perf_counter()
+    while time.perf_counter() - warm < 0.05:
+        run()
+        torch.cuda.synchronize()
+
+
+def _median_event_ms(run, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def graph_time_ms(calls: list, replays: int = 20) -> float:
@@ -94,21 +126,57 @@ def graph_time_ms(calls: list, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    # Warm up for 50 ms so clocks have ramped after the host-side setup.
-    warm = time.perf_counter()
-    while time.perf_counter() - warm < 0.05:
-        graph.replay()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    _warm(graph.replay)
+    ms = _median_event_ms(graph.replay, replays)
     del graph
-    return statistics.median(times) / len(calls)
+    return ms / len(calls)
+
+
+def eager_loop_time_ms(calls: list, loops: int = 20) -> float:
+    """Time of one eager call on cold memory: ``calls`` (one closure per buffer set) launched
+    back to back from Python; after 50 ms of warm-up loops, the median loop time (CUDA events
+    around each loop) / ``len(calls)``. The host's launch time shows where it exceeds the
+    device time."""
+
+    def run():
+        for call in calls:
+            call()
+
+    _warm(run)
+    return _median_event_ms(run, loops) / len(calls)
+
+
+def launch_us(fn, calls: int = 2000) -> float:
+    """Host microseconds per call: ``calls`` back-to-back calls of ``fn`` (a one-row input, so
+    the device keeps up) timed on the wall clock, then one synchronize."""
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def launch_overheads(others: dict, gen: torch.Generator) -> dict:
+    """:func:`launch_us` of every apply on a ``(1, 4096)`` float32 input; ours also through
+    Triton's JIT launch (the path before the cached launch, for comparison)."""
+    from spec_grammar.kernels import triton as ours_triton
+
+    logits = torch.randn(1, 4096, device="cuda")
+    mask = make_mask("random", 1, 4096, "cuda", gen)
+    out = {APPLY: launch_us(lambda: apply_token_bitmask_inplace(logits, mask))}
+    for name, fn in others.items():
+        out[name] = launch_us(lambda fn=fn: fn(logits, mask))
+    cached, ours_triton._CACHED_LAUNCH = ours_triton._CACHED_LAUNCH, False
+    ours_triton._CACHE.clear()
+    try:
+        out[APPLY + " (JIT launch)"] = launch_us(lambda: apply_token_bitmask_inplace(logits, mask))
+    finally:
+        ours_triton._CACHED_LAUNCH = cached
+    return out
 
 
 def copy_bandwidth() -> float:
@@ -127,7 +195,7 @@ def buffer_sets(bytes_per_set: int) -> int:
     return max(1, min(64, -(-4 * l2 // bytes_per_set)))
 
 
-def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
+def gpu_cell(rows, vocab, dname, kind, others, bw, gen, apply_only: bool) -> dict:
     dtype = DTYPES[dname]
     logits0 = torch.randn(rows, vocab, device="cuda", dtype=torch.float32).to(dtype)
     mask0 = make_mask(kind, rows, vocab, "cuda", gen)
@@ -145,17 +213,19 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         theirs = logits0.clone()
         fn(theirs, mask0)
         checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
-    expect = ours.float().argmax(dim=1)
-    expect[ours.float().amax(dim=1) == float("-inf")] = -1
-    checks["masked_argmax == apply+argmax"] = bool(
-        torch.equal(masked_argmax(logits0, mask0), expect)
-    )
-    probs = masked_softmax(logits0, mask0, TEMPERATURE)
-    ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
-    checks["masked_softmax ~= apply+softmax"] = bool(
-        torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7)
-    )
-    del ref, probs, ref_p, ours
+    if not apply_only:
+        expect = ours.float().argmax(dim=1)
+        expect[ours.float().amax(dim=1) == float("-inf")] = -1
+        checks["masked_argmax == apply+argmax"] = bool(
+            torch.equal(masked_argmax(logits0, mask0), expect)
+        )
+        probs = masked_softmax(logits0, mask0, TEMPERATURE)
+        ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
+        checks["masked_softmax ~= apply+softmax"] = bool(
+            torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7)
+        )
+        del probs, ref_p
+    del ref, ours
 
     k = buffer_sets(rows * vocab * logits0.element_size() + rows * width * 4)
     src = [logits0.clone() for _ in range(k)]
@@ -166,9 +236,11 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
     def per_set(fn):
         return [lambda s=s, w=w, m=m: fn(s, w, m) for s, w, m in sets]
 
-    candidates = {
-        "spec_grammar": lambda s, w, m: apply_token_bitmask_inplace(w, m),
+    applies = {
+        APPLY: lambda s, w, m: apply_token_bitmask_inplace(w, m),
         **{name: (lambda s, w, m, fn=fn: fn(w, m)) for name, fn in others.items()},
+    }
+    fused = {
         "fused_argmax": lambda s, w, m: masked_argmax(s, m),
         "apply+argmax": lambda s, w, m: (apply_token_bitmask_inplace(w, m), torch.argmax(w, dim=1)),
         "fused_softmax": lambda s, w, m: masked_softmax(s, m, TEMPERATURE),
@@ -177,18 +249,16 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
             torch.softmax(w.float() / TEMPERATURE, dim=1),
         ),
     }
-    t, notes = {}, {}
-    for name, fn in candidates.items():
+    t, eager, notes = {}, {}, {}
+    for name, fn in {**applies, **({} if apply_only else fused)}.items():
         try:
             t[name] = graph_time_ms(per_set(fn))
         except Exception as e:  # noqa: BLE001 - e.g. a library that cannot be captured
             notes[name] = f"not capturable ({type(e).__name__}: {str(e)[:120]}); eager time"
             torch.cuda.synchronize()
             t[name] = eager_time_ms(lambda fn=fn: fn(*sets[0]))
-    eager = {
-        name: eager_time_ms(lambda fn=candidates[name]: fn(*sets[0]))
-        for name in ("spec_grammar", *others, "fused_argmax", "apply+argmax")
-    }
+        if name in applies or name in ("fused_argmax", "apply+argmax"):
+            eager[name] = eager_loop_time_ms(per_set(fn))
     return {
         "rows": rows,
         "vocab": vocab,
@@ -200,52 +270,60 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         "ms": t,
         "eager_ms": eager,
         "notes": notes,
-        "achieved_GBps": bound_bytes / (t["spec_grammar"] * 1e-3) / 1e9,
-        "fraction_of_bound": bound_ms / t["spec_grammar"],
+        "achieved_GBps": bound_bytes / (t[APPLY] * 1e-3) / 1e9,
+        "fraction_of_bound": bound_ms / t[APPLY],
         "checks": checks,
     }
 
 
-def sweep(gen) -> list[dict]:
-    """Apply time for (words per program, warps) candidates: picks the Triton defaults."""
+SWEEP_BYTES, SWEEP_WARPS = (2048, 4096, 8192, 16384), (4, 8)
+
+
+def sweep(gen, rows_list, vocabs) -> list[dict]:
+    """Apply time (graph and eager) for (bytes of logits per program, warps) candidates at
+    every rows x vocab x dtype: how the Triton defaults were chosen."""
     from spec_grammar.kernels.triton import apply_token_bitmask_inplace_triton
 
     out = []
     for dname, dtype in DTYPES.items():
-        for rows, vocab in ((64, 262_144), (512, 49_152), (2048, 262_144)):
-            logits = torch.randn(rows, vocab, device="cuda").to(dtype)
-            mask = make_mask("random", rows, vocab, "cuda", gen)
-            sets = [(logits.clone(), mask.clone()) for _ in range(buffer_sets(logits.nbytes))]
-            for words, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)):
-                ms = graph_time_ms(
-                    [
-                        lambda l=l, m=m: apply_token_bitmask_inplace_triton(
-                            l, m, words_per_program=words, num_warps=warps
+        for rows in rows_list:
+            for vocab in vocabs:
+                logits = torch.randn(rows, vocab, device="cuda").to(dtype)
+                mask = make_mask("random", rows, vocab, "cuda", gen)
+                sets = [(logits.clone(), mask.clone()) for _ in range(buffer_sets(logits.nbytes))]
+                for nbytes in SWEEP_BYTES:
+                    words = nbytes // (32 * logits.element_size())
+                    for warps in SWEEP_WARPS:
+                        calls = [
+                            lambda l=l, m=m: apply_token_bitmask_inplace_triton(
+                                l, m, words_per_program=words, num_warps=warps
+                            )
+                            for l, m in sets
+                        ]
+                        row = {
+                            "dtype": dname,
+                            "rows": rows,
+                            "vocab": vocab,
+                            "bytes": nbytes,
+                            "warps": warps,
+                            "ms": graph_time_ms(calls),
+                            "eager_ms": eager_loop_time_ms(calls),
+                        }
+                        out.append(row)
+                        print(
+                            f"sweep {dname} {rows}x{vocab} bytes={nbytes} warps={warps}: "
+                            f"{row['ms'] * 1e3:.1f} us graph, {row['eager_ms'] * 1e3:.1f} us eager",
+                            flush=True,
                         )
-                        for l, m in sets
-                    ]
-                )
-                out.append(
-                    {
-                        "dtype": dname,
-                        "rows": rows,
-                        "vocab": vocab,
-                        "words": words,
-                        "warps": warps,
-                        "ms": ms,
-                    }
-                )
-                print(
-                    f"sweep {dname} {rows}x{vocab} words={words} warps={warps}: {ms * 1e3:.1f} us",
-                    flush=True,
-                )
-            del logits, mask, sets
+                del logits, mask, sets
     return out
 
 
 def run_gpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     others = mask_apply_functions("cuda")
+    if args.apply_only:
+        others.pop("llguidance", None)
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
     result = {
@@ -253,17 +331,19 @@ def run_gpu(args) -> dict:
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "copy_bandwidth_Bps": bw,
+        "launch_us": launch_overheads(others, gen),
         "cells": [],
     }
+    print(json.dumps(result["launch_us"]), flush=True)
     for name in others:
         result[f"{name}_version"] = library_version(name)
     if args.sweep:
-        result["sweep"] = sweep(gen)
+        result["sweep"] = sweep(gen, args.rows or (64, 512), args.vocabs or GPU_VOCABS)
     for kind in args.masks:
         for rows in args.rows or GPU_ROWS:
             for vocab in args.vocabs or GPU_VOCABS:
                 for dname in DTYPES:
-                    cell = gpu_cell(rows, vocab, dname, kind, others, bw, gen)
+                    cell = gpu_cell(rows, vocab, dname, kind, others, bw, gen, args.apply_only)
                     result["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
     return result
@@ -338,65 +418,117 @@ def run_cpu(args) -> dict:
 
 
 def _ratio(t: dict, other: str) -> str:
-    return f"{t[other] / t['spec_grammar']:.2f}x" if other in t else "n/a"
+    return f"{t[other] / t[APPLY]:.2f}x" if other in t else "n/a"
+
+
+def _us(t: dict, k: str) -> str:
+    return f"{t[k] * 1e3:.1f}" if k in t else "n/a"
+
+
+def _checks(c: dict) -> str:
+    bad = [k for k, v in c["checks"].items() if not v]
+    return "ok" if not bad else "FAIL: " + ", ".join(bad)
+
+
+def gpu_markdown(result: dict) -> list[str]:
+    peers = sorted({k for c in result["cells"] for k in c["ms"]} - {APPLY} - set(_FUSED))
+    lines = [
+        f"torch {result['torch']}, triton {result['triton']}, "
+        + ", ".join(f"{p} {result.get(p + '_version', '?')}" for p in peers)
+        + f"; device-to-device copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + "
+        "write). Times in microseconds per call, every call on cold memory (input sets spanning "
+        "4x the L2). 'graph': device time from CUDA-graph replays; 'eager': calls launched back "
+        "to back from Python, as engines call the apply once per step (host time where it "
+        "exceeds the device time). Bound = (read + write of the logits + read of the mask) / "
+        "copy bandwidth. 'x' columns: their time / ours (> 1 = ours faster). "
+        "Method: `benchmarks/bench_kernels.py` docstring.",
+        "",
+        "Host time of one launch (µs, one-row input): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in result["launch_us"].items())
+        + ".",
+        "",
+    ]
+    for kind in sorted({c["mask"] for c in result["cells"]}):
+        cells = [c for c in result["cells"] if c["mask"] == kind]
+        lines += [f"## {kind} masks: apply", ""]
+        head = ["rows", "vocab", "dtype", "bound", "ours graph", "% of bound"]
+        for p in peers:
+            head += [f"{p} graph", "x"]
+        head += ["ours eager"]
+        for p in peers:
+            head += [f"{p} eager", "x"]
+        head += ["checks"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in cells:
+            t, e = c["ms"], c["eager_ms"]
+            row = [str(c["rows"]), f"{c['vocab']:,}", c["dtype"], f"{c['bound_ms'] * 1e3:.1f}"]
+            row += [_us(t, APPLY), f"{100 * c['fraction_of_bound']:.0f}%"]
+            for p in peers:
+                row += [_us(t, p), _ratio(t, p)]
+            row += [_us(e, APPLY)]
+            for p in peers:
+                row += [_us(e, p), _ratio(e, p)]
+            row += [_checks(c)]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        if any(f in c["ms"] for c in cells for f in _FUSED):
+            lines += [f"## {kind} masks: fused verification (graph, µs)", ""]
+            head = ["rows", "vocab", "dtype", *_FUSED]
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for c in cells:
+                row = [str(c["rows"]), f"{c['vocab']:,}", c["dtype"]]
+                lines.append("| " + " | ".join(row + [_us(c["ms"], f) for f in _FUSED]) + " |")
+            lines.append("")
+    if result.get("sweep"):
+        lines += ["## Triton block configurations (random masks, µs graph / eager)", ""]
+        configs = sorted({(r["bytes"], r["warps"]) for r in result["sweep"]})
+        head = ["rows", "vocab", "dtype", *(f"{b // 1024} KiB, {w} warps" for b, w in configs)]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        shapes = sorted({(r["rows"], r["vocab"], r["dtype"]) for r in result["sweep"]})
+        for rows, vocab, dname in shapes:
+            got = {
+                (r["bytes"], r["warps"]): r
+                for r in result["sweep"]
+                if (r["rows"], r["vocab"], r["dtype"]) == (rows, vocab, dname)
+            }
+            row = [str(rows), f"{vocab:,}", dname]
+            for cfg in configs:
+                r = got.get(cfg)
+                row.append(f"{r['ms'] * 1e3:.1f} / {r['eager_ms'] * 1e3:.1f}" if r else "n/a")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
+_FUSED = ("fused_argmax", "apply+argmax", "fused_softmax", "apply+softmax")
 
 
 def markdown(result: dict, gpu: bool) -> str:
     lines = [f"# Mask-apply kernels on {result['device']}", ""]
     if gpu:
-        lines += [
-            f"torch {result['torch']}, triton {result['triton']}; device-to-device copy "
-            f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write). Times in microseconds: "
-            "device time per call from CUDA-graph replays over input sets spanning 4x the L2 "
-            "(cold memory); 'eager': `triton.testing.do_bench` median (L2 flushed, host launch "
-            "time included where it exceeds the flush). Bound = (read + write of the logits + "
-            "read of the mask) / copy bandwidth. 'x' columns: their time / ours (> 1 = ours faster).",
-            "",
-        ]
+        lines += gpu_markdown(result)
     else:
         lines += [
             f"{result['threads']} torch threads; wall-clock medians, microseconds. "
             "'x' columns: their time / ours (> 1 = ours faster).",
             "",
         ]
-    for kind in sorted({c["mask"] for c in result["cells"]}):
-        lines += [f"## {kind} masks", ""]
-        if gpu:
-            head = (
-                "| rows | vocab | dtype | ours us | ours eager us | bound us | % of bound | GB/s | "
-                "xgrammar us | xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
-                "fused softmax us | apply+softmax us | checks |"
-            )
-        else:
+        for kind in sorted({c["mask"] for c in result["cells"]}):
+            lines += [f"## {kind} masks", ""]
             head = (
                 "| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
                 "fused argmax us | apply+argmax us | checks |"
             )
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
-        for c in (c for c in result["cells"] if c["mask"] == kind):
-            t = c["ms"]
-            us = lambda k: f"{t[k] * 1e3:.1f}" if k in t else "n/a"  # noqa: E731
-            ok = (
-                "ok"
-                if all(c["checks"].values())
-                else "FAIL: " + ", ".join(k for k, v in c["checks"].items() if not v)
-            )
-            if gpu:
+            lines += [head, "|" + "---|" * (head.count("|") - 1)]
+            for c in (c for c in result["cells"] if c["mask"] == kind):
+                t = c["ms"]
                 lines.append(
-                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
-                    f"{c['eager_ms']['spec_grammar'] * 1e3:.1f} | "
-                    f"{c['bound_ms'] * 1e3:.1f} | {100 * c['fraction_of_bound']:.0f}% | "
-                    f"{c['achieved_GBps']:.0f} | {us('xgrammar')} | {_ratio(t, 'xgrammar')} | "
-                    f"{us('llguidance')} | {_ratio(t, 'llguidance')} | {us('fused_argmax')} | "
-                    f"{us('apply+argmax')} | {us('fused_softmax')} | {us('apply+softmax')} | {ok} |"
+                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {_us(t, APPLY)} | "
+                    f"{_us(t, 'xgrammar')} | {_ratio(t, 'xgrammar')} | {_us(t, 'llguidance')} | "
+                    f"{_ratio(t, 'llguidance')} | {_us(t, 'fused_argmax')} | "
+                    f"{_us(t, 'apply+argmax')} | {_checks(c)} |"
                 )
-            else:
-                lines.append(
-                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
-                    f"{us('xgrammar')} | {_ratio(t, 'xgrammar')} | {us('llguidance')} | "
-                    f"{_ratio(t, 'llguidance')} | {us('fused_argmax')} | {us('apply+argmax')} | {ok} |"
-                )
-        lines.append("")
+            lines.append("")
     notes = sorted(
         {f"{name}: {note}" for c in result["cells"] for name, note in c.get("notes", {}).items()}
     )
@@ -418,6 +550,11 @@ def main() -> None:
     ap.add_argument("--vocabs", nargs="+", type=int, help="override the vocab sizes")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument("--sweep", action="store_true", help="GPU: also time Triton block configs")
+    ap.add_argument(
+        "--apply-only",
+        action="store_true",
+        help="GPU: time the apply only (ours and xgrammar's kernels; no fused verification)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
