@@ -13,13 +13,15 @@ and its calls go round them. Two times per call:
   warm-up replays, the median of 20 replays (CUDA events) over the number of sets. Device time
   only.
 * eager: the same calls launched eagerly back to back from Python, as an engine calls the apply
-  once per step outside its CUDA graphs; after 50 ms of warm-up loops, the median of 20 loops
-  (CUDA events around each loop) over the number of sets. Where a call's host time (argument
-  checks, launch) exceeds its device time, this is the host time.
+  once per step outside its CUDA graphs; after 50 ms of warm-up loops, the median of 30 loops
+  (CUDA events around each loop) over the number of sets, the candidates' loops alternating.
+  Where a call's host time (argument checks, launch) exceeds its device time, this is the host
+  time.
 
 Also recorded: the host time of one launch (``launch_us``: wall time of 2,000 back-to-back
-calls on a one-row input over 2,000) and, with ``--sweep``, the apply time of several Triton
-block configurations per shape (how the defaults were chosen).
+calls on a one-row input over 2,000, median of 5 alternating rounds) and, with ``--sweep``,
+the apply time of several Triton block configurations per shape (how the defaults were
+chosen).
 
 Bound of the in-place apply: one read and one write of the logits plus one read of the mask,
 over the device-to-device copy bandwidth measured in the same run (bytes read + written by an
@@ -52,6 +54,7 @@ import time
 import warnings
 
 import torch
+from spec_grammar_bench.kernels_report import APPLY, FUSED, render_kernels_markdown
 from spec_grammar_bench.peers import library_version, mask_apply_functions
 from spec_grammar_bench.report import write_report
 
@@ -80,8 +83,6 @@ def make_mask(kind: str, rows: int, vocab: int, device: str, gen: torch.Generato
 
 
 # ----------------------------------------------------------------------------- GPU
-
-APPLY = "spec_grammar"
 
 
 def eager_time_ms(fn) -> float:
@@ -132,18 +133,24 @@ def graph_time_ms(calls: list, replays: int = 20) -> float:
     return ms / len(calls)
 
 
-def eager_loop_time_ms(calls: list, loops: int = 20) -> float:
-    """Time of one eager call on cold memory: ``calls`` (one closure per buffer set) launched
-    back to back from Python; after 50 ms of warm-up loops, the median loop time (CUDA events
-    around each loop) / ``len(calls)``. The host's launch time shows where it exceeds the
-    device time."""
+def eager_loop_times_ms(calls: dict[str, list], loops: int = 30) -> dict[str, float]:
+    """Time of one eager call on cold memory, per candidate: each candidate's ``calls`` (one
+    closure per buffer set) launched back to back from Python; after 50 ms of warm-up loops,
+    the median loop time (CUDA events around each loop) / number of calls. The candidates'
+    loops alternate, so host-speed drift hits them alike. The host's launch time shows where
+    it exceeds the device time."""
 
-    def run():
-        for call in calls:
-            call()
+    def loop(fns):
+        for fn in fns:
+            fn()
 
-    _warm(run)
-    return _median_event_ms(run, loops) / len(calls)
+    for fns in calls.values():
+        _warm(lambda fns=fns: loop(fns))
+    times = {name: [] for name in calls}
+    for _ in range(loops):
+        for name, fns in calls.items():
+            times[name].append(_median_event_ms(lambda fns=fns: loop(fns), 1) / len(fns))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def launch_us(fn, calls: int = 2000) -> float:
@@ -160,23 +167,33 @@ def launch_us(fn, calls: int = 2000) -> float:
     return (t1 - t0) / calls * 1e6
 
 
-def launch_overheads(others: dict, gen: torch.Generator) -> dict:
-    """:func:`launch_us` of every apply on a ``(1, 4096)`` float32 input; ours also through
-    Triton's JIT launch (the path before the cached launch, for comparison)."""
+def launch_overheads(others: dict, gen: torch.Generator, rounds: int = 5) -> dict:
+    """Median over ``rounds`` alternating rounds of :func:`launch_us` of every apply on a
+    ``(1, 4096)`` float32 input; ours also through Triton's JIT launch (the path before the
+    cached launch, for comparison)."""
     from spec_grammar.kernels import triton as ours_triton
 
     logits = torch.randn(1, 4096, device="cuda")
     mask = make_mask("random", 1, 4096, "cuda", gen)
-    out = {APPLY: launch_us(lambda: apply_token_bitmask_inplace(logits, mask))}
-    for name, fn in others.items():
-        out[name] = launch_us(lambda fn=fn: fn(logits, mask))
-    cached, ours_triton._CACHED_LAUNCH = ours_triton._CACHED_LAUNCH, False
-    ours_triton._CACHE.clear()
-    try:
-        out[APPLY + " (JIT launch)"] = launch_us(lambda: apply_token_bitmask_inplace(logits, mask))
-    finally:
-        ours_triton._CACHED_LAUNCH = cached
-    return out
+
+    def jit_launch():
+        cached, ours_triton._CACHED_LAUNCH = ours_triton._CACHED_LAUNCH, False
+        ours_triton._CACHE.clear()
+        try:
+            return launch_us(lambda: apply_token_bitmask_inplace(logits, mask))
+        finally:
+            ours_triton._CACHED_LAUNCH = cached
+
+    timers = {
+        APPLY: lambda: launch_us(lambda: apply_token_bitmask_inplace(logits, mask)),
+        **{n: (lambda fn=fn: launch_us(lambda: fn(logits, mask))) for n, fn in others.items()},
+        APPLY + " (JIT launch)": jit_launch,
+    }
+    got = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            got[name].append(timer())
+    return {name: statistics.median(ts) for name, ts in got.items()}
 
 
 def copy_bandwidth() -> float:
@@ -249,7 +266,7 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen, apply_only: bool) -> dic
             torch.softmax(w.float() / TEMPERATURE, dim=1),
         ),
     }
-    t, eager, notes = {}, {}, {}
+    t, notes = {}, {}
     for name, fn in {**applies, **({} if apply_only else fused)}.items():
         try:
             t[name] = graph_time_ms(per_set(fn))
@@ -257,8 +274,9 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen, apply_only: bool) -> dic
             notes[name] = f"not capturable ({type(e).__name__}: {str(e)[:120]}); eager time"
             torch.cuda.synchronize()
             t[name] = eager_time_ms(lambda fn=fn: fn(*sets[0]))
-        if name in applies or name in ("fused_argmax", "apply+argmax"):
-            eager[name] = eager_loop_time_ms(per_set(fn))
+    eager = eager_loop_times_ms({name: per_set(fn) for name, fn in applies.items()})
+    if not apply_only:
+        eager.update(eager_loop_times_ms({n: per_set(fused[n]) for n in FUSED[:2]}))
     return {
         "rows": rows,
         "vocab": vocab,
@@ -307,7 +325,7 @@ def sweep(gen, rows_list, vocabs) -> list[dict]:
                             "bytes": nbytes,
                             "warps": warps,
                             "ms": graph_time_ms(calls),
-                            "eager_ms": eager_loop_time_ms(calls),
+                            "eager_ms": eager_loop_times_ms({"": calls})[""],
                         }
                         out.append(row)
                         print(
@@ -414,129 +432,6 @@ def run_cpu(args) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _ratio(t: dict, other: str) -> str:
-    return f"{t[other] / t[APPLY]:.2f}x" if other in t else "n/a"
-
-
-def _us(t: dict, k: str) -> str:
-    return f"{t[k] * 1e3:.1f}" if k in t else "n/a"
-
-
-def _checks(c: dict) -> str:
-    bad = [k for k, v in c["checks"].items() if not v]
-    return "ok" if not bad else "FAIL: " + ", ".join(bad)
-
-
-def gpu_markdown(result: dict) -> list[str]:
-    peers = sorted({k for c in result["cells"] for k in c["ms"]} - {APPLY} - set(_FUSED))
-    lines = [
-        f"torch {result['torch']}, triton {result['triton']}, "
-        + ", ".join(f"{p} {result.get(p + '_version', '?')}" for p in peers)
-        + f"; device-to-device copy {result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + "
-        "write). Times in microseconds per call, every call on cold memory (input sets spanning "
-        "4x the L2). 'graph': device time from CUDA-graph replays; 'eager': calls launched back "
-        "to back from Python, as engines call the apply once per step (host time where it "
-        "exceeds the device time). Bound = (read + write of the logits + read of the mask) / "
-        "copy bandwidth. 'x' columns: their time / ours (> 1 = ours faster). "
-        "Method: `benchmarks/bench_kernels.py` docstring.",
-        "",
-        "Host time of one launch (µs, one-row input): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in result["launch_us"].items())
-        + ".",
-        "",
-    ]
-    for kind in sorted({c["mask"] for c in result["cells"]}):
-        cells = [c for c in result["cells"] if c["mask"] == kind]
-        lines += [f"## {kind} masks: apply", ""]
-        head = ["rows", "vocab", "dtype", "bound", "ours graph", "% of bound"]
-        for p in peers:
-            head += [f"{p} graph", "x"]
-        head += ["ours eager"]
-        for p in peers:
-            head += [f"{p} eager", "x"]
-        head += ["checks"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for c in cells:
-            t, e = c["ms"], c["eager_ms"]
-            row = [str(c["rows"]), f"{c['vocab']:,}", c["dtype"], f"{c['bound_ms'] * 1e3:.1f}"]
-            row += [_us(t, APPLY), f"{100 * c['fraction_of_bound']:.0f}%"]
-            for p in peers:
-                row += [_us(t, p), _ratio(t, p)]
-            row += [_us(e, APPLY)]
-            for p in peers:
-                row += [_us(e, p), _ratio(e, p)]
-            row += [_checks(c)]
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-        if any(f in c["ms"] for c in cells for f in _FUSED):
-            lines += [f"## {kind} masks: fused verification (graph, µs)", ""]
-            head = ["rows", "vocab", "dtype", *_FUSED]
-            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            for c in cells:
-                row = [str(c["rows"]), f"{c['vocab']:,}", c["dtype"]]
-                lines.append("| " + " | ".join(row + [_us(c["ms"], f) for f in _FUSED]) + " |")
-            lines.append("")
-    if result.get("sweep"):
-        lines += ["## Triton block configurations (random masks, µs graph / eager)", ""]
-        configs = sorted({(r["bytes"], r["warps"]) for r in result["sweep"]})
-        head = ["rows", "vocab", "dtype", *(f"{b // 1024} KiB, {w} warps" for b, w in configs)]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        shapes = sorted({(r["rows"], r["vocab"], r["dtype"]) for r in result["sweep"]})
-        for rows, vocab, dname in shapes:
-            got = {
-                (r["bytes"], r["warps"]): r
-                for r in result["sweep"]
-                if (r["rows"], r["vocab"], r["dtype"]) == (rows, vocab, dname)
-            }
-            row = [str(rows), f"{vocab:,}", dname]
-            for cfg in configs:
-                r = got.get(cfg)
-                row.append(f"{r['ms'] * 1e3:.1f} / {r['eager_ms'] * 1e3:.1f}" if r else "n/a")
-            lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-    return lines
-
-
-_FUSED = ("fused_argmax", "apply+argmax", "fused_softmax", "apply+softmax")
-
-
-def markdown(result: dict, gpu: bool) -> str:
-    lines = [f"# Mask-apply kernels on {result['device']}", ""]
-    if gpu:
-        lines += gpu_markdown(result)
-    else:
-        lines += [
-            f"{result['threads']} torch threads; wall-clock medians, microseconds. "
-            "'x' columns: their time / ours (> 1 = ours faster).",
-            "",
-        ]
-        for kind in sorted({c["mask"] for c in result["cells"]}):
-            lines += [f"## {kind} masks", ""]
-            head = (
-                "| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
-                "fused argmax us | apply+argmax us | checks |"
-            )
-            lines += [head, "|" + "---|" * (head.count("|") - 1)]
-            for c in (c for c in result["cells"] if c["mask"] == kind):
-                t = c["ms"]
-                lines.append(
-                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {_us(t, APPLY)} | "
-                    f"{_us(t, 'xgrammar')} | {_ratio(t, 'xgrammar')} | {_us(t, 'llguidance')} | "
-                    f"{_ratio(t, 'llguidance')} | {_us(t, 'fused_argmax')} | "
-                    f"{_us(t, 'apply+argmax')} | {_checks(c)} |"
-                )
-            lines.append("")
-    notes = sorted(
-        {f"{name}: {note}" for c in result["cells"] for name, note in c.get("notes", {}).items()}
-    )
-    if notes:
-        lines += ["Notes:", *(f"- {n}" for n in notes), ""]
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -562,7 +457,8 @@ def main() -> None:
     gpu = args.device == "cuda"
     result = run_gpu(args) if gpu else run_cpu(args)
     tag = args.tag or ("h200" if gpu else "cpu")
-    md = markdown(result, gpu)
+    result["kind"] = "kernels"
+    md = "# spec-grammar benchmark: mask-apply kernels\n\n" + render_kernels_markdown(result)
     write_report(result, args.out, f"kernels-{tag}", md)
     print(md)
 
