@@ -38,7 +38,8 @@ def _gpu_markdown(result: dict) -> list[str]:
         "to back from Python, as engines call the apply once per step (host time where it "
         "exceeds the device time). Bound = (read + write of the logits + read of the mask) / "
         "copy bandwidth. 'x' columns: their time / ours (> 1 = ours faster). "
-        "Method: `benchmarks/bench_kernels.py` docstring.",
+        "Method: `benchmarks/bench_kernels.py` docstring; command: `python "
+        "benchmarks/bench_kernels.py --out benchmarks/results --tag h200`.",
         "",
         "Host time of one launch (µs, one-row input): "
         + ", ".join(f"{k} {v:.1f}" for k, v in result["launch_us"].items())
