@@ -14,17 +14,22 @@ mask for unconstrained rows. xgrammar's Triton kernel instead stores ``-inf`` wi
 per-element predicate, which splits each vector store into scalar ones.
 
 Launch path. Engines call the apply eagerly once per decoding step, and at small batches the
-host time of a launch through Triton's JIT (binding and specializing every argument, building
-the cache key, launch hooks) exceeds the kernel's device time. So the kernel is compiled with
-no value specialization of its integer arguments and no alignment specialization of its
-pointers (``do_not_specialize``): a compiled variant then depends only on its constexprs and
-argument dtypes, which this module computes itself and uses as the key of its own cache of
-compiled kernels. What specialization would have told the compiler (16-byte aligned logits
-rows, a vocabulary in whole 16-byte vectors) comes in the constexpr ``VEC``: vocabulary and row
-stride arrive divided by it and are multiplied back in the kernel, so the compiler sees their
-divisibility and keeps 16-byte accesses (the same PTX as the specialized kernel). After the
-first call of a variant, which compiles it through the JIT, a call is a dictionary lookup and
-the compiled kernel's launcher.
+host time of the call, not the kernel, is the cost: through Triton's JIT (binding and
+specializing every argument, building its cache key, launch metadata and hooks) a call took
+19-28 µs of host time on the H200 machine against 5-36 µs of device time at 64 rows. So:
+
+* The kernel is compiled with no value specialization of its integer arguments and no
+  alignment specialization of its pointers (``do_not_specialize``): a compiled variant depends
+  only on its constexprs and argument dtypes, which this module computes. What specialization
+  would have told the compiler (16-byte aligned logits rows, a vocabulary in whole 16-byte
+  vectors) comes in the constexpr ``VEC``: vocabulary and row stride arrive divided by it and
+  are multiplied back in the kernel, so the compiler sees their divisibility and emits the same
+  16-byte accesses (the same PTX) as with Triton's specialization.
+* The first call of a default variant (no indices, default block size and warps) compiles it
+  through the JIT and caches its launcher (:class:`_Cache`); later calls go through
+  :func:`launch_cached`, which checks the arguments itself and calls the launcher with the
+  pointers as integers. That is about 9 µs of host time per call there, against 10-11 µs for
+  xgrammar's CUDA kernel (``benchmarks/results/kernels-h200.md``).
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-# 4 KiB of logits per program and 4 warps: the fastest of seven (words, warps) pairs for fp32
-# and bf16 at every swept shape on an H200 (benchmarks/bench_kernels.py --sweep, results in
-# benchmarks/results/kernels-h200-sweep.json).
+# 4 KiB of logits per program and 4 warps: of eight (bytes, warps) pairs on an H200, the
+# fastest at 512 rows and within 4% of the fastest at 64 rows, for fp32 and bf16 and vocabularies
+# of 49k-262k (benchmarks/bench_kernels.py --sweep, benchmarks/results/kernels-h200-sweep.md).
 BYTES_PER_PROGRAM = 4096
 NUM_WARPS = 4
 
