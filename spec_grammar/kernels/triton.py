@@ -177,6 +177,8 @@ def launch_cached(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
     hooks installed. Anything else, including objects that are not tensors, returns False.
     """
     cache = _CACHE
+    if not cache.launches:  # nothing compiled yet (or no GPU): the checked path
+        return False
     try:
         rows, vocab = logits.shape
         n, width = bitmask.shape
