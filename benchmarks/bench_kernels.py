@@ -1,15 +1,27 @@
 """Mask-apply and fused-verify kernels against the memory-bandwidth bound and other libraries.
 
 GPU (default when CUDA is available): for rows x vocab x dtype, times spec-grammar's apply,
-xgrammar's ``apply_token_bitmask_inplace(backend="triton")`` and
-``llguidance.torch.apply_token_bitmask_inplace`` in the same run, and the fused masked argmax /
-softmax against apply followed by ``torch.argmax`` / ``torch.softmax``.
+xgrammar's ``apply_token_bitmask_inplace`` with ``backend="cuda"`` (its CUDA C++ kernel) and
+``backend="triton"``, and ``llguidance.torch.apply_token_bitmask_inplace``, in the same run;
+unless ``--apply-only``, also the fused masked argmax / softmax against apply followed by
+``torch.argmax`` / ``torch.softmax``.
 
-Device time: each call is captured in a CUDA graph once per input set, with enough distinct sets
-to span 4x the L2 (so every call reads cold memory); the median of 20 replays (CUDA events,
-after 50 ms of warm-up replays) over the number of sets. Also recorded: eager time
-(``triton.testing.do_bench`` median, L2 flushed), which includes host launch time where that
-exceeds the flush.
+Every call reads cold memory: each candidate gets enough distinct input sets to span 4x the L2,
+and its calls go round them. Two times per call:
+
+* graph replay: the calls (one per set) captured back to back in one CUDA graph; after 50 ms of
+  warm-up replays, the median of 20 replays (CUDA events) over the number of sets. Device time
+  only.
+* eager: the same calls launched eagerly back to back from Python, as an engine calls the apply
+  once per step outside its CUDA graphs; after 50 ms of warm-up loops, the median of 30 loops
+  (CUDA events around each loop) over the number of sets, the candidates' loops alternating.
+  Where a call's host time (argument checks, launch) exceeds its device time, this is the host
+  time.
+
+Also recorded: the host time of one launch (``launch_us``: wall time of 2,000 back-to-back
+calls on a one-row input over 2,000, median of 5 alternating rounds) and, with ``--sweep``,
+the apply time of several Triton block configurations per shape (how the defaults were
+chosen).
 
 Bound of the in-place apply: one read and one write of the logits plus one read of the mask,
 over the device-to-device copy bandwidth measured in the same run (bytes read + written by an
@@ -42,6 +54,7 @@ import time
 import warnings
 
 import torch
+from spec_grammar_bench.kernels_report import APPLY, FUSED, render_kernels_markdown
 from spec_grammar_bench.peers import library_version, mask_apply_functions
 from spec_grammar_bench.report import write_report
 
@@ -49,7 +62,7 @@ from spec_grammar.kernels import apply_token_bitmask_inplace, masked_argmax, mas
 from spec_grammar.kernels.cpu import apply_token_bitmask_inplace_torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GPU_ROWS, GPU_VOCABS = (64, 512, 2048), (49_152, 262_144)
+GPU_ROWS, GPU_VOCABS = (64, 512, 2048), (49_152, 128_256, 262_144)
 CPU_ROWS, CPU_VOCABS = (1, 16, 64), (49_152, 262_144)
 TEMPERATURE = 0.8
 
@@ -73,11 +86,31 @@ def make_mask(kind: str, rows: int, vocab: int, device: str, gen: torch.Generato
 
 
 def eager_time_ms(fn) -> float:
-    """``do_bench`` median with the L2 flushed before each call; host launch time shows when
-    it exceeds the flush."""
+    """``do_bench`` median with the L2 flushed before each call (the copy bandwidth, and
+    calls that cannot be captured in a graph)."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def _warm(run) -> None:
+    """50 ms of ``run`` + synchronize, so clocks have ramped after the host-side setup."""
+    warm = time.perf_counter()
+    while time.perf_counter() - warm < 0.05:
+        run()
+        torch.cuda.synchronize()
+
+
+def _median_event_ms(run, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def graph_time_ms(calls: list, replays: int = 20) -> float:
@@ -94,21 +127,73 @@ def graph_time_ms(calls: list, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
-    # Warm up for 50 ms so clocks have ramped after the host-side setup.
-    warm = time.perf_counter()
-    while time.perf_counter() - warm < 0.05:
-        graph.replay()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    _warm(graph.replay)
+    ms = _median_event_ms(graph.replay, replays)
     del graph
-    return statistics.median(times) / len(calls)
+    return ms / len(calls)
+
+
+def eager_loop_times_ms(calls: dict[str, list], loops: int = 30) -> dict[str, float]:
+    """Time of one eager call on cold memory, per candidate: each candidate's ``calls`` (one
+    closure per buffer set) launched back to back from Python; after 50 ms of warm-up loops,
+    the median loop time (CUDA events around each loop) / number of calls. The candidates'
+    loops alternate, so host-speed drift hits them alike. The host's launch time shows where
+    it exceeds the device time."""
+
+    def loop(fns):
+        for fn in fns:
+            fn()
+
+    for fns in calls.values():
+        _warm(lambda fns=fns: loop(fns))
+    times = {name: [] for name in calls}
+    for _ in range(loops):
+        for name, fns in calls.items():
+            times[name].append(_median_event_ms(lambda fns=fns: loop(fns), 1) / len(fns))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def launch_us(fn, calls: int = 2000) -> float:
+    """Host microseconds per call: ``calls`` back-to-back calls of ``fn`` (a one-row input, so
+    the device keeps up) timed on the wall clock, then one synchronize."""
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def launch_overheads(others: dict, gen: torch.Generator, rounds: int = 5) -> dict:
+    """Median over ``rounds`` alternating rounds of :func:`launch_us` of every apply on a
+    ``(1, 4096)`` float32 input; ours also through Triton's JIT launch (the path before the
+    cached launch, for comparison)."""
+    from spec_grammar.kernels import triton as ours_triton
+
+    logits = torch.randn(1, 4096, device="cuda")
+    mask = make_mask("random", 1, 4096, "cuda", gen)
+
+    def jit_launch():
+        cached, ours_triton._CACHED_LAUNCH = ours_triton._CACHED_LAUNCH, False
+        ours_triton._CACHE.clear()
+        try:
+            return launch_us(lambda: apply_token_bitmask_inplace(logits, mask))
+        finally:
+            ours_triton._CACHED_LAUNCH = cached
+
+    timers = {
+        APPLY: lambda: launch_us(lambda: apply_token_bitmask_inplace(logits, mask)),
+        **{n: (lambda fn=fn: launch_us(lambda: fn(logits, mask))) for n, fn in others.items()},
+        APPLY + " (JIT launch)": jit_launch,
+    }
+    got = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            got[name].append(timer())
+    return {name: statistics.median(ts) for name, ts in got.items()}
 
 
 def copy_bandwidth() -> float:
@@ -127,7 +212,7 @@ def buffer_sets(bytes_per_set: int) -> int:
     return max(1, min(64, -(-4 * l2 // bytes_per_set)))
 
 
-def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
+def gpu_cell(rows, vocab, dname, kind, others, bw, gen, apply_only: bool) -> dict:
     dtype = DTYPES[dname]
     logits0 = torch.randn(rows, vocab, device="cuda", dtype=torch.float32).to(dtype)
     mask0 = make_mask(kind, rows, vocab, "cuda", gen)
@@ -145,17 +230,19 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         theirs = logits0.clone()
         fn(theirs, mask0)
         checks[f"apply == {name}"] = bool(torch.equal(ours, theirs))
-    expect = ours.float().argmax(dim=1)
-    expect[ours.float().amax(dim=1) == float("-inf")] = -1
-    checks["masked_argmax == apply+argmax"] = bool(
-        torch.equal(masked_argmax(logits0, mask0), expect)
-    )
-    probs = masked_softmax(logits0, mask0, TEMPERATURE)
-    ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
-    checks["masked_softmax ~= apply+softmax"] = bool(
-        torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7)
-    )
-    del ref, probs, ref_p, ours
+    if not apply_only:
+        expect = ours.float().argmax(dim=1)
+        expect[ours.float().amax(dim=1) == float("-inf")] = -1
+        checks["masked_argmax == apply+argmax"] = bool(
+            torch.equal(masked_argmax(logits0, mask0), expect)
+        )
+        probs = masked_softmax(logits0, mask0, TEMPERATURE)
+        ref_p = torch.softmax(ours.float() / TEMPERATURE, dim=1)
+        checks["masked_softmax ~= apply+softmax"] = bool(
+            torch.allclose(probs, ref_p, rtol=1e-4, atol=1e-7)
+        )
+        del probs, ref_p
+    del ref, ours
 
     k = buffer_sets(rows * vocab * logits0.element_size() + rows * width * 4)
     src = [logits0.clone() for _ in range(k)]
@@ -166,9 +253,11 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
     def per_set(fn):
         return [lambda s=s, w=w, m=m: fn(s, w, m) for s, w, m in sets]
 
-    candidates = {
-        "spec_grammar": lambda s, w, m: apply_token_bitmask_inplace(w, m),
+    applies = {
+        APPLY: lambda s, w, m: apply_token_bitmask_inplace(w, m),
         **{name: (lambda s, w, m, fn=fn: fn(w, m)) for name, fn in others.items()},
+    }
+    fused = {
         "fused_argmax": lambda s, w, m: masked_argmax(s, m),
         "apply+argmax": lambda s, w, m: (apply_token_bitmask_inplace(w, m), torch.argmax(w, dim=1)),
         "fused_softmax": lambda s, w, m: masked_softmax(s, m, TEMPERATURE),
@@ -178,17 +267,16 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         ),
     }
     t, notes = {}, {}
-    for name, fn in candidates.items():
+    for name, fn in {**applies, **({} if apply_only else fused)}.items():
         try:
             t[name] = graph_time_ms(per_set(fn))
         except Exception as e:  # noqa: BLE001 - e.g. a library that cannot be captured
             notes[name] = f"not capturable ({type(e).__name__}: {str(e)[:120]}); eager time"
             torch.cuda.synchronize()
             t[name] = eager_time_ms(lambda fn=fn: fn(*sets[0]))
-    eager = {
-        name: eager_time_ms(lambda fn=candidates[name]: fn(*sets[0]))
-        for name in ("spec_grammar", *others, "fused_argmax", "apply+argmax")
-    }
+    eager = eager_loop_times_ms({name: per_set(fn) for name, fn in applies.items()})
+    if not apply_only:
+        eager.update(eager_loop_times_ms({n: per_set(fused[n]) for n in FUSED[:2]}))
     return {
         "rows": rows,
         "vocab": vocab,
@@ -200,52 +288,60 @@ def gpu_cell(rows, vocab, dname, kind, others, bw, gen) -> dict:
         "ms": t,
         "eager_ms": eager,
         "notes": notes,
-        "achieved_GBps": bound_bytes / (t["spec_grammar"] * 1e-3) / 1e9,
-        "fraction_of_bound": bound_ms / t["spec_grammar"],
+        "achieved_GBps": bound_bytes / (t[APPLY] * 1e-3) / 1e9,
+        "fraction_of_bound": bound_ms / t[APPLY],
         "checks": checks,
     }
 
 
-def sweep(gen) -> list[dict]:
-    """Apply time for (words per program, warps) candidates: picks the Triton defaults."""
+SWEEP_BYTES, SWEEP_WARPS = (2048, 4096, 8192, 16384), (4, 8)
+
+
+def sweep(gen, rows_list, vocabs) -> list[dict]:
+    """Apply time (graph and eager) for (bytes of logits per program, warps) candidates at
+    every rows x vocab x dtype: how the Triton defaults were chosen."""
     from spec_grammar.kernels.triton import apply_token_bitmask_inplace_triton
 
     out = []
     for dname, dtype in DTYPES.items():
-        for rows, vocab in ((64, 262_144), (512, 49_152), (2048, 262_144)):
-            logits = torch.randn(rows, vocab, device="cuda").to(dtype)
-            mask = make_mask("random", rows, vocab, "cuda", gen)
-            sets = [(logits.clone(), mask.clone()) for _ in range(buffer_sets(logits.nbytes))]
-            for words, warps in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8)):
-                ms = graph_time_ms(
-                    [
-                        lambda l=l, m=m: apply_token_bitmask_inplace_triton(
-                            l, m, words_per_program=words, num_warps=warps
+        for rows in rows_list:
+            for vocab in vocabs:
+                logits = torch.randn(rows, vocab, device="cuda").to(dtype)
+                mask = make_mask("random", rows, vocab, "cuda", gen)
+                sets = [(logits.clone(), mask.clone()) for _ in range(buffer_sets(logits.nbytes))]
+                for nbytes in SWEEP_BYTES:
+                    words = nbytes // (32 * logits.element_size())
+                    for warps in SWEEP_WARPS:
+                        calls = [
+                            lambda l=l, m=m: apply_token_bitmask_inplace_triton(
+                                l, m, words_per_program=words, num_warps=warps
+                            )
+                            for l, m in sets
+                        ]
+                        row = {
+                            "dtype": dname,
+                            "rows": rows,
+                            "vocab": vocab,
+                            "bytes": nbytes,
+                            "warps": warps,
+                            "ms": graph_time_ms(calls),
+                            "eager_ms": eager_loop_times_ms({"": calls})[""],
+                        }
+                        out.append(row)
+                        print(
+                            f"sweep {dname} {rows}x{vocab} bytes={nbytes} warps={warps}: "
+                            f"{row['ms'] * 1e3:.1f} us graph, {row['eager_ms'] * 1e3:.1f} us eager",
+                            flush=True,
                         )
-                        for l, m in sets
-                    ]
-                )
-                out.append(
-                    {
-                        "dtype": dname,
-                        "rows": rows,
-                        "vocab": vocab,
-                        "words": words,
-                        "warps": warps,
-                        "ms": ms,
-                    }
-                )
-                print(
-                    f"sweep {dname} {rows}x{vocab} words={words} warps={warps}: {ms * 1e3:.1f} us",
-                    flush=True,
-                )
-            del logits, mask, sets
+                del logits, mask, sets
     return out
 
 
 def run_gpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     others = mask_apply_functions("cuda")
+    if args.apply_only:
+        others.pop("llguidance", None)
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s", flush=True)
     result = {
@@ -253,17 +349,19 @@ def run_gpu(args) -> dict:
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "copy_bandwidth_Bps": bw,
+        "launch_us": launch_overheads(others, gen),
         "cells": [],
     }
+    print(json.dumps(result["launch_us"]), flush=True)
     for name in others:
         result[f"{name}_version"] = library_version(name)
     if args.sweep:
-        result["sweep"] = sweep(gen)
+        result["sweep"] = sweep(gen, args.rows or (64, 512), args.vocabs or GPU_VOCABS)
     for kind in args.masks:
         for rows in args.rows or GPU_ROWS:
             for vocab in args.vocabs or GPU_VOCABS:
                 for dname in DTYPES:
-                    cell = gpu_cell(rows, vocab, dname, kind, others, bw, gen)
+                    cell = gpu_cell(rows, vocab, dname, kind, others, bw, gen, args.apply_only)
                     result["cells"].append(cell)
                     print(json.dumps(cell), flush=True)
     return result
@@ -334,77 +432,6 @@ def run_cpu(args) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _ratio(t: dict, other: str) -> str:
-    return f"{t[other] / t['spec_grammar']:.2f}x" if other in t else "n/a"
-
-
-def markdown(result: dict, gpu: bool) -> str:
-    lines = [f"# Mask-apply kernels on {result['device']}", ""]
-    if gpu:
-        lines += [
-            f"torch {result['torch']}, triton {result['triton']}; device-to-device copy "
-            f"{result['copy_bandwidth_Bps'] / 1e12:.2f} TB/s (read + write). Times in microseconds: "
-            "device time per call from CUDA-graph replays over input sets spanning 4x the L2 "
-            "(cold memory); 'eager': `triton.testing.do_bench` median (L2 flushed, host launch "
-            "time included where it exceeds the flush). Bound = (read + write of the logits + "
-            "read of the mask) / copy bandwidth. 'x' columns: their time / ours (> 1 = ours faster).",
-            "",
-        ]
-    else:
-        lines += [
-            f"{result['threads']} torch threads; wall-clock medians, microseconds. "
-            "'x' columns: their time / ours (> 1 = ours faster).",
-            "",
-        ]
-    for kind in sorted({c["mask"] for c in result["cells"]}):
-        lines += [f"## {kind} masks", ""]
-        if gpu:
-            head = (
-                "| rows | vocab | dtype | ours us | ours eager us | bound us | % of bound | GB/s | "
-                "xgrammar us | xgr x | llguidance us | llg x | fused argmax us | apply+argmax us | "
-                "fused softmax us | apply+softmax us | checks |"
-            )
-        else:
-            head = (
-                "| rows | vocab | dtype | ours us | xgrammar us | xgr x | llguidance us | llg x | "
-                "fused argmax us | apply+argmax us | checks |"
-            )
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
-        for c in (c for c in result["cells"] if c["mask"] == kind):
-            t = c["ms"]
-            us = lambda k: f"{t[k] * 1e3:.1f}" if k in t else "n/a"  # noqa: E731
-            ok = (
-                "ok"
-                if all(c["checks"].values())
-                else "FAIL: " + ", ".join(k for k, v in c["checks"].items() if not v)
-            )
-            if gpu:
-                lines.append(
-                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
-                    f"{c['eager_ms']['spec_grammar'] * 1e3:.1f} | "
-                    f"{c['bound_ms'] * 1e3:.1f} | {100 * c['fraction_of_bound']:.0f}% | "
-                    f"{c['achieved_GBps']:.0f} | {us('xgrammar')} | {_ratio(t, 'xgrammar')} | "
-                    f"{us('llguidance')} | {_ratio(t, 'llguidance')} | {us('fused_argmax')} | "
-                    f"{us('apply+argmax')} | {us('fused_softmax')} | {us('apply+softmax')} | {ok} |"
-                )
-            else:
-                lines.append(
-                    f"| {c['rows']} | {c['vocab']:,} | {c['dtype']} | {us('spec_grammar')} | "
-                    f"{us('xgrammar')} | {_ratio(t, 'xgrammar')} | {us('llguidance')} | "
-                    f"{_ratio(t, 'llguidance')} | {us('fused_argmax')} | {us('apply+argmax')} | {ok} |"
-                )
-        lines.append("")
-    notes = sorted(
-        {f"{name}: {note}" for c in result["cells"] for name, note in c.get("notes", {}).items()}
-    )
-    if notes:
-        lines += ["Notes:", *(f"- {n}" for n in notes), ""]
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -418,6 +445,11 @@ def main() -> None:
     ap.add_argument("--vocabs", nargs="+", type=int, help="override the vocab sizes")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument("--sweep", action="store_true", help="GPU: also time Triton block configs")
+    ap.add_argument(
+        "--apply-only",
+        action="store_true",
+        help="GPU: time the apply only (ours and xgrammar's kernels; no fused verification)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -425,7 +457,8 @@ def main() -> None:
     gpu = args.device == "cuda"
     result = run_gpu(args) if gpu else run_cpu(args)
     tag = args.tag or ("h200" if gpu else "cpu")
-    md = markdown(result, gpu)
+    result["kind"] = "kernels"
+    md = "# spec-grammar benchmark: mask-apply kernels\n\n" + render_kernels_markdown(result)
     write_report(result, args.out, f"kernels-{tag}", md)
     print(md)
 

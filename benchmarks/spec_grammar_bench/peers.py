@@ -501,16 +501,30 @@ def xgrammar_mask_row(compiled: Any, prefix: list[int], width: int) -> torch.Ten
 
 def mask_apply_functions(device: str) -> dict[str, Callable[[torch.Tensor, torch.Tensor], Any]]:
     """The other libraries' in-place bitmask apply functions ``(logits, mask)`` that import
-    here, by library name (xgrammar's ``triton`` kernel on CUDA, its ``cpu`` one elsewhere;
-    ``llguidance.torch``); a library that does not import is reported and left out."""
+    here, by name: on CUDA xgrammar's ``cuda`` kernel (``xgrammar-cuda``; compiled with nvcc on
+    first import, left out where that fails) and its ``triton`` one (``xgrammar-triton``), its
+    ``cpu`` one elsewhere (``xgrammar``); ``llguidance.torch``. A library that does not import
+    is reported and left out."""
     others = {}
     try:
         import xgrammar
 
-        backend = "triton" if device == "cuda" else "cpu"
-        others["xgrammar"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(
-            l, m, backend=backend
-        )
+        if device == "cuda":
+            try:  # builds the CUDA extension now, not inside a timed call
+                import xgrammar.kernels.apply_token_bitmask_inplace_cuda  # noqa: F401
+
+                others["xgrammar-cuda"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(
+                    l, m, backend="cuda"
+                )
+            except Exception as e:  # noqa: BLE001 - e.g. no nvcc: benchmark without it
+                print(f"xgrammar cuda kernel unavailable: {type(e).__name__}: {e}")
+            others["xgrammar-triton"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(
+                l, m, backend="triton"
+            )
+        else:
+            others["xgrammar"] = lambda l, m: xgrammar.apply_token_bitmask_inplace(
+                l, m, backend="cpu"
+            )
     except Exception as e:  # noqa: BLE001 - report, and benchmark without it
         print(f"xgrammar unavailable: {type(e).__name__}: {e}")
     try:
@@ -523,8 +537,14 @@ def mask_apply_functions(device: str) -> dict[str, Callable[[torch.Tensor, torch
 
 
 def library_version(name: str) -> str:
-    """``__version__`` of the peer library ``name`` (``"?"`` when it has none)."""
-    return getattr(__import__(name), "__version__", "?")
+    """Installed version of the peer library ``name`` (a :func:`mask_apply_functions` name: the
+    distribution is the part before any ``-``); ``"?"`` when it has no distribution metadata."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name.split("-")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 class XGrammarRawCompile:

@@ -93,9 +93,16 @@ def _headline_e2e(res: dict[str, Any]) -> list[str]:
     return headline_e2e(res)
 
 
+def _render_kernels(res: dict[str, Any], image_dir: str | None = None) -> str:
+    from .kernels_report import render_kernels_markdown
+
+    return render_kernels_markdown(res, image_dir)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str | None], str]] = {
     "masks": _render_masks,
     "e2e": _render_e2e,
+    "kernels": _render_kernels,
 }
 """Result kind -> Markdown renderer ``(result, image_dir) -> str``."""
 WRITERS: dict[str, Callable[[dict[str, Any], Path], Any]] = {

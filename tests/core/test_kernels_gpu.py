@@ -70,6 +70,73 @@ def test_apply_cuda_strided_logits():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_apply_cached_launch_every_variant(dtype):
+    """After its first call a variant launches from the cache (the eager path): each one
+    (16-byte vectors or not: aligned rows, a row stride or vocabulary off the vector size, a
+    storage offset) stays bit-identical to the CPU path over calls, as do the calls the cache
+    does not take (indices, a mask with column stride 2)."""
+    from spec_grammar.kernels import triton as ktriton
+
+    base, mask = case(8, 4_160, 130, dtype, seed=11)
+    views = {
+        "aligned": lambda t: t,
+        "odd stride": lambda t: torch.cat([t, t[:, :3]], dim=1)[:, :4_160],
+        "odd vocab": lambda t: t[:, :4_157],
+        "storage offset": lambda t: torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape),
+    }
+    ktriton._CACHE.clear()
+    for name, view in views.items():
+        for _ in range(3):  # compile, then cached launches
+            cpu = view(base.clone())
+            spec_grammar.apply_token_bitmask_inplace(cpu, mask)
+            gpu = view(base.cuda())
+            spec_grammar.apply_token_bitmask_inplace(gpu, mask.cuda())
+            assert torch.equal(gpu.cpu(), cpu), name
+    vec = 16 // base.element_size()
+    assert {k[2] for k in ktriton._CACHE.launches} == {1, vec}  # both variants cached
+    gpu_mask = mask.cuda()
+    assert ktriton.launch_cached(base.cuda(), gpu_mask)
+    assert not ktriton.launch_cached(base.cuda(), gpu_mask.float())  # checked path: error
+    with pytest.raises(spec_grammar.BitmaskError):
+        spec_grammar.apply_token_bitmask_inplace(base.cuda(), gpu_mask[:5])
+
+    def col_stride_2(m):
+        return torch.stack([m, m], dim=2).flatten(1).cuda()[:, ::2]
+
+    cpu = base.clone()
+    spec_grammar.apply_token_bitmask_inplace(cpu, mask)
+    gpu = base.cuda()
+    spec_grammar.apply_token_bitmask_inplace(gpu, col_stride_2(mask))
+    assert torch.equal(gpu.cpu(), cpu)
+    cpu = base.clone()
+    spec_grammar.apply_token_bitmask_inplace(cpu, mask[[6, 1, 4]], indices=[6, 1, 4])
+    for idx in ([6, 1, 4], torch.tensor([6, 6, 1, 1, 4, 4], device="cuda")[::2]):
+        gpu = base.cuda()
+        spec_grammar.apply_token_bitmask_inplace(gpu, col_stride_2(mask[[6, 1, 4]]), indices=idx)
+        assert torch.equal(gpu.cpu(), cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,width", [(256, 8), (49_152, 1_536), (128_256, 4_008)])
+def test_apply_equals_xgrammar_cuda_kernel(dtype, vocab, width):
+    """Bit-identical to xgrammar's CUDA kernel (``backend="cuda"``; it masks only the
+    ``32 * W`` columns its mask covers, so the shapes here have ``V == 32 * W``)."""
+    xgr = pytest.importorskip("xgrammar")
+    try:  # compiles the extension with nvcc on first import
+        import xgrammar.kernels.apply_token_bitmask_inplace_cuda  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"xgrammar's CUDA kernel does not build here: {e}")
+    logits, mask = case(64, vocab, width, dtype, seed=vocab + 1)
+    ours, theirs = logits.cuda(), logits.cuda()
+    spec_grammar.apply_token_bitmask_inplace(ours, mask.cuda())
+    xgr.apply_token_bitmask_inplace(theirs, mask.cuda(), backend="cuda")
+    assert torch.equal(ours, theirs)
+    cpu = logits.clone()
+    spec_grammar.apply_token_bitmask_inplace(cpu, mask)
+    assert torch.equal(ours.cpu(), cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab,width", SHAPES)
 def test_fused_cuda_equals_cpu(dtype, vocab, width):
     # Small vocabularies take one chunk per row (one launch), large ones several chunks.
