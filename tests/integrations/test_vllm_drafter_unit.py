@@ -234,3 +234,20 @@ def test_the_runner_is_found_on_the_constructor_stack(vllm_config):
     runner = Runner(vllm_config)
     assert runner.drafter.runner is runner
     assert find_model_runner() is None  # not inside a runner's constructor
+
+
+def test_a_reasoning_parser_turns_grammar_drafting_off(vllm_config, tok, monkeypatch, caplog):
+    """The engine's grammar starts after the reasoning, which the drafter cannot see: every
+    request gets vLLM's plain n-gram draft."""
+    config = copy.copy(vllm_config)
+    config.structured_outputs_config = StructuredOutputsConfig(
+        backend="guidance", reasoning_parser="deepseek_r1"
+    )
+    runner = Runner(len(tok))
+    runner.add("json", tok.encode(PROMPT), params(tok, json=PERSON))
+    drafter = GrammarNgramProposer(config, runner=runner)
+    assert "reasoning parser" in caplog.text
+    sampled = [tok.encode('{"name": "Ada Lovelace", "age": 36, "')]
+    runner.commit(sampled)
+    args = (sampled, runner.input_batch.num_tokens_no_spec, runner.input_batch.token_ids_cpu)
+    assert drafter.propose(*args) == plain_ngram(vllm_config).propose(K, *args)

@@ -38,7 +38,9 @@ Under vLLM's own grammar backends the drafts follow our grammar for the same spe
 our ``spaced`` whitespace, a subset of what vLLM's allow): still legal drafts, though a draft
 vLLM's grammar would accept may be cut. A failure for one request (its spec does not compile
 here, a committed token our matcher refuses) is logged once and that request falls back to
-plain n-gram drafts; the engine never fails because of this proposer.
+plain n-gram drafts; the engine never fails because of this proposer. With a reasoning parser
+configured (the engine's grammar starts after the reasoning, which this proposer does not
+see), every request gets plain n-gram drafts.
 """
 
 from __future__ import annotations
@@ -154,6 +156,14 @@ class GrammarNgramProposer:
                 "spec-grammar GrammarNgramProposer: no vLLM model runner found; plain n-gram "
                 "drafts for every request"
             )
+        elif vllm_config.structured_outputs_config.reasoning_parser:
+            # the engine starts the grammar where the reasoning ends, which the drafter does
+            # not see: grammar drafting would refuse the reasoning text
+            logger.warning(
+                "spec-grammar GrammarNgramProposer: a reasoning parser is set; plain n-gram "
+                "drafts for every request"
+            )
+            self.runner = None
         self._states: dict[str, RequestGrammar] = {}
         self._failed: set[str] = set()  # requests on plain n-gram after an error (logged)
         # built now (the backend's vocabulary scan takes seconds): not at the first request
