@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM integration tests (tests/integrations/test_vllm.py) against the real vLLM, CPU build:
 # builds ./.venv-vllm (or $VLLM_VENV) once (~3 GB, a few minutes), then runs tests/integrations
-# (~24 minutes on a loaded 2-core machine: eleven vLLM engine starts, one at a time, four of
+# (~25 minutes on a loaded 2-core machine: thirteen vLLM engine starts, one at a time, six of
 # them for the grammar-aware drafter, tests/integrations/test_vllm_drafter*.py).
 # Not part of CI (.ci/run): see docs/serving-vllm.md.
 #

@@ -1,9 +1,9 @@
 """The grammar-aware drafter (``GrammarNgramProposer``, vLLM's ``custom_class`` speculation)
-end to end on the real vLLM (CPU build 0.32) with SmolLM2, per backend (xgrammar, llguidance):
-one batch of structured requests plus one without a constraint, greedy, with the drafter and
-without speculation. Oracles: the non-speculative run's token ids (drafts never change greedy
+end to end on the real vLLM (CPU build 0.32) with SmolLM2, per backend (xgrammar, llguidance,
+outlines-core): one batch of structured requests plus one without a constraint, greedy, with
+the drafter and without speculation. Oracles: the non-speculative run's token ids (drafts never change greedy
 outputs), jsonschema / ``re.fullmatch`` on the outputs, vLLM's own speculative-decoding counters
-(drafts were accepted). Four engine starts; ``scripts/test_vllm.sh`` runs it."""
+(drafts were accepted). Six engine starts; ``scripts/test_vllm.sh`` runs it."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def run(model_dir: str, backend: str, speculative: dict | None) -> dict:
     return result
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
 def test_grammar_drafter_gives_the_plain_greedy_tokens(model_dir, backend):
     plain = run(model_dir, backend, None)
     spec = run(model_dir, backend, DRAFTER)

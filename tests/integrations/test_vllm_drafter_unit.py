@@ -142,7 +142,7 @@ def plain_ngram(vllm_config) -> NgramProposer:
     return NgramProposer(cfg)
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
 def test_drafts_follow_the_grammar_through_rejections_and_row_moves(
     vllm_config, tok, monkeypatch, caplog, backend
 ):
@@ -202,7 +202,10 @@ def test_drafts_follow_the_grammar_through_rejections_and_row_moves(
             batch.swap_states(0, 2)
             sampled = [sampled[2], sampled[1], sampled[0]]
     assert runner.output("json") == doc
-    assert forced_steps > 0 and cut_steps > 0, (forced_steps, cut_steps)
+    assert cut_steps > 0
+    # outlines-core forces a token only where it is the one legal token (its DFA works on
+    # tokens): every key and separator of this document has several tokenizations
+    assert forced_steps > 0 or backend == "outlines"
     assert step < len(doc) - 1  # drafts were accepted: fewer steps than tokens
     # the broken request's failure was logged once, however many steps it drafted
     fails = [r for r in caplog.records if "broken" in r.getMessage()]

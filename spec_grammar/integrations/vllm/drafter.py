@@ -204,7 +204,8 @@ class GrammarNgramProposer:
             state = RequestGrammar(key, grammar.matcher, [])
             if not state.advance(output):
                 raise ValueError(
-                    f"the grammar refuses the request's committed output {output.tolist()}"
+                    f"our grammar refuses a token of the request's committed output "
+                    f"({len(output)} tokens)"
                 )
             self._states[req_id] = state
         return state.matcher
