@@ -254,3 +254,18 @@ def test_a_reasoning_parser_turns_grammar_drafting_off(vllm_config, tok, monkeyp
     runner.commit(sampled)
     args = (sampled, runner.input_batch.num_tokens_no_spec, runner.input_batch.token_ids_cpu)
     assert drafter.propose(*args) == plain_ngram(vllm_config).propose(K, *args)
+
+
+def test_a_runner_without_the_batch_falls_back_to_plain_ngram(vllm_config, tok, caplog):
+    """A vLLM whose runner keeps its batch elsewhere: plain n-gram drafts, logged once, no
+    exception into the engine."""
+    runner = Runner(len(tok))
+    runner.add("a", tok.encode(PROMPT), params(tok, json=PERSON))
+    drafter = GrammarNgramProposer(vllm_config, runner=object())
+    sampled = [tok.encode('{"name": "Ada Lovelace", "age": 36, "')]
+    runner.commit(sampled)
+    args = (sampled, runner.input_batch.num_tokens_no_spec, runner.input_batch.token_ids_cpu)
+    plain = plain_ngram(vllm_config).propose(K, *args)
+    assert drafter.propose(*args) == plain
+    assert drafter.propose(*args) == plain
+    assert caplog.text.count("has no input_batch") == 1

@@ -250,8 +250,17 @@ class GrammarNgramProposer:
         drafts = self.ngram.propose(self.k, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         if self.runner is None:
             return drafts
-        batch = self.runner.input_batch
-        req_ids = batch.req_ids
+        try:
+            batch = self.runner.input_batch
+            req_ids = batch.req_ids
+            live = self.runner.requests
+        except AttributeError:  # a vLLM whose runner keeps its batch elsewhere
+            logger.exception(
+                "spec-grammar GrammarNgramProposer: the model runner has no input_batch / "
+                "requests; plain n-gram drafts for every request"
+            )
+            self.runner = None
+            return drafts
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled or row >= len(req_ids):
                 continue
@@ -270,7 +279,6 @@ class GrammarNgramProposer:
                 logger.exception(
                     "spec-grammar drafter: request %s falls back to plain n-gram drafts", req_id
                 )
-        live = self.runner.requests
         for req_id in [r for r in self._states if r not in live]:
             del self._states[req_id]
         self._failed.intersection_update(live)
