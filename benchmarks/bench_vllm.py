@@ -13,9 +13,20 @@ skipped (one refused schema aborts vLLM's whole generate call) and listed.
 (``--no-schema-in-prompt``, the prompt already holding the schema) with its default n-gram
 tree drafter and ``--json`` stats, when ``--spec-grammar CMD`` names its executable.
 
+``--drafter`` compares drafters instead, all on our backend (``--backend``, default xgrammar):
+no speculation, vLLM's n-gram drafter, and our grammar-aware drafter
+(:class:`spec_grammar.integrations.vllm.drafter.GrammarNgramProposer`: the n-gram draft cut to
+its grammar-legal prefix and extended with grammar-forced tokens), 4 draft tokens each; per row
+also vLLM's drafting steps, drafted and accepted tokens, and outputs token-identical to the
+run without speculation. ``--workload bfcl`` runs BFCL tool-calling cases instead of
+JSONSchemaBench schemas (the tool list in the prompt, the case's ``required_schema`` as the
+JSON-schema constraint).
+
 Run from the vLLM venv (scripts/test_vllm.sh builds one), e.g.::
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py --n 8 --spec-grammar .venv/bin/spec-grammar
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --n 8 --max-tokens 128 --drafter \
+        --out benchmarks/results/vllm-cpu-drafter.json
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,17 +43,32 @@ from pathlib import Path
 
 import jsonschema
 
-from spec_grammar.datasets import jsonschemabench_sample
+from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
+from spec_grammar.specs import ToolCalls
 from spec_grammar.worker.api import schema_prompt
 
 HERE = Path(__file__).resolve().parent
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-# (row label, vLLM backend name, our backend or None for vLLM's own)
+OURS = {
+    "method": "custom_class",
+    "model": "spec_grammar.integrations.vllm.drafter.GrammarNgramProposer",
+    "num_speculative_tokens": 4,
+}
+# (row label, vLLM backend name, our backend or None for vLLM's own, speculative_config)
 CONFIGS = [
-    ("vLLM xgrammar + n-gram", "xgrammar", None),
-    ("vLLM + ours (xgrammar) + n-gram", "guidance", "xgrammar"),
-    ("vLLM + ours (llguidance) + n-gram", "guidance", "llguidance"),
+    ("vLLM xgrammar + n-gram", "xgrammar", None, NGRAM),
+    ("vLLM + ours (xgrammar) + n-gram", "guidance", "xgrammar", NGRAM),
+    ("vLLM + ours (llguidance) + n-gram", "guidance", "llguidance", NGRAM),
 ]
+
+
+def drafter_configs(backend: str) -> list[tuple[str, str, str, dict | None]]:
+    """``--drafter``: no speculation (the token-identity oracle), vLLM's n-gram, ours."""
+    return [
+        (f"vLLM + ours ({backend}), no speculation", "guidance", backend, None),
+        (f"vLLM + ours ({backend}) + vLLM n-gram", "guidance", backend, NGRAM),
+        (f"vLLM + ours ({backend}) + our grammar drafter", "guidance", backend, OURS),
+    ]
 
 
 def valid(text: str, schema: dict) -> bool:
@@ -52,12 +79,14 @@ def valid(text: str, schema: dict) -> bool:
     return True
 
 
-def run_vllm(model: str, backend: str, ours: str | None, requests: list[dict]) -> dict:
+def run_vllm(
+    model: str, backend: str, ours: str | None, speculative: dict | None, requests: list[dict]
+) -> dict:
     env = dict(os.environ)
     env.pop("SPEC_GRAMMAR_VLLM_BACKEND", None)
     if ours:
         env["SPEC_GRAMMAR_VLLM_BACKEND"] = ours
-    job = {"model": model, "structured_backend": backend, "speculative": NGRAM}
+    job = {"model": model, "structured_backend": backend, "speculative": speculative}
     job["requests"] = requests
     proc = subprocess.run(
         [sys.executable, str(HERE / "vllm_offline.py"), json.dumps(job)],
@@ -92,18 +121,15 @@ def run_ours(cmd: str, prompts: list[str], schemas: list[dict], max_tokens: int)
     return {"wall": wall, "out": json.loads(proc.stdout)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--subset", default="Github_easy")
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--spec-grammar", help="the spec-grammar executable (its own venv)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "vllm-cpu.json")
-    args = ap.parse_args()
-
-    from spec_grammar.models import load_model
-
-    model = load_model("smollm2").name_or_path
+def workload(args: argparse.Namespace) -> tuple[list[str], list[dict], list[str]]:
+    """(prompts, JSON schemas, ids skipped) of the first ``args.n`` cases."""
+    if args.workload == "bfcl":
+        cases = bfcl_cases()[: args.n]
+        prompts = [
+            schema_prompt(ToolCalls(c["tools"]), task=c["messages"][0][-1]["content"])
+            for c in cases
+        ]
+        return prompts, [c["required_schema"] for c in cases], []
     # vLLM's front end refuses a schema its xgrammar backend cannot serve, and that aborts the
     # whole generate call: keep the first n it accepts (the rest are counted as skipped)
     from vllm.exceptions import VLLMValidationError
@@ -121,38 +147,73 @@ def main() -> None:
             cases.append(c)
         except (VLLMValidationError, ValueError, TypeError):
             skipped.append(c["id"])
-    print(f"schemas vLLM's xgrammar refuses (skipped): {skipped}")
     schemas = [c["schema"] for c in cases]
-    prompts = [schema_prompt(s) for s in schemas]
+    return [schema_prompt(s) for s in schemas], schemas, skipped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=["jsonschemabench", "bfcl"], default="jsonschemabench")
+    ap.add_argument("--subset", default="Github_easy", help="JSONSchemaBench subset")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--spec-grammar", help="the spec-grammar executable (its own venv)")
+    ap.add_argument("--drafter", action="store_true", help="compare drafters (see above)")
+    ap.add_argument("--backend", default="xgrammar", help="our backend, with --drafter")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per config (median time)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "vllm-cpu.json")
+    args = ap.parse_args()
+
+    from spec_grammar.models import load_model
+
+    model = load_model("smollm2").name_or_path
+    prompts, schemas, skipped = workload(args)
+    if skipped:
+        print(f"schemas vLLM's xgrammar refuses (skipped): {skipped}")
     requests = [
         {"prompt": p, "max_tokens": args.max_tokens, "structured": {"json": s}}
         for p, s in zip(prompts, schemas)
     ]
+    configs = drafter_configs(args.backend) if args.drafter else CONFIGS
     rows = []
-    for label, backend, ours in CONFIGS:
-        r = run_vllm(model, backend, ours, requests)
-        outs = r["outputs"]
-        tokens = sum(len(o["token_ids"]) for o in outs)
-        spec = r["spec"] or {}
-        drafts = spec.get("num_drafts", 0)
-        rows.append(
-            {
-                "config": label,
-                "seconds": r["seconds"],
-                "tokens": tokens,
-                "tok_s": tokens / r["seconds"],
-                "accept_length": 1 + spec.get("num_accepted_tokens", 0) / drafts
-                if drafts
-                else None,
-                "valid": sum(
-                    o["finish_reason"] == "stop" and valid(o["text"], s)
-                    for o, s in zip(outs, schemas)
-                ),
-                "token_ids": [o["token_ids"] for o in outs],
-            }
-        )
-        print(rows[-1]["config"], {k: v for k, v in rows[-1].items() if k != "token_ids"})
-    if args.spec_grammar:
+    for rep in range(args.repeats):  # configurations interleaved: load drifts hit all alike
+        for i, (label, backend, ours, speculative) in enumerate(configs):
+            r = run_vllm(model, backend, ours, speculative, requests)
+            outs = r["outputs"]
+            if rep:  # a repeat only adds a time; greedy outputs and counters do not change
+                rows[i]["seconds_all"].append(r["seconds"])
+                rows[i]["same_as_first_repeat"] &= rows[i]["token_ids"] == [
+                    o["token_ids"] for o in outs
+                ]
+                continue
+            tokens = sum(len(o["token_ids"]) for o in outs)
+            spec = r["spec"] or {}
+            drafts = spec.get("num_drafts", 0)
+            accepted = spec.get("num_accepted_tokens", 0)
+            rows.append(
+                {
+                    "config": label,
+                    "seconds_all": [r["seconds"]],
+                    "same_as_first_repeat": True,
+                    "tokens": tokens,
+                    "drafting_steps": drafts,
+                    "drafted": spec.get("num_draft_tokens", 0),
+                    "accepted": accepted,
+                    "accept_length": 1 + accepted / drafts if drafts else None,
+                    # target steps summed over requests: each gives one token + accepted drafts
+                    "tokens_per_step": tokens / (tokens - accepted),
+                    "valid": sum(
+                        o["finish_reason"] == "stop" and valid(o["text"], s)
+                        for o, s in zip(outs, schemas)
+                    ),
+                    "token_ids": [o["token_ids"] for o in outs],
+                }
+            )
+            print(label, {k: v for k, v in rows[-1].items() if k != "token_ids"})
+    for row in rows:
+        row["seconds"] = statistics.median(row["seconds_all"])
+        row["tok_s"] = row["tokens"] / row["seconds"]
+    if args.spec_grammar and not args.drafter:
         r = run_ours(args.spec_grammar, prompts, schemas, args.max_tokens)["out"]
         summary = r["summary"]
         rows.append(
@@ -179,20 +240,39 @@ def main() -> None:
     def strip_eos(ids: list[int]) -> list[int]:
         return ids[:-1] if ids and ids[-1] == eos else ids
 
-    base = [strip_eos(t) for t in rows[1]["token_ids"]]
-    print(f"\n{len(cases)} {args.subset} schemas, greedy, max {args.max_tokens} tokens, one batch")
-    print("| config | s | tokens | tok/s | accept length | valid | same tokens as row 2 |")
-    print("|---|---|---|---|---|---|---|")
+    base_row = 0 if args.drafter else 1  # no speculation / vLLM + ours (xgrammar) + n-gram
+    base = [strip_eos(t) for t in rows[base_row]["token_ids"]]
+    n = len(requests)
+    what = "BFCL cases" if args.workload == "bfcl" else f"{args.subset} schemas"
+    print(f"\n{n} {what}, greedy, max {args.max_tokens} tokens, one batch")
+    if args.repeats > 1:
+        print(f"s: median of {args.repeats} runs per config, interleaved")
+    spec_cols = (
+        " drafting steps | drafted | accepted | tokens per target step |" if args.drafter else ""
+    )
+    print(
+        f"| config | s | tokens | tok/s |{spec_cols} accept length | valid | same tokens as row {base_row + 1} |"
+    )
+    print("|---" * (7 + 4 * args.drafter) + "|")
     for row in rows:
         same = sum(strip_eos(a) == b for a, b in zip(row["token_ids"], base))
         al = f"{row['accept_length']:.2f}" if row["accept_length"] else "-"
+        counts = (
+            f" {row['drafting_steps']} | {row['drafted']} | {row['accepted']} "
+            f"| {row['tokens_per_step']:.2f} |"
+            if args.drafter
+            else ""
+        )
         print(
             f"| {row['config']} | {row['seconds']:.1f} | {row['tokens']} | {row['tok_s']:.1f} "
-            f"| {al} | {row['valid']}/{len(cases)} | {same}/{len(cases)} |"
+            f"|{counts} {al} | {row['valid']}/{n} | {same}/{n} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"subset": args.subset, "skipped": skipped, "rows": rows}, indent=1)
+        json.dumps(
+            {"workload": args.workload, "subset": args.subset, "skipped": skipped, "rows": rows},
+            indent=1,
+        )
     )
     print(f"wrote {args.out}")
 

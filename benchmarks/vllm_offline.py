@@ -56,7 +56,9 @@ def main(job: dict) -> dict:
             SamplingParams(
                 temperature=0,
                 max_tokens=r["max_tokens"],
-                structured_outputs=StructuredOutputsParams(**r["structured"]),
+                structured_outputs=StructuredOutputsParams(**r["structured"])
+                if r.get("structured")
+                else None,
             )
         )
     start = time.perf_counter()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM integration tests (tests/integrations/test_vllm.py) against the real vLLM, CPU build:
 # builds ./.venv-vllm (or $VLLM_VENV) once (~3 GB, a few minutes), then runs tests/integrations
-# (20 minutes measured on a loaded 2-core machine: seven vLLM engine starts, one at a time).
+# (~25 minutes on a loaded 2-core machine: thirteen vLLM engine starts, one at a time, six of
+# them for the grammar-aware drafter, tests/integrations/test_vllm_drafter*.py).
 # Not part of CI (.ci/run): see docs/serving-vllm.md.
 #
 # vLLM 0.32 pins xgrammar==0.2.8 and llguidance<1.8; our adapters need xgrammar>=0.2.9 (the

@@ -12,8 +12,12 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import sys
 import types
+from pathlib import Path
+
+import pytest
 
 
 class _Anything(types.ModuleType):
@@ -64,3 +68,19 @@ def install_torchvision_stub() -> None:
 
 
 install_torchvision_stub()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The SmolLM2 directory our loader writes (converted once into the cache), for the vLLM
+    tests."""
+    from spec_grammar.models import load_model
+
+    path = Path(load_model("smollm2").name_or_path)
+    config = json.loads((path / "config.json").read_text())
+    if "architectures" not in config or not (path / "tokenizer.json").exists():
+        pytest.fail(
+            f"{path} was written before the loader wrote complete model directories "
+            "(no architectures / tokenizer): delete it or set SPEC_GRAMMAR_CACHE elsewhere"
+        )
+    return str(path)

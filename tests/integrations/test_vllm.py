@@ -144,21 +144,6 @@ def vllm_env(backend: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def model_dir() -> str:
-    """The SmolLM2 directory our loader writes (converted once into the cache)."""
-    from spec_grammar.models import load_model
-
-    path = Path(load_model("smollm2").name_or_path)
-    config = json.loads((path / "config.json").read_text())
-    if "architectures" not in config or not (path / "tokenizer.json").exists():
-        pytest.fail(
-            f"{path} was written before the loader wrote complete model directories "
-            "(no architectures / tokenizer): delete it or set SPEC_GRAMMAR_CACHE elsewhere"
-        )
-    return str(path)
-
-
 _runs: dict[tuple[str, bool], dict] = {}
 
 
