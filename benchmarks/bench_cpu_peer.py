@@ -120,6 +120,9 @@ def vllm_job(job: dict) -> dict:
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,
+        # the configurations re-run the same prompts: vLLM's prefix cache would skip their
+        # prefill from the second one on (ours has none), so it is off for a like-for-like run
+        enable_prefix_caching=False,
         structured_outputs_config={"backend": "xgrammar"},
         speculative_config=job["speculative"],
     )

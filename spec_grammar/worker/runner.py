@@ -705,7 +705,11 @@ class ModelRunner:
         if self._graphs is not None:
             self._graphs.last_events = None
         bb, nb = inputs["tokens"].shape
-        kv_len = bucket(int(inputs["lens"].max()) + nb, _MIN_KV)
+        kv_len = int(inputs["lens"].max()) + nb
+        if self.device.type != "cpu":
+            # few distinct shapes (CUDA graphs are captured per bucket; eager CUDA kernels are
+            # tuned per shape); on CPU attention costs what its keys cost, so no padding
+            kv_len = bucket(kv_len, _MIN_KV)
         if graph:
             self._store.reserve(bb, kv_len)
             if self._store.version != self._graphs_version:
