@@ -706,7 +706,7 @@ class ModelRunner:
             self._graphs.last_events = None
         bb, nb = inputs["tokens"].shape
         kv_len = int(inputs["lens"].max()) + nb
-        if self.device.type != "cpu":
+        if graph or self.device.type != "cpu":
             # few distinct shapes (CUDA graphs are captured per bucket; eager CUDA kernels are
             # tuned per shape); on CPU attention costs what its keys cost, so no padding
             kv_len = bucket(kv_len, _MIN_KV)
