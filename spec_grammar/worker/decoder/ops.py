@@ -5,10 +5,11 @@ The torch versions compute exactly what Hugging Face's Llama modules compute (sa
 the same dtypes), so on CPU the fused forward matches the HF forward; the Triton versions
 (:mod:`.triton_ops`) round the same way in one kernel each and are checked against these.
 
-:func:`linear` runs CPU projections through oneDNN instead of ``F.linear``'s MKL ``sgemm``: on
-the verify forward's small row counts (1-32 rows) over SmolLM2-135M's 30 layers, oneDNN was
-1.1-1.7x faster in float32 on an AVX-512 host (MKL falls far behind at 2 rows: 74 vs 43 ms), with
-the model's own dense weights (no packed copy: ``benchmarks/bench_cpu_forward.py``).
+:func:`linear` runs CPU projections through oneDNN instead of ``F.linear``'s MKL ``sgemm``: over
+SmolLM2-135M's 30 layers on an AVX-512 host (one thread, float32) the two were on par from 4 rows
+up and oneDNN 1.35x faster at 2 rows (38 vs 51 ms), where MKL's time jumps; the model's own dense
+weights are used (no packed copy: ``benchmarks/bench_cpu_forward.py``,
+``benchmarks/results/cpu-forward.md``).
 """
 
 from __future__ import annotations
