@@ -49,11 +49,13 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         try:
             cls = eps[name].load()
         except (ImportError, AttributeError) as e:
-            if isinstance(e, ImportError) and name in _BUILT_IN:
+            adapter = eps[name].value.partition(":")[0]
+            missing = getattr(e, "name", None)
+            if isinstance(e, ImportError) and name in _BUILT_IN and missing != adapter:
                 # the adapter's own message names the library's pip package; ours the extra
                 raise BackendNotFoundError(
-                    f"backend {name!r} is registered but its library is not installed; "
-                    f"install it with: pip install 'spec-grammar[{name}]'"
+                    f"backend {name!r} is registered but its library is not installed "
+                    f"({e}); install it with: pip install 'spec-grammar[{name}]'"
                 ) from e
             raise BackendNotFoundError(
                 f"backend {name!r} is registered but cannot be loaded ({e})"

@@ -1,8 +1,9 @@
 """The per-step draft budget: which draft-tree nodes each request verifies this step (none =
 plain decoding for that request), chosen to maximise expected committed tokens per second.
 
-A verify forward costs what its rows cost: on a CPU a GEMM over 16 rows took 1.8-2x the time
-of one row for SmolLM2-135M, so a tree per request does not pay where drafts are rarely
+A verify forward costs what its rows cost: on a CPU SmolLM2-135M's projections over 16 rows took
+1.5-1.6x the time of one row and a 16-node tree's forward 2.2x a token's
+(``benchmarks/results/cpu-forward.md``), so a tree per request does not pay where drafts are rarely
 accepted (prose, where n-gram matches are rare) and pays a lot where they are (JSON keys and
 grammar-forced runs). The policy follows goodput-based speculation control (SmartSpec: Liu et
 al., "Optimizing Speculative Decoding for Serving Large Language Models Using Goodput",
@@ -22,9 +23,10 @@ arXiv:2406.16858, 2024, ranks nodes by path confidence).
   shape on GPU): a line fitted with exponential forgetting.
 - :class:`DraftBudget`: ranks every draft node of the step by gain (a child never outranks its
   parent, so every prefix of the ranking is a set of connected subtrees) and keeps the prefix
-  maximising ``(requests + sum of gains) / predicted ms``. The first two steps measure the
-  whole proposal and plain decoding; every ``explore_every``-th step verifies a larger prefix
-  than the best, so the cost model keeps learning the counts just above its choice.
+  maximising ``(requests + sum of gains) / predicted ms``. The first two measured steps (after
+  a cold first one) verify the whole proposal and plain decoding; every
+  ``explore_every``-th step verifies a larger prefix than the best, so the cost model keeps
+  learning the counts just above its choice.
 
 Greedy outputs do not depend on the budget: every kept node is verified as before, and a cut
 node is one the target would have had to accept to matter. Sampled requests keep their whole
@@ -164,6 +166,7 @@ class DraftBudget:
         self.accept = AcceptModel()
         self.cost = StepCostModel()
         self._steps = 0
+        self._recorded = 0
 
     def choose(
         self,
@@ -223,5 +226,9 @@ class DraftBudget:
         return self.cost.predict(rows)
 
     def record_step(self, rows: int, ms: float) -> None:
-        """The step just verified computed ``rows`` rows and took ``ms`` after drafting."""
-        self.cost.record(rows, ms)
+        """The step just verified computed ``rows`` rows and took ``ms`` after drafting. The
+        first step of a worker is left out: it is cold (the math library's first calls, first
+        allocations), 1.5x a warm one in a quick-start run, and made the line steep."""
+        self._recorded += 1
+        if self._recorded > 1:
+            self.cost.record(rows, ms)

@@ -133,7 +133,7 @@ class _Step:
     work: GrammarWork | None = None
     exposed_ms: float = 0.0  # grammar work beyond the forward
     gpu_ms: float | None = None  # the forward's GPU time, when measured
-    proposed_nodes: int = 0  # draft nodes proposed, before the draft budget
+    proposed_nodes: int = 0  # nodes proposed (roots included), before the draft budget
     rows: int = 0  # rows the verify forward computes
     predicted_ms: float | None = None  # the draft budget's prediction of t1 -> end of step
 

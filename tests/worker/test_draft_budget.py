@@ -93,6 +93,7 @@ def test_budget_choice_is_the_best_cut_by_brute_force(seed):
         return floor + per_row * max(0, rows - knee)
 
     budget = DraftBudget(explore_every=10**9)
+    budget.record_step(1, 10 * ms(1))  # the first, cold step: left out of the cost line
     for rows in range(1, 16):
         budget.record_step(rows, ms(rows))
     q = rng.uniform(0.05, 0.95)
@@ -126,42 +127,54 @@ def test_accept_model_tracks_each_request():
 
 
 class _WrongDrafter(Drafter):
-    """Chains of token 0, which the tiny model below never picks greedily."""
+    """Chains whose first token is never the one plain decoding writes next (``plain``: the
+    plain outputs by request id), so every draft is refused."""
 
     name = "wrong"
 
+    def __init__(self, plain: dict[str, list[int]], **kw):
+        super().__init__(**kw)
+        self.plain = plain
+
     def propose(self, batch):
-        return [DraftTree.chain(st.root_token, [0] * (self.num_draft_tokens - 1)) for st in batch]
+        trees = []
+        for st in batch:
+            ref = self.plain[st.rid]
+            wrong = (ref[min(len(st.output_ids), len(ref) - 1)] + 1) % 64
+            trees.append(DraftTree.chain(st.root_token, [wrong] * (self.num_draft_tokens - 1)))
+        return trees
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
+    # wide enough that a step's rows cost time (a draft row then has to pay for itself)
     config = LlamaConfig(
         vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight[0] -= 100.0  # token 0 is never the greedy choice
-        model.lm_head.weight[2] -= 100.0  # nor EOS: every request runs its 40 tokens
-    return model
+    return LlamaForCausalLM(config).eval()
 
 
 def _run(model, drafter, budget: bool, no_spec: bool = False):
     reqs = [
-        Request([3 + i, 9, 17, 4], None, SamplingParams(max_new_tokens=40), rid=f"r{i}")
+        Request(
+            [3 + i, 9, 17, 4],
+            None,
+            SamplingParams(max_new_tokens=40, ignore_eos=True),
+            rid=f"r{i}",
+        )
         for i in range(3)
     ]
     worker = SpecWorker(
         model,
-        load_tokenizer("smollm2"),  # decodes the tiny model's ids; EOS is 2 in both
+        load_tokenizer("smollm2"),  # decodes the tiny model's ids
         backend=None,
         draft=drafter,
         draft_budget=budget,
@@ -173,26 +186,31 @@ def _run(model, drafter, budget: bool, no_spec: bool = False):
 
 
 def test_worker_stops_verifying_drafts_that_never_pay(tiny_model):
-    """Drafts never accepted: after its two measuring steps the budget verifies roots only
+    """Drafts never accepted: after its measuring steps the budget verifies roots only
     (plain decoding) except on its exploration steps; greedy outputs equal plain decoding's and
     those with every draft verified."""
     plain, _ = _run(tiny_model, None, budget=False, no_spec=True)
-    fixed, fixed_steps = _run(tiny_model, _WrongDrafter(num_draft_tokens=5), budget=False)
-    cut, steps = _run(tiny_model, _WrongDrafter(num_draft_tokens=5), budget=True)
-    assert plain == fixed == cut
+    by_rid = {f"r{i}": ids for i, ids in enumerate(plain)}
+    fixed, fixed_steps = _run(tiny_model, _WrongDrafter(by_rid, num_draft_tokens=5), budget=False)
+    cut, steps = _run(tiny_model, _WrongDrafter(by_rid, num_draft_tokens=5), budget=True)
+    assert plain == fixed == cut and all(len(ids) == 40 for ids in plain)
+    assert len(fixed_steps) == 40  # one token per step: every draft refused
     assert all(s.num_nodes == s.proposed_nodes for s in fixed_steps)
-    busy = [s for s in steps if s.batch_size][4:]
+    busy = [s for s in steps if s.batch_size][5:]
     roots_only = [s for s in busy if s.num_nodes == s.batch_size]
     assert len(roots_only) >= 0.8 * len(busy)
-    assert all(s.proposed_nodes == 5 * s.batch_size for s in busy)
+    # drafts were proposed all along (fewer at the end, cut to the tokens left) and not verified
+    assert all(s.proposed_nodes >= s.num_nodes for s in busy)
+    assert sum(s.proposed_nodes for s in busy) > 3 * sum(s.num_nodes for s in roots_only) > 0
     assert all(s.predicted_ms is not None and s.forward_rows == s.num_nodes for s in busy)
+    assert steps[0].predicted_ms is None and steps[1].predicted_ms is None  # cold, then first
 
 
 def test_fixed_trees_are_kept_whole():
     """A sampled request's tree (``fixed``) is verified whole even when the budget cuts every
     other tree to its root (drafts never accepted, every row costly)."""
     budget = DraftBudget(explore_every=10**9)
-    for rows in (2, 30):
+    for rows in (2, 2, 30):  # the first, cold step is not measured
         budget.record_step(rows, 10.0 * rows)
     trees = [DraftTree.chain(1, [2, 3, 4, 5]) for _ in range(2)]
     for _ in range(50):
