@@ -34,6 +34,7 @@ depend on measured times).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from ..tree import DraftTree
@@ -125,8 +126,10 @@ class StepCostModel:
         return rows in self._counts
 
     def record(self, rows: int, ms: float) -> None:
-        """A step of ``rows`` rows took ``ms`` after drafting."""
-        if rows < 1 or not ms >= 0:
+        """A step of ``rows`` rows took ``ms`` after drafting. A measurement that is no finite
+        non-negative number (NaN, infinity: a broken clock) is ignored: one would poison the
+        fit's sums for good."""
+        if rows < 1 or not (math.isfinite(ms) and ms >= 0):
             return
         pred = self.predict(rows) if len(self._counts) > 1 else None
         if pred is not None:
@@ -138,14 +141,16 @@ class StepCostModel:
 
     def predict(self, rows: int) -> float | None:
         """Predicted milliseconds of a step over ``rows`` rows; None before any measurement.
-        With one row count measured: its time, and proportionally more above it."""
+        With one row count measured: its time, and proportionally more above it. Never below
+        1 us (measured zeros must not make a step look free: :class:`DraftBudget` divides by
+        it)."""
         w, sx, sxx, sy, sxy = self._sums
         if w == 0.0:
             return None
         mx, my = sx / w, sy / w
         var = sxx / w - mx * mx
         if len(self._counts) < 2 or var <= 1e-9 * max(mx * mx, 1.0):
-            return my * max(1.0, rows / mx)
+            return max(my * max(1.0, rows / mx), 1e-3)
         slope = max((sxy / w - mx * my) / var, 0.0)
         return max(my + slope * (rows - mx), 1e-3)
 

@@ -200,3 +200,24 @@ def test_fixed_trees_are_kept_whole():
         budget.accept.record("b", trees[1], [0])
     cut = budget.choose(["a", "b"], trees, sum, fixed=[False, True])
     assert cut[0].num_nodes == 1 and cut[1] is trees[1]
+
+
+def test_cost_model_ignores_broken_timings_and_never_predicts_a_free_step():
+    """A NaN / infinite measurement leaves the fit as it was (one would poison its sums for
+    good); zero milliseconds (a coarse clock) predict a positive time, so the budget's choice
+    (expected tokens over predicted ms) never divides by zero."""
+    clean, fed = StepCostModel(), StepCostModel()
+    for rows, ms in [(4, 10.0), (8, 14.0), (2, 8.0)]:
+        clean.record(rows, ms)
+        fed.record(rows, ms)
+        fed.record(rows, float("inf"))
+        fed.record(rows, float("nan"))
+        fed.record(rows, -1.0)
+    assert [fed.predict(r) for r in (1, 6, 30)] == [clean.predict(r) for r in (1, 6, 30)]
+    budget = DraftBudget()
+    budget.record_step(2, 0.0)  # the first step measured nothing
+    assert budget.predict(2) > 0 and budget.predict(9) > 0
+    trees = [DraftTree.chain(1, [2, 3, 4]), DraftTree.chain(5, [6])]
+    chosen = budget.choose(["a", "b"], trees, sum)
+    for tree, sub in zip(trees, chosen):  # each a prefix of its chain, root kept
+        assert sub.token_list == tree.token_list[: sub.num_nodes]
