@@ -221,3 +221,45 @@ def test_cost_model_ignores_broken_timings_and_never_predicts_a_free_step():
     chosen = budget.choose(["a", "b"], trees, sum)
     for tree, sub in zip(trees, chosen):  # each a prefix of its chain, root kept
         assert sub.token_list == tree.token_list[: sub.num_nodes]
+
+
+class _BrokenFor(Drafter):
+    """Chains of token 5, broken for request "bad" in the way ``how`` says (a custom drafter's
+    bug): a tree missing from the batch's list, a tree rooted at another token, no tree."""
+
+    name = "broken"
+
+    def __init__(self, how: str, **kw):
+        super().__init__(**kw)
+        self.how = how
+
+    def propose(self, batch):
+        trees = [DraftTree.chain(st.root_token, [5, 6]) for st in batch]
+        for i, st in enumerate(batch):
+            if st.rid == "bad" and len(st.output_ids) >= 2:
+                if self.how == "missing":
+                    return trees[:i] + trees[i + 1 :]
+                trees[i] = None if self.how == "none" else DraftTree.chain(st.root_token + 1, [5])
+        return trees
+
+
+@pytest.mark.parametrize("how", ["missing", "wrong-root", "none"])
+def test_a_drafter_breaking_its_contract_for_one_request_ends_only_that_request(tiny_model, how):
+    """A drafter that returns too few trees, a tree not rooted at the request's last committed
+    token, or no tree for one request: that request ends with a "drafting failed" error keeping
+    its committed tokens (a prefix of its plain output); the others equal plain decoding (before
+    the check: the batch's forward raised for everybody, or the request decoded from a wrong
+    token)."""
+    plain, _ = _run(tiny_model, None, budget=False, no_spec=True)
+    reqs = [
+        Request([3 + i, 9, 17, 4], None, SamplingParams(max_new_tokens=40), rid=rid)
+        for i, rid in enumerate(["a", "bad", "c"])
+    ]
+    worker = SpecWorker(tiny_model, load_tokenizer("smollm2"), backend=None, draft=_BrokenFor(how))
+    with worker:
+        out = {o.rid: o for o in worker.run(reqs)}
+    assert out["a"].token_ids == plain[0] and out["c"].token_ids == plain[2]
+    bad = out["bad"]
+    assert bad.finish_reason == "error" and bad.error.startswith("drafting failed: DraftTreeError")
+    assert 2 <= len(bad.token_ids) < 40 and bad.token_ids == plain[1][: len(bad.token_ids)]
+    assert worker.runner.request_ids == []
