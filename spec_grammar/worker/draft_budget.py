@@ -36,8 +36,8 @@ the batch (the GEMMs pick kernels by row count: up to 1.5e-7 in float32 and 2e-3
 on a small Qwen2-shaped model, 0 in float64, for HF's forward and the fused one alike), and
 with the budget on the batch's rows depend on measured times: a greedy near-tie or a seeded
 sample drawn at a probability boundary can come out differently from run to run, as between
-speculative and plain decoding. For runs whose batch shapes repeat: float64, or
-``draft_budget=False``.
+speculative and plain decoding (``draft_budget=False`` keeps the batch shapes run to run;
+in float64 the rows came out the same whatever the batch).
 """
 
 from __future__ import annotations
