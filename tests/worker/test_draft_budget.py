@@ -6,6 +6,7 @@ and drafts that are never accepted stop being verified."""
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,6 +44,19 @@ def test_subtree_keeps_the_nodes_links_and_order():
         tree.subtree([0, 2, 1])
     with pytest.raises(DraftTreeError, match="ascending"):
         tree.subtree([1])
+
+
+def test_subtree_takes_integer_tensors_and_refuses_other_values_with_its_error():
+    """``keep`` as a tensor or numpy array means the same nodes as the list; floats, None and
+    strings raise DraftTreeError (not a TypeError / RuntimeError from inside)."""
+    tree = DraftTree.from_parents([5, 6, 7, 8], [-1, 0, 1, 0])
+    want = tree.subtree([0, 1, 3])
+    for keep in (torch.tensor([0, 1, 3]), np.array([0, 1, 3]), (0, 1, 3)):
+        got = tree.subtree(keep)
+        assert (got.token_list, got.parent_list) == (want.token_list, want.parent_list)
+    for bad in ([0, 1.0], torch.tensor([0.0, 1.0]), None, "01", [0, 2**70]):
+        with pytest.raises(DraftTreeError):
+            tree.subtree(bad)
 
 
 def _ancestors(tree: DraftTree, i: int) -> list[int]:
