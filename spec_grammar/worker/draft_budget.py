@@ -109,11 +109,14 @@ def node_gains(tree: DraftTree, q: float) -> list[float]:
 
 class StepCostModel:
     """Step milliseconds after drafting against the rows of the verify forward: a straight line
-    ``ms = a + c * rows`` (``c >= 0``) fitted by least squares with exponential forgetting, so
-    that it follows the host's load. One line over all steps, not an average per row count:
+    ``ms = a + c * rows`` (``a, c >= 0``) fitted by least squares with exponential forgetting,
+    so that it follows the host's load. One line over all steps, not an average per row count:
     on a shared CPU single steps vary 2-5x, and a per-count average chases its luckiest counts.
     A measurement above twice the prediction (a step stalled by another process) counts as
-    twice the prediction.
+    twice the prediction. The intercept is kept non-negative: a first step slowed by one-time
+    work (345 ms at 12 rows, then 100 ms at 5, seen on SmolLM2 on CPU) made a free line cross
+    zero above one row, and with the cap every later measurement there counted as twice a
+    near-zero prediction, so the line never recovered and drafts were never verified again.
 
     Args:
         decay: weight kept by the past at each new measurement.
@@ -160,6 +163,8 @@ class StepCostModel:
         if len(self._counts) < 2 or var <= 1e-9 * max(mx * mx, 1.0):
             return max(my * max(1.0, rows / mx), 1e-3)
         slope = max((sxy / w - mx * my) / var, 0.0)
+        if my - slope * mx < 0.0:  # the fit with a >= 0: its optimum lies on a = 0
+            return max(sxy / sxx * rows, 1e-3)
         return max(my + slope * (rows - mx), 1e-3)
 
 

@@ -277,3 +277,25 @@ def test_a_drafter_breaking_its_contract_for_one_request_ends_only_that_request(
     assert bad.finish_reason == "error" and bad.error.startswith("drafting failed: DraftTreeError")
     assert 2 <= len(bad.token_ids) < 40 and bad.token_ids == plain[1][: len(bad.token_ids)]
     assert worker.runner.request_ids == []
+
+
+def test_cost_model_recovers_from_a_slow_first_step():
+    """The first step carries one-time work (seen on SmolLM2 on CPU: 345 ms at 12 rows, then
+    100 ms at 5): the line must not cross zero and stay there (each later measurement capped at
+    twice a near-zero prediction). Afterwards the host's true line (70 + 3 ms per row) is
+    measured at 1-2 rows; the prediction follows it, and drafts that are always accepted are
+    verified again."""
+    budget = DraftBudget(explore_every=10**9)
+    budget.record_step(12, 345.0)
+    budget.record_step(5, 100.0)
+    assert budget.predict(2) > 10.0
+    rng = random.Random(0)
+    for _ in range(60):
+        rows = rng.choice([1, 2])
+        budget.record_step(rows, 70.0 + 3.0 * rows)
+    assert budget.predict(2) == pytest.approx(76.0, rel=0.1)
+    chain = DraftTree.chain(1, [2, 3, 4])
+    for _ in range(30):
+        budget.accept.record("a", chain, [0, 1, 2, 3])
+    (kept,) = budget.choose(["a"], [chain], sum)
+    assert kept.num_nodes == 4  # 4 tokens for ~82 ms beat 1 token for ~73 ms
