@@ -156,12 +156,13 @@ class DraftTree:
             )
         return tree
 
-    def subtree(self, keep: Sequence[int]) -> DraftTree:
+    def subtree(self, keep: Sequence[int] | torch.Tensor) -> DraftTree:
         """The tree of the nodes ``keep`` (ascending node indices, the root first, each node's
-        parent kept), in their order. Raises :class:`~spec_grammar.errors.DraftTreeError` when
-        ``keep`` is not such a set."""
+        parent kept; a sequence of ints or a 1-D integer tensor), in their order. Raises
+        :class:`~spec_grammar.errors.DraftTreeError` when ``keep`` is not such a set."""
+        keep = _as_long_list(keep, "keep")
         index = {old: new for new, old in enumerate(keep)}
-        if not keep or keep[0] != 0 or list(keep) != sorted(index):
+        if not keep or keep[0] != 0 or keep != sorted(index):
             raise DraftTreeError(f"keep must list ascending node indices from the root, got {keep}")
         parents = [-1]
         for i in keep[1:]:

@@ -735,6 +735,7 @@ def run(args) -> int:
             "cpu_threads": threads,
             "draft": str(worker.config.draft),
             "forced_tokens": worker.config.forced_tokens,
+            "draft_budget": worker.config.draft_budget,
         }
         # one line: token id lists would take a line per id with an indent (pipe to jq to read)
         print(

@@ -32,10 +32,19 @@ Greedy outputs do not depend on the budget: every kept node is verified as befor
 node is one the target would have had to accept to matter. Sampled requests keep their whole
 trees (a seeded sample depends on the tree it is verified against, and the budget's choices
 depend on measured times).
+
+Both hold up to float rounding. A request's logits can differ in the last bits with the rest of
+the batch (the GEMMs pick kernels by row count: up to 1.5e-7 in float32 and 2e-3 in bfloat16
+on a small Qwen2-shaped model, 0 in float64, for HF's forward and the fused one alike), and
+with the budget on the batch's rows depend on measured times: a greedy near-tie or a seeded
+sample drawn at a probability boundary can come out differently from run to run, as between
+speculative and plain decoding (``draft_budget=False`` keeps the batch shapes run to run;
+in float64 the rows came out the same whatever the batch).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from ..tree import DraftTree
@@ -102,11 +111,14 @@ def node_gains(tree: DraftTree, q: float) -> list[float]:
 
 class StepCostModel:
     """Step milliseconds after drafting against the rows of the verify forward: a straight line
-    ``ms = a + c * rows`` (``c >= 0``) fitted by least squares with exponential forgetting, so
-    that it follows the host's load. One line over all steps, not an average per row count:
+    ``ms = a + c * rows`` (``a, c >= 0``) fitted by least squares with exponential forgetting,
+    so that it follows the host's load. One line over all steps, not an average per row count:
     on a shared CPU single steps vary 2-5x, and a per-count average chases its luckiest counts.
     A measurement above twice the prediction (a step stalled by another process) counts as
-    twice the prediction.
+    twice the prediction. The intercept is kept non-negative: a first step slowed by one-time
+    work (345 ms at 12 rows, then 100 ms at 5, seen on SmolLM2 on CPU) made a free line cross
+    zero above one row, and with the cap every later measurement there counted as twice a
+    near-zero prediction, so the line never recovered and drafts were never verified again.
 
     Args:
         decay: weight kept by the past at each new measurement.
@@ -127,8 +139,10 @@ class StepCostModel:
         return rows in self._counts
 
     def record(self, rows: int, ms: float) -> None:
-        """A step of ``rows`` rows took ``ms`` after drafting."""
-        if rows < 1 or not ms >= 0:
+        """A step of ``rows`` rows took ``ms`` after drafting. A measurement that is no finite
+        non-negative number (NaN, infinity: a broken clock) is ignored: one would poison the
+        fit's sums for good."""
+        if rows < 1 or not (math.isfinite(ms) and ms >= 0):
             return
         pred = self.predict(rows) if len(self._counts) > 1 else None
         if pred is not None:
@@ -140,15 +154,19 @@ class StepCostModel:
 
     def predict(self, rows: int) -> float | None:
         """Predicted milliseconds of a step over ``rows`` rows; None before any measurement.
-        With one row count measured: its time, and proportionally more above it."""
+        With one row count measured: its time, and proportionally more above it. Never below
+        1 us (measured zeros must not make a step look free: :class:`DraftBudget` divides by
+        it)."""
         w, sx, sxx, sy, sxy = self._sums
         if w == 0.0:
             return None
         mx, my = sx / w, sy / w
         var = sxx / w - mx * mx
         if len(self._counts) < 2 or var <= 1e-9 * max(mx * mx, 1.0):
-            return my * max(1.0, rows / mx)
+            return max(my * max(1.0, rows / mx), 1e-3)
         slope = max((sxy / w - mx * my) / var, 0.0)
+        if my - slope * mx < 0.0:  # the fit with a >= 0: its optimum lies on a = 0
+            return max(sxy / sxx * rows, 1e-3)
         return max(my + slope * (rows - mx), 1e-3)
 
 

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SpecGrammarError
+from ..errors import DraftTreeError, SpecGrammarError
 from ..protocol import GrammarBackend
 from ..reasoning import ReasoningGrammar, reasoning_token_count, resolve_marker
 from ..specs import ToolCalls
@@ -107,6 +107,24 @@ def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     if max(depth) <= max_depth:
         return tree
     return tree.subtree([i for i in range(tree.num_nodes) if depth[i] <= max_depth])
+
+
+def _checked_trees(batch: Sequence[RequestState], trees: Any) -> list[DraftTree]:
+    """``trees`` as a list, checked to be one :class:`DraftTree` per request of ``batch``
+    whose root is the request's last committed token (the :class:`Drafter` contract).
+    Raises :class:`~spec_grammar.errors.DraftTreeError` naming what is wrong."""
+    trees = list(trees)
+    if len(trees) != len(batch):
+        raise DraftTreeError(f"the drafter returned {len(trees)} trees for {len(batch)} requests")
+    for st, tree in zip(batch, trees):
+        if not isinstance(tree, DraftTree):
+            raise DraftTreeError(f"the drafter returned a {type(tree).__name__}, not a DraftTree")
+        if tree.token_list[0] != st.root_token:
+            raise DraftTreeError(
+                f"the drafter's tree is rooted at token {tree.token_list[0]}, not at the last "
+                f"committed token {st.root_token}"
+            )
+    return trees
 
 
 @dataclass(eq=False)
@@ -625,17 +643,20 @@ class SpecWorker:
 
     def _propose(self, live: list[RequestState]) -> tuple[list[RequestState], list[DraftTree]]:
         """The drafter's trees for ``live``. Drafting that raises (e.g. a grammar-aware
-        drafter's matcher faulting) is retried one request at a time: a request whose own
-        drafting raises ends with an error (its committed tokens kept), the others go on.
-        Returns the requests still live and their trees."""
+        drafter's matcher faulting) or returns what is not one tree per request rooted at its
+        last committed token (:func:`_checked_trees`: a custom drafter's bug, which would
+        otherwise fail the whole batch's forward or verify a request from a wrong token) is
+        retried one request at a time: a request whose own drafting fails ends with an error
+        (its committed tokens kept), the others go on. Returns the requests still live and
+        their trees."""
         try:
-            return live, self.drafter.propose(live)
+            return live, _checked_trees(live, self.drafter.propose(live))
         except Exception:
             pass
         kept, trees = [], []
         for st in live:
             try:
-                (tree,) = self.drafter.propose([st])
+                (tree,) = _checked_trees([st], self.drafter.propose([st]))
             except Exception as e:
                 st.finish("error", time.perf_counter(), f"drafting failed: {type(e).__name__}: {e}")
                 self._release(st)

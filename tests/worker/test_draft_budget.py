@@ -6,6 +6,7 @@ and drafts that are never accepted stop being verified."""
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,6 +44,19 @@ def test_subtree_keeps_the_nodes_links_and_order():
         tree.subtree([0, 2, 1])
     with pytest.raises(DraftTreeError, match="ascending"):
         tree.subtree([1])
+
+
+def test_subtree_takes_integer_tensors_and_refuses_other_values_with_its_error():
+    """``keep`` as a tensor or numpy array means the same nodes as the list; floats, None and
+    strings raise DraftTreeError (not a TypeError / RuntimeError from inside)."""
+    tree = DraftTree.from_parents([5, 6, 7, 8], [-1, 0, 1, 0])
+    want = tree.subtree([0, 1, 3])
+    for keep in (torch.tensor([0, 1, 3]), np.array([0, 1, 3]), (0, 1, 3)):
+        got = tree.subtree(keep)
+        assert (got.token_list, got.parent_list) == (want.token_list, want.parent_list)
+    for bad in ([0, 1.0], torch.tensor([0.0, 1.0]), None, "01", [0, 2**70]):
+        with pytest.raises(DraftTreeError):
+            tree.subtree(bad)
 
 
 def _ancestors(tree: DraftTree, i: int) -> list[int]:
@@ -218,3 +232,88 @@ def test_fixed_trees_are_kept_whole():
         budget.accept.record("b", trees[1], [0])
     cut = budget.choose(["a", "b"], trees, sum, fixed=[False, True])
     assert cut[0].num_nodes == 1 and cut[1] is trees[1]
+
+
+def test_cost_model_ignores_broken_timings_and_never_predicts_a_free_step():
+    """A NaN / infinite measurement leaves the fit as it was (one would poison its sums for
+    good); zero milliseconds (a coarse clock) predict a positive time, so the budget's choice
+    (expected tokens over predicted ms) never divides by zero."""
+    clean, fed = StepCostModel(), StepCostModel()
+    for rows, ms in [(4, 10.0), (8, 14.0), (2, 8.0)]:
+        clean.record(rows, ms)
+        fed.record(rows, ms)
+        fed.record(rows, float("inf"))
+        fed.record(rows, float("nan"))
+        fed.record(rows, -1.0)
+    assert [fed.predict(r) for r in (1, 6, 30)] == [clean.predict(r) for r in (1, 6, 30)]
+    budget = DraftBudget()
+    budget.record_step(2, 0.0)  # the first step measured nothing
+    assert budget.predict(2) > 0 and budget.predict(9) > 0
+    trees = [DraftTree.chain(1, [2, 3, 4]), DraftTree.chain(5, [6])]
+    chosen = budget.choose(["a", "b"], trees, sum)
+    for tree, sub in zip(trees, chosen):  # each a prefix of its chain, root kept
+        assert sub.token_list == tree.token_list[: sub.num_nodes]
+
+
+class _BrokenFor(Drafter):
+    """Chains of token 5, broken for request "bad" in the way ``how`` says (a custom drafter's
+    bug): a tree missing from the batch's list, a tree rooted at another token, no tree."""
+
+    name = "broken"
+
+    def __init__(self, how: str, **kw):
+        super().__init__(**kw)
+        self.how = how
+
+    def propose(self, batch):
+        trees = [DraftTree.chain(st.root_token, [5, 6]) for st in batch]
+        for i, st in enumerate(batch):
+            if st.rid == "bad" and len(st.output_ids) >= 2:
+                if self.how == "missing":
+                    return trees[:i] + trees[i + 1 :]
+                trees[i] = None if self.how == "none" else DraftTree.chain(st.root_token + 1, [5])
+        return trees
+
+
+@pytest.mark.parametrize("how", ["missing", "wrong-root", "none"])
+def test_a_drafter_breaking_its_contract_for_one_request_ends_only_that_request(tiny_model, how):
+    """A drafter that returns too few trees, a tree not rooted at the request's last committed
+    token, or no tree for one request: that request ends with a "drafting failed" error keeping
+    its committed tokens (a prefix of its plain output); the others equal plain decoding (before
+    the check: the batch's forward raised for everybody, or the request decoded from a wrong
+    token)."""
+    plain, _ = _run(tiny_model, None, budget=False, no_spec=True)
+    reqs = [
+        Request([3 + i, 9, 17, 4], None, SamplingParams(max_new_tokens=40), rid=rid)
+        for i, rid in enumerate(["a", "bad", "c"])
+    ]
+    worker = SpecWorker(tiny_model, load_tokenizer("smollm2"), backend=None, draft=_BrokenFor(how))
+    with worker:
+        out = {o.rid: o for o in worker.run(reqs)}
+    assert out["a"].token_ids == plain[0] and out["c"].token_ids == plain[2]
+    bad = out["bad"]
+    assert bad.finish_reason == "error" and bad.error.startswith("drafting failed: DraftTreeError")
+    assert 2 <= len(bad.token_ids) < 40 and bad.token_ids == plain[1][: len(bad.token_ids)]
+    assert worker.runner.request_ids == []
+
+
+def test_cost_model_recovers_from_a_slow_first_step():
+    """The first step carries one-time work (seen on SmolLM2 on CPU: 345 ms at 12 rows, then
+    100 ms at 5): the line must not cross zero and stay there (each later measurement capped at
+    twice a near-zero prediction). Afterwards the host's true line (70 + 3 ms per row) is
+    measured at 1-2 rows; the prediction follows it, and drafts that are always accepted are
+    verified again."""
+    budget = DraftBudget(explore_every=10**9)
+    budget.record_step(12, 345.0)
+    budget.record_step(5, 100.0)
+    assert budget.predict(2) > 10.0
+    rng = random.Random(0)
+    for _ in range(60):
+        rows = rng.choice([1, 2])
+        budget.record_step(rows, 70.0 + 3.0 * rows)
+    assert budget.predict(2) == pytest.approx(76.0, rel=0.1)
+    chain = DraftTree.chain(1, [2, 3, 4])
+    for _ in range(30):
+        budget.accept.record("a", chain, [0, 1, 2, 3])
+    (kept,) = budget.choose(["a"], [chain], sum)
+    assert kept.num_nodes == 4  # 4 tokens for ~82 ms beat 1 token for ~73 ms

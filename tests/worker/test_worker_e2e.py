@@ -477,6 +477,7 @@ def test_cli_generate_json(tmp_path):
     assert all(s["num_nodes"] <= s["proposed_nodes"] for s in steps)
     assert all(s["predicted_ms"] > 0 for s in steps[2:] if s["batch_size"])  # after 2 measured
     assert out["runner"]["forced_tokens"] is DEFAULT_FORCED_TOKENS  # says whether it is on
+    assert out["runner"]["draft_budget"] is True  # on by default (--no-draft-budget: off)
 
 
 @pytest.mark.parametrize(
