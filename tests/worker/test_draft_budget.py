@@ -247,7 +247,8 @@ def test_cost_model_ignores_broken_timings_and_never_predicts_a_free_step():
         fed.record(rows, -1.0)
     assert [fed.predict(r) for r in (1, 6, 30)] == [clean.predict(r) for r in (1, 6, 30)]
     budget = DraftBudget()
-    budget.record_step(2, 0.0)  # the first step measured nothing
+    budget.record_step(2, 5.0)  # the cold first step: left out
+    budget.record_step(2, 0.0)  # the first measured step measured nothing
     assert budget.predict(2) > 0 and budget.predict(9) > 0
     trees = [DraftTree.chain(1, [2, 3, 4]), DraftTree.chain(5, [6])]
     chosen = budget.choose(["a", "b"], trees, sum)
