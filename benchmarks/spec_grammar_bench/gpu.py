@@ -268,9 +268,18 @@ class _ReplayRunner(ModelRunner):
             self._editing = prompt_len is not None
             self.clear_graphs()  # graphs captured with (without) the edit must not replay now
 
-    def _device_forward(self, tokens, parents, lens, row_idx, *, rows, kv_len, logits_to_keep):
+    def _device_forward(
+        self, tokens, parents, lens, row_idx, *, rows, kv_len, logits_to_keep, valid=None
+    ):
         logits = super()._device_forward(
-            tokens, parents, lens, row_idx, rows=rows, kv_len=kv_len, logits_to_keep=logits_to_keep
+            tokens,
+            parents,
+            lens,
+            row_idx,
+            rows=rows,
+            kv_len=kv_len,
+            logits_to_keep=logits_to_keep,
+            valid=valid,
         )
         if not self._editing or logits.shape[1] != tokens.shape[1]:  # prefill keeps no tree rows
             return logits
@@ -758,6 +767,8 @@ def _run_config(
             grammar_threads=cfg.grammar_threads,
             # sync fills every tree in order: the host's grammar time of the target
             lazy_grammar=cfg.lazy_grammar if overlap else False,
+            # the modes compare the same trees: no timing-driven draft budget cuts
+            draft_budget=False,
         )
         for mode, runner, overlap, grammar in plan
     }
