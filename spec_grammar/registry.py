@@ -54,8 +54,8 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
             if isinstance(e, ImportError) and name in _BUILT_IN and missing != adapter:
                 # the adapter's own message names the library's pip package; ours the extra
                 raise BackendNotFoundError(
-                    f"backend {name!r} is registered but its library is not installed "
-                    f"({e}); install it with: pip install 'spec-grammar[{name}]'"
+                    f"backend {name!r} is registered but its library is not installed; "
+                    f"install it with: pip install 'spec-grammar[{name}]'"
                 ) from e
             raise BackendNotFoundError(
                 f"backend {name!r} is registered but cannot be loaded ({e})"

@@ -121,8 +121,12 @@ def test_pydantic_grammar_streams_and_the_chunks_are_the_result():
             max_new_tokens=48,
         )
     )
-    # greedy: the iterator yields the same chunks (another request id)
-    assert [(c.text, c.finish_reason) for c in again] == [(c.text, c.finish_reason) for c in chunks]
+    # greedy: the iterator yields the same text, ending the same way (another request id; where
+    # the chunks split follows each step's accepted run, which the draft budget's timing-driven
+    # cuts may move)
+    assert "".join(c.text for c in again) == res.text
+    assert [c.finish_reason for c in again][-1] == res.finish_reason
+    assert all(c.finish_reason is None for c in again[:-1])
 
 
 @pytest.mark.model
