@@ -111,6 +111,7 @@ def vllm_job(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
+    from vllm_offline import _spec_counters  # beside this script (its directory is on sys.path)
 
     llm = LLM(
         job["model"],
@@ -159,14 +160,6 @@ def vllm_job(job: dict) -> dict:
                 }
             )
     return {"results": results}
-
-
-def _spec_counters(llm) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode_num") and hasattr(metric, "value"):
-            out[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
-    return out
 
 
 def run_vllm(python: str, model: str, spec: dict | None, requests, sizes, threads: int) -> dict:
