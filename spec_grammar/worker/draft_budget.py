@@ -18,9 +18,10 @@ arXiv:2406.16858, 2024, ranks nodes by path confidence).
   ``gain(child) = gain(parent) * q * (1 - q) ** rank`` (``rank``: its index among its
   siblings; the root's gain is 1).
 - :class:`StepCostModel`: milliseconds from the end of drafting to the end of the step (verify
-  forward, grammar work not hidden, acceptance) against the rows the forward computes
-  (:meth:`~.runner.ModelRunner.forward_rows`: the real nodes on CPU, the padded CUDA-graph
-  shape on GPU): a line fitted with exponential forgetting.
+  forward, grammar work not hidden, acceptance) against the forward's shape
+  (:meth:`~.runner.ModelRunner.forward_shape`: the rows its projections compute, the real nodes
+  on CPU, and the query rows attention runs on, the batch padded to its largest tree; both the
+  padded CUDA-graph shape on GPU): a plane fitted with exponential forgetting.
 - :class:`DraftBudget`: ranks every draft node of the step by gain (a child never outranks its
   parent, so every prefix of the ranking is a set of connected subtrees) and keeps the prefix
   maximising ``(requests + sum of gains) / predicted ms``. The first two measured steps (after
@@ -46,6 +47,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from ..tree import DraftTree
 
@@ -110,15 +113,25 @@ def node_gains(tree: DraftTree, q: float) -> list[float]:
 
 
 class StepCostModel:
-    """Step milliseconds after drafting against the rows of the verify forward: a straight line
-    ``ms = a + c * rows`` (``a, c >= 0``) fitted by least squares with exponential forgetting,
-    so that it follows the host's load. One line over all steps, not an average per row count:
-    on a shared CPU single steps vary 2-5x, and a per-count average chases its luckiest counts.
-    A measurement above twice the prediction (a step stalled by another process) counts as
-    twice the prediction. The intercept is kept non-negative: a first step slowed by one-time
-    work (345 ms at 12 rows, then 100 ms at 5, seen on SmolLM2 on CPU) made a free line cross
-    zero above one row, and with the cap every later measurement there counted as twice a
-    near-zero prediction, so the line never recovered and drafts were never verified again.
+    """Step milliseconds after drafting against the shape of the verify forward: a plane
+    ``ms = a + c * rows + d * padded`` (``a, c, d >= 0``) fitted by least squares with
+    exponential forgetting, so that it follows the host's load. ``rows`` are the rows the
+    projections compute, ``padded`` the query rows attention runs on (``b * n_max`` where a
+    batch of trees is padded to its largest for attention; ``padded == rows`` where the
+    forward computes the padded shape throughout, e.g. a CUDA graph). The second term is what
+    made a request's first draft node cost 8-10 rows' worth on SmolLM2 on a CPU (a batch of 8
+    single tokens: 97 ms; the same with one 2-node tree: 108 ms; attention over the padded
+    batch and the padding bookkeeping), which a line in rows alone missed, so the budget kept
+    drafts on prose that did not pay.
+
+    One fit over all steps, not an average per shape: on a shared CPU single steps vary 2-5x,
+    and a per-shape average chases its luckiest shapes. A measurement above twice the
+    prediction (a step stalled by another process) counts as twice the prediction. The
+    coefficients are kept non-negative (the best fit over the subsets of free coefficients
+    whose solution is non-negative): a first step slowed by one-time work (345 ms at 12 rows,
+    then 100 ms at 5, seen on SmolLM2 on CPU) made a free line cross zero above one row, and
+    with the cap every later measurement there counted as twice a near-zero prediction, so the
+    line never recovered and drafts were never verified again.
 
     Args:
         decay: weight kept by the past at each new measurement.
@@ -126,48 +139,76 @@ class StepCostModel:
 
     def __init__(self, *, decay: float = 0.95):
         self.decay = decay
-        self._sums = [0.0] * 5  # sum of w, w*x, w*x^2, w*y, w*x*y
-        self._counts: set[int] = set()
+        self._xx = np.zeros((3, 3))  # sum of w * x x^T over x = (1, rows, padded)
+        self._xy = np.zeros(3)  # sum of w * x * ms
+        self._yy = 0.0  # sum of w * ms^2
+        self._shapes: set[tuple[int, int]] = set()
+        self._coef: np.ndarray | None = None
 
     @property
     def measured(self) -> int:
-        """How many distinct row counts have been measured."""
-        return len(self._counts)
+        """How many distinct forward shapes (rows, padded) have been measured."""
+        return len(self._shapes)
 
-    def has(self, rows: int) -> bool:
-        """Whether ``rows`` rows were measured."""
-        return rows in self._counts
+    def has(self, rows: int, padded: int | None = None) -> bool:
+        """Whether a forward of ``rows`` rows (``padded`` query rows; default ``rows``) was
+        measured."""
+        return (rows, rows if padded is None else padded) in self._shapes
 
-    def record(self, rows: int, ms: float) -> None:
-        """A step of ``rows`` rows took ``ms`` after drafting. A measurement that is no finite
-        non-negative number (NaN, infinity: a broken clock) is ignored: one would poison the
-        fit's sums for good."""
-        if rows < 1 or not (math.isfinite(ms) and ms >= 0):
+    def record(self, rows: int, ms: float, padded: int | None = None) -> None:
+        """A step of ``rows`` rows (attention over ``padded`` query rows; default ``rows``)
+        took ``ms`` after drafting. A measurement that is no finite non-negative number (NaN,
+        infinity: a broken clock) or a shape with ``padded < rows`` is ignored: one would poison
+        the fit's sums for good."""
+        padded = rows if padded is None else padded
+        if rows < 1 or padded < rows or not (math.isfinite(ms) and ms >= 0):
             return
-        pred = self.predict(rows) if len(self._counts) > 1 else None
+        pred = self.predict(rows, padded) if len(self._shapes) > 1 else None
         if pred is not None:
             ms = min(ms, 2.0 * pred)
-        self._counts.add(rows)
-        x, d = float(rows), self.decay
-        for k, v in enumerate((1.0, x, x * x, ms, x * ms)):
-            self._sums[k] = self._sums[k] * d + v
+        self._shapes.add((rows, padded))
+        x, d = np.array([1.0, rows, padded]), self.decay
+        self._xx = self._xx * d + np.outer(x, x)
+        self._xy = self._xy * d + x * ms
+        self._yy = self._yy * d + ms * ms
+        self._coef = self._fit() if len(self._shapes) > 1 else None
 
-    def predict(self, rows: int) -> float | None:
-        """Predicted milliseconds of a step over ``rows`` rows; None before any measurement.
-        With one row count measured: its time, and proportionally more above it. Never below
-        1 us (measured zeros must not make a step look free: :class:`DraftBudget` divides by
-        it)."""
-        w, sx, sxx, sy, sxy = self._sums
+    def _fit(self) -> np.ndarray | None:
+        """The least-squares coefficients ``(a, c, d)``, all ``>= 0``: the lowest residual among
+        the fits over each subset of free coefficients (the others 0) whose solution is
+        non-negative. A tiny ridge term keeps collinear shapes (``padded == rows`` on every
+        step) solvable; it splits their slope between ``c`` and ``d``."""
+        ridge = 1e-9 * max(float(np.trace(self._xx)), 1.0)
+        best, best_sse = None, math.inf
+        for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
+            idx = list(free)
+            a = self._xx[np.ix_(idx, idx)] + ridge * np.eye(len(idx))
+            try:
+                sol = np.linalg.solve(a, self._xy[idx])
+            except np.linalg.LinAlgError:
+                continue
+            if (sol < 0.0).any():
+                continue
+            coef = np.zeros(3)
+            coef[idx] = sol
+            sse = self._yy - 2.0 * coef @ self._xy + coef @ self._xx @ coef
+            if sse < best_sse - 1e-12 * max(self._yy, 1.0):
+                best, best_sse = coef, sse
+        return best
+
+    def predict(self, rows: int, padded: int | None = None) -> float | None:
+        """Predicted milliseconds of a step over ``rows`` rows (``padded`` query rows; default
+        ``rows``); None before any measurement. With one shape measured: its time, and
+        proportionally more above its rows. Never below 1 us (measured zeros must not make a
+        step look free: :class:`DraftBudget` divides by it)."""
+        padded = rows if padded is None else padded
+        w = self._xx[0, 0]
         if w == 0.0:
             return None
-        mx, my = sx / w, sy / w
-        var = sxx / w - mx * mx
-        if len(self._counts) < 2 or var <= 1e-9 * max(mx * mx, 1.0):
-            return max(my * max(1.0, rows / mx), 1e-3)
-        slope = max((sxy / w - mx * my) / var, 0.0)
-        if my - slope * mx < 0.0:  # the fit with a >= 0: its optimum lies on a = 0
-            return max(sxy / sxx * rows, 1e-3)
-        return max(my + slope * (rows - mx), 1e-3)
+        if self._coef is None:
+            mean_ms, mean_rows = self._xy[0] / w, self._xx[0, 1] / w
+            return max(mean_ms * max(1.0, rows / mean_rows), 1e-3)
+        return max(float(self._coef @ np.array([1.0, rows, padded])), 1e-3)
 
 
 class DraftBudget:
@@ -190,14 +231,19 @@ class DraftBudget:
         self,
         rids: Sequence[str],
         trees: Sequence[DraftTree],
-        rows_of: Callable[[Sequence[int]], int],
+        shape_of: Callable[[Sequence[int]], int | tuple[int, int]],
         fixed: Sequence[bool] | None = None,
     ) -> list[DraftTree]:
         """This step's trees, each the proposed one or a :meth:`DraftTree.subtree` of it (the
-        root always kept). ``rows_of(node_counts)``: the rows a verify forward over trees of
-        these node counts computes. ``fixed[i]``: request ``i`` keeps its whole tree (sampled
-        requests: a seeded sample depends on the tree it is verified against, so their trees
-        must not depend on timings)."""
+        root always kept). ``shape_of(node_counts)``: the shape of a verify forward over trees
+        of these node counts, ``(rows, padded)`` (:meth:`~.runner.ModelRunner.forward_shape`)
+        or rows alone (padded = rows). ``fixed[i]``: request ``i`` keeps its whole tree
+        (sampled requests: a seeded sample depends on the tree it is verified against, so their
+        trees must not depend on timings)."""
+
+        def predict(node_counts: Sequence[int]) -> float:
+            return self.cost.predict(*_shape(shape_of(node_counts)))
+
         self._steps += 1
         fixed = fixed or [False] * len(trees)
         counts = [t.num_nodes if f else 1 for t, f in zip(trees, fixed)]
@@ -212,13 +258,15 @@ class DraftBudget:
         if not cands or self.cost.measured == 0:
             return list(trees)  # nothing to cut, or the first step: measure the whole proposal
         cands.sort()
-        if self.cost.measured == 1 and self.cost.has(rows_of([t.num_nodes for t in trees])):
+        if self.cost.measured == 1 and self.cost.has(
+            *_shape(shape_of([t.num_nodes for t in trees]))
+        ):
             return self._cut(trees, cands, 0, fixed)  # the second: measure plain decoding
-        best_n, best_rate = 0, gain / self.cost.predict(rows_of(counts))
+        best_n, best_rate = 0, gain / predict(counts)
         for n, (neg_gain, i, _) in enumerate(cands, start=1):
             counts[i] += 1
             gain -= neg_gain
-            rate = gain / self.cost.predict(rows_of(counts))
+            rate = gain / predict(counts)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         if self._steps % self.explore_every == 0:
@@ -239,14 +287,21 @@ class DraftBudget:
             for t, k, f in zip(trees, keep, fixed)
         ]
 
-    def predict(self, rows: int) -> float | None:
-        """The cost model's milliseconds for a step of ``rows`` rows (None before any step)."""
-        return self.cost.predict(rows)
+    def predict(self, rows: int, padded: int | None = None) -> float | None:
+        """The cost model's milliseconds for a step of ``rows`` rows, attention over ``padded``
+        query rows (default ``rows``); None before any step."""
+        return self.cost.predict(rows, padded)
 
-    def record_step(self, rows: int, ms: float) -> None:
-        """The step just verified computed ``rows`` rows and took ``ms`` after drafting. The
-        first step of a worker is left out: it is cold (the math library's first calls, first
-        allocations), 1.5x a warm one in a quick-start run, and made the line steep."""
+    def record_step(self, rows: int, ms: float, padded: int | None = None) -> None:
+        """The step just verified computed ``rows`` rows (attention over ``padded``, default
+        ``rows``) and took ``ms`` after drafting. The first step of a worker is left out: it is
+        cold (the math library's first calls, first allocations), 1.5x a warm one in a
+        quick-start run, and made the line steep."""
         self._recorded += 1
         if self._recorded > 1:
-            self.cost.record(rows, ms)
+            self.cost.record(rows, ms, padded)
+
+
+def _shape(shape: int | tuple[int, int]) -> tuple[int, int]:
+    """``(rows, padded)`` of a forward shape given as both or as rows alone."""
+    return (shape, shape) if isinstance(shape, int) else (int(shape[0]), int(shape[1]))

@@ -594,11 +594,11 @@ class SpecWorker:
             trees = self._budget.choose(
                 [st.rid for st in live],
                 trees,
-                self.runner.forward_rows,
+                self.runner.forward_shape,
                 fixed=[not st.sampling.greedy for st in live],
             )
-        fwd_rows = self.runner.forward_rows([t.num_nodes for t in trees])
-        predicted = self._budget.predict(fwd_rows) if self._budget is not None else None
+        fwd_rows, padded = self.runner.forward_shape([t.num_nodes for t in trees])
+        predicted = self._budget.predict(fwd_rows, padded) if self._budget is not None else None
         t1 = time.perf_counter()
         greedy = [batch_greedy_eligible(st.sampling) for st in live]
         lazy = self._lazy_requests(live, trees, greedy)
@@ -614,7 +614,7 @@ class SpecWorker:
             self._charge_grammar_time(step)
             committed, lazy_ms = self._accept_all(step)
             if self._budget is not None:
-                self._budget.record_step(fwd_rows, (time.perf_counter() - t1) * 1e3)
+                self._budget.record_step(fwd_rows, (time.perf_counter() - t1) * 1e3, padded)
             self._record_measurements(step, lazy_ms)
             return self._step_stats(step, committed, sum(lazy_ms.values()))
         finally:

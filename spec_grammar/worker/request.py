@@ -340,7 +340,8 @@ class StepStats(BaseModel):
     """Draft-tree nodes the drafter proposed (roots included), before the draft budget
     (:mod:`~spec_grammar.worker.draft_budget`) cut them to ``num_nodes``."""
     forward_rows: int = 0
-    """Rows the verify forward computed (:meth:`~spec_grammar.worker.runner.ModelRunner.forward_rows`)."""
+    """Rows the verify forward's projections computed (the first of
+    :meth:`~spec_grammar.worker.runner.ModelRunner.forward_shape`)."""
     predicted_ms: float | None = None
     """The draft budget's predicted milliseconds of the step after drafting (``step_ms -
     draft_ms`` measured); None without a budget or before its first measurement."""

@@ -625,22 +625,25 @@ class ModelRunner:
             top = top[inverse] if with_argmax else None
         return (logits, top) if with_argmax else logits
 
-    def forward_rows(self, node_counts: Sequence[int]) -> int:
-        """The rows a :meth:`forward_trees` over trees of ``node_counts`` nodes computes (its
-        cost grows with them): their sum where the fused forward skips padding (CPU), the
-        CUDA-graph bucket shape for a forward over every live request that replays a graph,
-        else ``len(node_counts) * max(node_counts)`` (the padded batch)."""
+    def forward_shape(self, node_counts: Sequence[int]) -> tuple[int, int]:
+        """``(rows, padded)`` of a :meth:`forward_trees` over trees of ``node_counts`` nodes:
+        the rows its projections, norms and LM head compute, and the query rows its attention
+        runs on. Where the fused forward skips padding (CPU): the real nodes, and the batch
+        padded to its largest tree (``len * max``). A forward over every live request that
+        replays a CUDA graph: the graph's bucket shape for both; else the padded batch for
+        both."""
         b, n_max = len(node_counts), max(node_counts, default=0)
         if self._fused is not None and self.device.type == "cpu":
-            return int(sum(node_counts))
+            return int(sum(node_counts)), b * n_max
         if (
             self._graphs is not None
             and b == len(self._rids)
             and b <= _MAX_GRAPH_BATCH
             and n_max <= _MAX_GRAPH_NODES
         ):
-            return bucket(b) * bucket(n_max)
-        return b * n_max
+            shape = bucket(b) * bucket(n_max)
+            return shape, shape
+        return b * n_max, b * n_max
 
     def commit(self, rid: str, accepted_nodes: Sequence[int]) -> None:
         """Keep the KV of ``accepted_nodes`` (root first: ``[0, a1, .., ak]``, each the parent of

@@ -318,3 +318,54 @@ def test_cost_model_recovers_from_a_slow_first_step():
         budget.accept.record("a", chain, [0, 1, 2, 3])
     (kept,) = budget.choose(["a"], [chain], sum)
     assert kept.num_nodes == 4  # 4 tokens for ~82 ms beat 1 token for ~73 ms
+
+
+def test_cost_model_fits_the_plane_in_rows_and_padded_rows():
+    """Steps timed as ``30 + 2 * rows + 0.8 * padded`` (attention over the batch padded to its
+    largest tree): the fit predicts shapes it never saw, so a request's first draft node is
+    charged its padding (8 single tokens -> one 2-node tree: +1 row, +8 padded rows). With
+    ``padded == rows`` on every step (a CUDA graph's bucket) it is the line in rows."""
+    rng = random.Random(1)
+    cost = StepCostModel()
+    for _ in range(80):
+        counts = [rng.choice([1, 1, 2, 3, 5]) for _ in range(rng.randrange(1, 9))]
+        rows, padded = sum(counts), len(counts) * max(counts)
+        cost.record(rows, 30.0 + 2.0 * rows + 0.8 * padded, padded)
+    assert cost.predict(8, 8) == pytest.approx(30 + 16 + 6.4, rel=0.01)
+    assert cost.predict(9, 16) == pytest.approx(30 + 18 + 12.8, rel=0.01)
+    assert cost.predict(40, 64) == pytest.approx(30 + 80 + 51.2, rel=0.01)
+    line = StepCostModel()
+    for _ in range(40):
+        rows = rng.randrange(1, 33)
+        line.record(rows, 30.0 + 2.5 * rows, rows)
+    assert line.predict(20) == pytest.approx(80.0, rel=0.01)
+    assert line.predict(20, 20) == line.predict(20)
+
+
+def test_budget_charges_a_first_draft_node_its_padding():
+    """Steps timed as ``30 + rows + 0.8 * padded``; eight requests, one with a one-node draft
+    accepted 60% of the time. Its node costs one row and widens attention from 8 to 16 query
+    rows (+7.4 ms for ~0.6 expected tokens, against 44.4 ms for 8): it is cut. Seen through
+    rows alone (+1.8 ms) it would be verified. When every request drafts a node the padding is
+    used and the nodes are verified."""
+    rng = random.Random(2)
+    budget = DraftBudget(explore_every=10**9)
+    budget.record_step(8, 500.0, 8)  # cold
+    for _ in range(60):
+        counts = [rng.choice([1, 2, 4]) for _ in range(8)]
+        rows, padded = sum(counts), 8 * max(counts)
+        budget.record_step(rows, 30.0 + rows + 0.8 * padded, padded)
+    rids = [f"r{i}" for i in range(8)]
+    chain = DraftTree.chain(1, [2])
+    for rid in rids:
+        for _ in range(200):
+            budget.accept.record(rid, chain, [0, 1] if rng.random() < 0.6 else [0])
+    assert all(budget.accept.rate(r) > 0.4 for r in rids)
+
+    def shape(counts):
+        return sum(counts), len(counts) * max(counts)
+
+    one = [chain] + [DraftTree.chain(1, [])] * 7
+    assert [t.num_nodes for t in budget.choose(rids, one, shape)] == [1] * 8
+    assert budget.choose(rids, one, sum)[0].num_nodes == 2  # attention term hidden
+    assert [t.num_nodes for t in budget.choose(rids, [chain] * 8, shape)] == [2] * 8
