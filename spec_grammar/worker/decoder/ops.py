@@ -9,12 +9,16 @@ the same dtypes), so on CPU the fused forward matches the HF forward; the Triton
 SmolLM2-135M's 30 layers on an AVX-512 host (one thread, float32) the two were on par from 4 rows
 up and oneDNN 1.35x faster at 2 rows (38 vs 51 ms), where MKL's time jumps; the model's own dense
 weights are used (no packed copy: ``benchmarks/bench_cpu_forward.py``,
-``benchmarks/results/cpu-forward.md``).
+``benchmarks/results/cpu-forward.md``). Up to a few dozen float32 rows (a verify forward of a
+few tokens) it runs :mod:`.cpu_gemm`'s kernel instead, which streams the weights at close to the
+memory's bandwidth where oneDNN reaches half of it or less.
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import cpu_gemm
 
 try:
     from . import triton_ops
@@ -48,8 +52,14 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``F.linear``) for ``x (T, in)`` and ``weight (out, in)`` of one
-    dtype; returns ``(T, out)``. On CPU in float32 / bfloat16 with oneDNN present it runs
-    oneDNN's matmul (see the module docstring); elsewhere (CUDA, float64) ``F.linear``."""
+    dtype; returns ``(T, out)``. On CPU in float32 up to :data:`.cpu_gemm.MAX_ROWS` rows it runs
+    the small-batch kernel (:mod:`.cpu_gemm`) where it is available; otherwise on CPU in float32
+    / bfloat16 with oneDNN present oneDNN's matmul (see the module docstring); elsewhere (CUDA,
+    float64) ``F.linear``."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= cpu_gemm.MAX_ROWS:
+        y = cpu_gemm.linear(x, weight, bias)
+        if y is not None:
+            return y
     if (
         _onednn_linear is not None
         and x.device.type == "cpu"
