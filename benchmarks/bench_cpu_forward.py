@@ -1,7 +1,8 @@
 """The CPU verify forward, side by side in one run (issue #23): Hugging Face's forward against
-our fused decoder (oneDNN projections, padding rows skipped), per batch x tree shape, and the
-projections alone (``F.linear``'s MKL GEMM against :func:`spec_grammar.worker.decoder.ops.linear`
-over the model's own weights) per row count.
+our fused decoder (padding rows skipped) with its projections through oneDNN alone and with the
+small-batch kernel (:mod:`spec_grammar.worker.decoder.cpu_gemm`, the default up to its
+``MAX_ROWS``), per batch x tree shape; and the projections alone (``F.linear``'s MKL GEMM,
+oneDNN, the kernel) over the model's own weights per row count.
 
 SmolLM2-135M float32, each request with a 300-token context; per shape the median of
 ``--reps`` forwards, the two decoders alternating so that the host's load hits both alike.
@@ -13,16 +14,18 @@ Ragged shapes (trees of different sizes in one batch) show what skipping padding
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from spec_grammar.models import load_model
 from spec_grammar.tree import DraftTree
-from spec_grammar.worker.decoder import ops
+from spec_grammar.worker.decoder import cpu_gemm
 from spec_grammar.worker.runner import ModelRunner
 
 SHAPES = [[1], [4], [8], [16], [1] * 8, [4] * 8, [8, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6, 7, 8]]
@@ -32,12 +35,18 @@ def _chain(n: int) -> DraftTree:
     return DraftTree.chain(1000, list(range(1001, 1000 + n)))
 
 
+def _onednn_only():
+    """Projections through oneDNN at every row count (the kernel's row limit set to 0)."""
+    return mock.patch.object(cpu_gemm, "MAX_ROWS", 0)
+
+
 def forwards(model, reps: int) -> list[dict]:
-    runners = {"hf": ModelRunner(model, fused_forward=False), "ours": ModelRunner(model)}
+    runners = {"hf": ModelRunner(model, fused_forward=False), "onednn": ModelRunner(model)}
+    runners["ours"] = runners["onednn"]
     rids = [f"r{i}" for i in range(8)]
-    for r in runners.values():
+    for name in ("hf", "onednn"):
         for rid in rids:
-            r.add(rid, list(range(200, 500)))
+            runners[name].add(rid, list(range(200, 500)))
     rows = []
     for shape in SHAPES:
         trees = [_chain(n) for n in shape]
@@ -46,11 +55,12 @@ def forwards(model, reps: int) -> list[dict]:
             r.forward_trees(rids[: len(shape)], trees)  # warm-up
         for _ in range(reps):
             for name, r in runners.items():
-                t = time.perf_counter()
-                r.forward_trees(rids[: len(shape)], trees)
-                times[name].append((time.perf_counter() - t) * 1e3)
-        hf, ours = (statistics.median(times[k]) for k in ("hf", "ours"))
-        rows.append({"batch": len(shape), "nodes": sum(shape), "hf_ms": hf, "ours_ms": ours})
+                with _onednn_only() if name == "onednn" else contextlib.nullcontext():
+                    t = time.perf_counter()
+                    r.forward_trees(rids[: len(shape)], trees)
+                    times[name].append((time.perf_counter() - t) * 1e3)
+        row = {"batch": len(shape), "nodes": sum(shape)}
+        rows.append(row | {f"{k}_ms": statistics.median(v) for k, v in times.items()})
     return rows
 
 
@@ -66,18 +76,26 @@ def projections(model, reps: int) -> list[dict]:
             layer.mlp.down_proj.weight,
         )
     ]
+    onednn = torch.ops.mkldnn._linear_pointwise
+    fns = {
+        "mkl": torch.nn.functional.linear,
+        "onednn": lambda x, w, b: onednn(x, w, b, "none", [], ""),
+        "kernel": cpu_gemm.linear if cpu_gemm.available() else None,
+    }
     rows = []
-    for m in (1, 2, 4, 8, 16, 32):
+    for m in (1, 2, 4, 8, 16, 24, 32):
         xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}
-        times: dict[str, list[float]] = {"mkl": [], "ours": []}
+        times: dict[str, list[float]] = {k: [] for k, fn in fns.items() if fn is not None}
         for _ in range(reps):
-            for name, fn in (("mkl", torch.nn.functional.linear), ("ours", ops.linear)):
+            for name in times:
+                if name == "kernel" and m > cpu_gemm.MAX_ROWS:
+                    continue
                 t = time.perf_counter()
                 with torch.inference_mode():
                     for w in weights:
-                        fn(xs[w.shape[1]], w, None)
+                        fns[name](xs[w.shape[1]], w, None)
                 times[name].append((time.perf_counter() - t) * 1e3)
-        rows.append({"rows": m, **{k: statistics.median(v) for k, v in times.items()}})
+        rows.append({"rows": m, **{k: statistics.median(v) for k, v in times.items() if v}})
     return rows
 
 
@@ -93,19 +111,27 @@ def main() -> None:
     md = [
         f"SmolLM2-135M float32, {args.threads} thread(s), median of {args.reps}",
         "",
-        "| batch | nodes | HF forward ms | ours ms | HF / ours | ours / one-token ours |",
-        "|---|---|---|---|---|---|",
+        "| batch | nodes | HF forward ms | ours, oneDNN ms | ours ms | HF / ours | oneDNN / ours |"
+        " ours / one-token ours |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     one = fwd[0]["ours_ms"]
     for r in fwd:
         md.append(
-            f"| {r['batch']} | {r['nodes']} | {r['hf_ms']:.1f} | {r['ours_ms']:.1f} | "
-            f"{r['hf_ms'] / r['ours_ms']:.2f}x | {r['ours_ms'] / one:.2f} |"
+            f"| {r['batch']} | {r['nodes']} | {r['hf_ms']:.1f} | {r['onednn_ms']:.1f} | "
+            f"{r['ours_ms']:.1f} | {r['hf_ms'] / r['ours_ms']:.2f}x | "
+            f"{r['onednn_ms'] / r['ours_ms']:.2f}x | {r['ours_ms'] / one:.2f} |"
         )
-    md += ["", "| rows | F.linear (MKL) ms | ops.linear ms | MKL / ours |", "|---|---|---|---|"]
+    md += [
+        "",
+        "| rows | F.linear (MKL) ms | oneDNN ms | kernel ms | oneDNN / kernel |",
+        "|---|---|---|---|---|",
+    ]
     for r in proj:
+        kernel = r.get("kernel")
         md.append(
-            f"| {r['rows']} | {r['mkl']:.1f} | {r['ours']:.1f} | {r['mkl'] / r['ours']:.2f}x |"
+            f"| {r['rows']} | {r['mkl']:.1f} | {r['onednn']:.1f} | "
+            + (f"{kernel:.1f} | {r['onednn'] / kernel:.2f}x |" if kernel else "- | - |")
         )
     text = "\n".join(md)
     print(text)
