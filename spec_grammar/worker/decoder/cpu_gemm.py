@@ -42,22 +42,27 @@ _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
-def _cpu_has_avx512() -> bool:
+def _cpu_flags() -> str:
+    """The CPU's model name and feature flags (``/proc/cpuinfo``; empty where unreadable)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512f" in flags
+        return ""
+    lines = info.splitlines()
+    pick = [next((ln for ln in lines if ln.startswith(k)), "") for k in ("model name", "flags")]
+    return "\n".join(pick)
 
 
-def _build(cxx: str) -> Path:
-    """The compiled library for ``cxx`` (built now unless cached). Raises OSError /
-    subprocess.CalledProcessError when the build fails."""
+def _build(cxx: str, cpu: str) -> Path:
+    """The compiled library for ``cxx`` on this CPU (built now unless cached). The cache key
+    holds the CPU's flags: ``-march=native`` code built on one CPU may not run on another that
+    shares the cache directory. Raises OSError / subprocess.CalledProcessError when the build
+    fails."""
     from ...models import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + version.encode()
+        "\n".join([_SOURCE.read_text(), " ".join(_FLAGS), version, cpu]).encode()
     ).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"cpu_gemm-{key}.so"
     if out.exists():
@@ -83,7 +88,8 @@ def _function():
     if os.environ.get("SPEC_GRAMMAR_CPU_GEMM", "1") == "0":
         log.info("small-batch CPU kernel off (SPEC_GRAMMAR_CPU_GEMM=0): oneDNN projections")
         return None
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_avx512():
+    cpu = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or " avx512f" not in cpu:
         log.info("small-batch CPU kernel needs an x86-64 CPU with AVX-512: oneDNN projections")
         return None
     cxx = shutil.which(os.environ.get("CXX", "g++"))
@@ -91,7 +97,7 @@ def _function():
         log.info("small-batch CPU kernel needs a C++ compiler (g++ or $CXX): oneDNN projections")
         return None
     try:
-        fn = ctypes.CDLL(str(_build(cxx))).sg_linear_f32
+        fn = ctypes.CDLL(str(_build(cxx, cpu))).sg_linear_f32
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.info("small-batch CPU kernel did not build (%s): oneDNN projections", detail[:500])
