@@ -49,7 +49,7 @@ from spec_grammar.limits import regex_forced_bound
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
 from spec_grammar.shared_native import PathNode, SharedNative
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
-from spec_grammar.traverse import forced_tokens_by_mask
+from spec_grammar.traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
 from spec_grammar.tree import DraftTree
 from spec_grammar.vocab import is_rust_tokenizer
 
@@ -416,13 +416,23 @@ class XGrammarMatcher(SpecGrammar):
     def _fill_tree_bitmask(
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
     ) -> torch.Tensor:
+        return self._fill_tree(tree, bitmask, row_offset, zero_dead=True)
+
+    def _fill_tree_rows(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
+        return self._fill_tree(tree, bitmask, row_offset, zero_dead=False)
+
+    def _fill_tree(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int, zero_dead: bool
+    ) -> torch.Tensor:
         n = tree.num_nodes
         tokens = tree.token_list
         if n > 1 and (min(tokens[1:]) < 0 or max(tokens[1:]) >= self.info.tokenizer_vocab_size):
             # Out-of-range ids must never reach the library's bit test.
-            return super()._fill_tree_bitmask(tree, bitmask, row_offset)
+            return fill_tree_bitmask_dfs(self, tree, bitmask, row_offset, zero_dead=zero_dead)
         words = self._traverse(tree, np.array(tokens, dtype=np.int64), bitmask, row_offset)
-        valid = self._fix_stale_rows(tree, words) if n > 1 else [True]
+        valid = self._fix_stale_rows(tree, words, zero_dead) if n > 1 else [True]
         return torch.tensor(valid, dtype=torch.bool)
 
     def _traverse(
@@ -454,9 +464,9 @@ class XGrammarMatcher(SpecGrammar):
         fill(narrow)
         rows[:, : narrow.shape[1]] = narrow
 
-    def _fix_stale_rows(self, tree: DraftTree, words: np.ndarray) -> list[bool]:
+    def _fix_stale_rows(self, tree: DraftTree, words: np.ndarray, zero_dead: bool) -> list[bool]:
         """Node validity of a traversed ``tree`` whose rows are ``words`` ``(N, W)`` int32;
-        rows of dead nodes zeroed in place.
+        rows of dead nodes zeroed in place when ``zero_dead``.
 
         xgrammar zeroes the rows of rejected nodes but leaves their descendants' rows stale
         (G8). A node is valid when its token's bit is set in its parent's row, its parent is
@@ -475,7 +485,7 @@ class XGrammarMatcher(SpecGrammar):
             valid[i] = ok
             if not ok or tokens[i] in stops:
                 dead.append(i)
-        if dead:
+        if dead and zero_dead:
             words[dead] = 0
         return valid
 

@@ -24,6 +24,8 @@ pass): the tree fills write their rows, every other row is set to -1 afterwards.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,14 @@ def _tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> 
     if -2 in parents:
         return None
     return DraftTree(tokens, parents)
+
+
+@functools.cache
+def _skips_dead_rows(backend_type: type) -> bool:
+    """Whether ``backend_type.fill_tree_bitmasks`` takes ``zero_dead_rows`` (a third-party
+    backend may override it with the older two-argument signature)."""
+    params = inspect.signature(backend_type.fill_tree_bitmasks).parameters
+    return "zero_dead_rows" in params
 
 
 def generate_token_bitmask(
@@ -144,7 +154,11 @@ def generate_token_bitmask(
 
     dead: list[int] = []  # rows SGLang's walk leaves all-allowed
     for backend, group in jobs.values():
-        valids = backend.fill_tree_bitmasks(group, mask)
+        if _skips_dead_rows(type(backend)):
+            # dead rows are set to -1 below: the fill need not zero them first
+            valids = backend.fill_tree_bitmasks(group, mask, zero_dead_rows=False)
+        else:
+            valids = backend.fill_tree_bitmasks(group, mask)
         for (m, tree, off), valid in zip(group, valids):
             stops = m.info.stop_token_ids
             ids = tree.token_list
