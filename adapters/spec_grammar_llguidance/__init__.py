@@ -371,6 +371,10 @@ class LLGuidanceMatcher(SpecGrammar):
         stops = self._stop_ids
         vocab = self._backend.vocab_index
         words = bitmask.numpy()[row_offset : row_offset + n]
+        # _fill_row inlined, rows addressed from the block's base pointer: the per-row Python
+        # (a ctypes object per row, three calls) cost as much as llguidance's mask itself
+        base, row_bytes = words.ctypes.data, words.strides[0]
+        count_nonzero = np.count_nonzero
         valid = [False] * n
         valid[0] = True
         filled = [False] * n
@@ -396,7 +400,12 @@ class LLGuidanceMatcher(SpecGrammar):
                 _consume_native(m, t)
                 depth += 1
                 stack.append(~node)
-                _fill_row(m, words[node], vocab)
+                m.unsafe_compute_mask_ptr(base + node * row_bytes, row_bytes)
+                if m.is_error():
+                    _check_native(m)
+                row = words[node]
+                if count_nonzero(row) == 1:  # the only rows _complete_row can change
+                    _complete_row(m, row, vocab)
                 filled[node] = True
                 c = first_child[node]
                 kids = []

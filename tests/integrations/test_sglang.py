@@ -391,6 +391,34 @@ def test_termination_inside_the_tree(sgl_backends, sgl_tok, doc):
         assert bool((ours[3:] == -1).all()) and not bool((ours[2] == -1).all())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA hosts pin the mask instead")
+def test_tree_mask_memory_is_reused_only_when_released(sgl_backends, sgl_tok, doc):
+    """On a CPU host the hook hands out its previous mask again once nothing holds it: every
+    row is rewritten (a poisoned buffer gives SGLang's rows), and a mask still held (or a view
+    of it) is never handed out twice."""
+    g = _grammar(sgl_backends, "xgrammar")
+    for t in doc[:3]:
+        g.accept_token(t)
+    ids = [doc[2], doc[3], doc[4], sgl_tok.eos_token_id]
+    args = (torch.tensor([[1, 2, -1, -1]]), torch.tensor([[-1, 3, -1, -1]]), torch.tensor([ids]))
+    reqs = [SimpleNamespace(grammar=g), SimpleNamespace(grammar=None)]
+    args = tuple(torch.cat([a, a]) for a in args)
+    theirs, _ = SGLANG_GENERATE(reqs, *args, len(sgl_tok))
+    first, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    view = first[2:4]
+    held, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert held.data_ptr() != first.data_ptr()  # `first` is in use
+    del first
+    again, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert again.data_ptr() not in (view.data_ptr() - 2 * view.stride(0), held.data_ptr())
+    again.fill_(0x5A5A5A5A)
+    ptr = again.data_ptr()
+    del view, again
+    reused, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert reused.data_ptr() == ptr  # the last mask, released
+    assert torch.equal(reused, theirs) and torch.equal(held, theirs)
+
+
 def test_foreign_grammar_objects_keep_sglang_walk(sgl_backends, sgl_tok, doc):
     """A request whose grammar is not ours (here SGLang's llguidance object) is walked by
     SGLang's traverse_tree inside our hook; ours beside it by our fill."""
