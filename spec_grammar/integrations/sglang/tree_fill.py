@@ -61,7 +61,8 @@ def _tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> 
     return DraftTree(tokens, parents)
 
 
-_reuse = threading.local()  # .mask: the last tree mask of this thread (CPU-only hosts)
+_reuse = threading.local()  # .masks: this thread's last tree masks (CPU-only hosts)
+_KEEP = 2  # a step's mask may still be held while the next one is filled (overlap)
 
 
 def _storage_users(t: torch.Tensor) -> int | None:
@@ -76,21 +77,24 @@ def _storage_users(t: torch.Tensor) -> int | None:
 def _tree_mask(vocab_size: int, rows: int) -> torch.Tensor:
     """An uninitialized ``(rows, ceil(vocab_size / 32))`` int32 CPU mask for the tree fill.
 
-    On a host without CUDA the previous call's mask is handed out again once nothing else
-    holds its memory (SGLang drops it after the step's apply): a fresh buffer of 32 MB or more
-    comes from ``mmap`` and its first write page-faults, ~25 ms for the 64 MB of 2,048 rows
-    at a 262k vocabulary (measured on the development host, half of SGLang's whole walk
-    there). With CUDA the mask is pinned and PyTorch's caching host allocator already reuses
-    it once its copies are done, which a use count cannot see."""
+    On a host without CUDA one of the last two masks of this shape is handed out again once
+    nothing else holds its memory (SGLang drops it after the step's apply): a fresh buffer of
+    32 MB or more comes from ``mmap`` and its first write page-faults, ~25 ms for the 64 MB of
+    2,048 rows at a 262k vocabulary (measured on the development host, half of SGLang's whole
+    walk there). With CUDA the mask is pinned and PyTorch's caching host allocator already
+    reuses it once its copies are done, which a use count cannot see."""
     if torch.cuda.is_available():
         return allocate_mask(vocab_size, rows)
     width = bitmask_width(vocab_size)
-    last = getattr(_reuse, "mask", None)
-    if last is None or last.shape != (rows, width) or _storage_users(last) != 1:
-        _reuse.mask = last = allocate_mask(vocab_size, rows)
+    masks = [m for m in getattr(_reuse, "masks", ()) if m.shape == (rows, width)]
+    free = next((m for m in masks if _storage_users(m) == 1), None)
+    if free is None:
+        free = allocate_mask(vocab_size, rows)
+        masks = masks[-(_KEEP - 1) :] + [free]
+    _reuse.masks = masks
     # a view: the caller's tensor counts as a user of the memory as long as it (or a view or
     # numpy array of it) lives, which the pool's own reference does not
-    return last.view(rows, width)
+    return free.view(rows, width)
 
 
 @functools.cache
