@@ -137,9 +137,10 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     llguidance's parser (``validate_tokens`` never mutates). Validity is prefix-closed (a
     token is allowed iff its bytes can begin the rest of a document), which lets
     :meth:`VocabIndex.extensions_accepted` skip the extensions of a refused token."""
-    if np.count_nonzero(row) != 1:
+    nz = np.flatnonzero(row)
+    if len(nz) != 1:
         return
-    word = int(row[np.flatnonzero(row)[0]]) & 0xFFFFFFFF
+    word = int(row[nz[0]]) & 0xFFFFFFFF
     if word & (word - 1):
         return
     # only the first max_token_bytes + 1 bytes can begin or hold a token: a longer forced run
@@ -391,8 +392,7 @@ class LLGuidanceMatcher(SpecGrammar):
                     depth -= 1
                     continue
                 t = tokens[node]
-                prow = words[parents[node]]
-                if not (0 <= t < n_tok and (int(prow[t >> 5]) >> (t & 31)) & 1):
+                if not (0 <= t < n_tok and (int(words[parents[node], t >> 5]) >> (t & 31)) & 1):
                     continue
                 valid[node] = True
                 if t in stops:
@@ -420,7 +420,7 @@ class LLGuidanceMatcher(SpecGrammar):
             dead = [k for k in range(n) if not filled[k]]
             if dead:
                 words[dead] = 0
-        return torch.tensor(valid, dtype=torch.bool)
+        return torch.from_numpy(np.array(valid, dtype=bool))
 
 
 class LLGuidanceBackend(GrammarBackend):
