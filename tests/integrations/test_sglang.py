@@ -371,6 +371,37 @@ def test_tree_fill_rows_identical_to_sglang_walk_long(sgl_backends, sgl_tok, doc
     _check_batch(sgl_backends, sgl_tok, doc, name, batch)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_hook_tree_links_equal_draft_tree_from_sglang(data):
+    """The hook's tree reading (one pass, SGLang's links kept when already in order) gives the
+    tree :meth:`DraftTree.from_sglang` builds, in either sibling order; broken links (a cycle,
+    a child before its parent, an unreachable node) give None."""
+    from spec_grammar.integrations.sglang.tree_fill import _tree
+    from spec_grammar.tree import DraftTree
+
+    n = data.draw(st.integers(1, 12))
+    parents = [-1] + [data.draw(st.integers(0, c - 1)) for c in range(1, n)]
+    nxt, sib = _links(parents, data.draw(st.booleans()))
+    tokens = list(range(100, 100 + n))
+    want = DraftTree.from_parents(tokens, parents)
+    got = _tree(tokens, nxt, sib)
+    assert got.parent_list == want.parent_list
+    assert got.first_child_list == want.first_child_list
+    assert got.next_sibling_list == want.next_sibling_list
+    if n > 2:
+        broken = data.draw(st.sampled_from(["cycle", "backward", "unreachable"]))
+        c = data.draw(st.integers(1, n - 1))
+        nxt2, sib2 = list(nxt), list(sib)
+        if broken == "cycle":
+            sib2[c] = c
+        elif broken == "backward":
+            nxt2[c] = 0
+        else:
+            nxt2 = [-1] * n
+        assert _tree(tokens, nxt2, sib2) is None
+
+
 def test_termination_inside_the_tree(sgl_backends, sgl_tok, doc):
     """A chain that completes the document then takes EOS: EOS's row and everything below
     it stay all-allowed, in SGLang's walk and in ours."""

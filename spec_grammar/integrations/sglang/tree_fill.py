@@ -46,18 +46,21 @@ def _tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> 
     n = len(tokens)
     parents = [-2] * n
     parents[0] = -1
-    stack = [0]
-    while stack:
-        p = stack.pop()
+    ordered = next_sibling[0] == -1  # siblings by increasing index: the links are the tree's
+    for p in range(n):  # a child comes after its parent: its parent is set before it is read
+        if parents[p] == -2:
+            return None
         c = next_token[p]
         while c != -1:
             if not p < c < n or parents[c] != -2:
                 return None
             parents[c] = p
-            stack.append(c)
-            c = next_sibling[c]
-    if -2 in parents:
-        return None
+            s = next_sibling[c]
+            if s != -1 and s < c:
+                ordered = False
+            c = s
+    if ordered:
+        return DraftTree._from_ordered_links(tokens, parents, next_token, next_sibling)
     return DraftTree(tokens, parents)
 
 
@@ -142,6 +145,7 @@ def generate_token_bitmask(
     jobs: dict[int, tuple[Any, list]] = {}  # id(backend) -> (backend, [(matcher, tree, row)])
     walk: list[int] = []  # requests left to SGLang's traverse_tree
     tokens = nxt = sib = None
+    fits = None  # whether the mask is int32 on the CPU (the tree fills write host memory)
     for i, req in enumerate(reqs):
         g = req.grammar
         if g is None:
@@ -165,12 +169,9 @@ def generate_token_bitmask(
             untouched.append(i)
             continue  # SGLang's walk fills nothing below a terminated root
         backend = g.backend
-        info = g.matcher.info
-        if (
-            mask.dtype != torch.int32
-            or mask.device.type != "cpu"
-            or mask.shape[1] != bitmask_width(info.vocab_size)
-        ):
+        if fits is None:
+            fits = mask.dtype == torch.int32 and mask.device.type == "cpu"
+        if not fits or mask.shape[1] != bitmask_width(g.matcher.info.vocab_size):
             untouched.append(i)
             walk.append(i)
             continue
@@ -178,8 +179,11 @@ def generate_token_bitmask(
             tokens = draft_tokens_cpu.reshape(len(reqs), n).tolist()
             nxt = retrieve_next_token_cpu.tolist()
             sib = retrieve_next_sibling_cpu.tolist()
-        # tokens >= V are rejected as SGLang's walk does; the tree keeps them as invalid nodes
-        tree = _tree([t if t < vocab_size else -1 for t in tokens[i]], nxt[i], sib[i])
+        ids = tokens[i]
+        if max(ids) >= vocab_size:
+            # rejected as SGLang's walk does; the tree keeps them as invalid nodes
+            ids = [t if t < vocab_size else -1 for t in ids]
+        tree = _tree(ids, nxt[i], sib[i])
         if tree is None:
             untouched.append(i)
             walk.append(i)
