@@ -137,10 +137,12 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     llguidance's parser (``validate_tokens`` never mutates). Validity is prefix-closed (a
     token is allowed iff its bytes can begin the rest of a document), which lets
     :meth:`VocabIndex.extensions_accepted` skip the extensions of a refused token."""
-    nz = np.flatnonzero(row)
-    if len(nz) != 1:
+    if np.count_nonzero(row) != 1:
         return
-    word = int(row[nz[0]]) & 0xFFFFFFFF
+    bits = row.view(np.uint32)
+    # the one non-zero word is the largest as unsigned: argmax finds it without allocating
+    # (flatnonzero took ~18 µs on a 262k-token row)
+    word = int(bits[bits.argmax()])
     if word & (word - 1):
         return
     # only the first max_token_bytes + 1 bytes can begin or hold a token: a longer forced run
@@ -148,7 +150,6 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     forced = matcher.compute_ff_bytes()[: vocab.max_token_bytes + 1]
     if not forced:
         return
-    bits = row.view(np.uint32)
 
     def accepts(t: int) -> bool:
         return bool((int(bits[t >> 5]) >> (t & 31)) & 1) or matcher.validate_tokens([t]) == 1
@@ -375,7 +376,6 @@ class LLGuidanceMatcher(SpecGrammar):
         # _fill_row inlined, rows addressed from the block's base pointer: the per-row Python
         # (a ctypes object per row, three calls) cost as much as llguidance's mask itself
         base, row_bytes = words.ctypes.data, words.strides[0]
-        count_nonzero = np.count_nonzero
         valid = [False] * n
         valid[0] = True
         filled = [False] * n
@@ -403,9 +403,7 @@ class LLGuidanceMatcher(SpecGrammar):
                 m.unsafe_compute_mask_ptr(base + node * row_bytes, row_bytes)
                 if m.is_error():
                     _check_native(m)
-                row = words[node]
-                if count_nonzero(row) == 1:  # the only rows _complete_row can change
-                    _complete_row(m, row, vocab)
+                _complete_row(m, words[node], vocab)
                 filled[node] = True
                 c = first_child[node]
                 kids = []
