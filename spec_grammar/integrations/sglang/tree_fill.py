@@ -18,8 +18,11 @@ terminated the grammar keep the all-allowed ``-1`` of the allocation (verificati
 reaches them), as do the rows of requests without a grammar or whose grammar is already
 terminated. Requests whose grammar is another backend's object, or whose tree links are not
 parent-before-child, go through SGLang's own ``traverse_tree`` unchanged. When the first grammar
-is ours the mask is allocated uninitialized (as ``allocate_vocab_mask`` would, without its -1
-pass): the tree fills write their rows, every other row is set to -1 afterwards.
+is ours the mask is not initialized (as ``allocate_vocab_mask`` would, without its -1 pass;
+on a host without CUDA a released mask of the last two calls is reused, see
+:func:`_tree_mask`): the tree fills write the rows of live nodes only
+(``zero_dead_rows=False``), every other row is set to -1 afterwards, so each row is written
+once.
 """
 
 from __future__ import annotations
