@@ -311,6 +311,11 @@ def forced_run_bound(spec: GrammarSpec) -> int | None:
     return size * factor
 
 
+_NEVER_TEXT = b"\xff"
+"""Text given to special tokens: a byte that never occurs in UTF-8, so never in a grammar's
+language."""
+
+
 def _native_accept(m: xgr.GrammarMatcher, token: int) -> bool:
     return m.accept_token(token)
 
@@ -612,11 +617,17 @@ class XGrammarBackend(GrammarBackend):
         self._stop_set = frozenset(int(t) for t in info.stop_token_ids)
         # xgrammar 0.2.9 reads added tokens (<|im_start|>, <repo_name>, ...) as their text, so
         # a JSON string allowed them, and a stop token too (`[^a]+` accepted <|im_end|> as its
-        # first "characters", without terminating); it treats tokens that decode to nothing as
-        # special and never allows those as text, so every special id (stop tokens included:
-        # those it still knows from stop_token_ids) is given empty text.
+        # first "characters", without terminating). Stop tokens get empty text (xgrammar knows
+        # them from stop_token_ids); the other special ids get the byte 0xFF, which no UTF-8
+        # text holds, so no grammar accepts them (as none accepts the byte-fallback token
+        # <0xFF>). Empty text would do too (xgrammar never allows such tokens), but it lists
+        # them and rejects them one by one in every mask: Gemma-3's 6,249 specials made each
+        # row fill 1.3-2.3x slower (7-10 µs a row).
         self._special_set = frozenset(info.special_token_ids) - self._stop_set
-        for t in self._special_set | self._stop_set:
+        for t in self._special_set:
+            if t < len(decoded):
+                decoded[t] = _NEVER_TEXT
+        for t in self._stop_set:
             if t < len(decoded):
                 decoded[t] = b""
         self._xgr_info = xgr.TokenizerInfo(
