@@ -91,7 +91,9 @@ class SpecGrammar(ABC):
 
     Optional hooks (faster native paths; the defaults here are generic):
     ``_accept_tokens(ts) -> int``, ``_validate_tokens(ts) -> int``,
-    ``_fill_tree_bitmask(tree, bitmask, row_offset) -> torch.Tensor``, ``_forced_tokens()``.
+    ``_fill_tree_bitmask(tree, bitmask, row_offset) -> torch.Tensor``,
+    ``_fill_tree_rows(tree, bitmask, row_offset) -> torch.Tensor`` (the same without writing
+    the dead rows; default: ``_fill_tree_bitmask``), ``_forced_tokens()``.
 
     Hooks only ever see token ids in ``[0, tokenizer_vocab_size)`` and are not called on a
     terminated matcher (except ``_rollback`` and ``_fork``).
@@ -230,16 +232,23 @@ class SpecGrammar(ABC):
         clear_padding_bits(bitmask, row, row + 1, self.info.tokenizer_vocab_size)
 
     def fill_tree_bitmask(
-        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int = 0
+        self,
+        tree: DraftTree,
+        bitmask: torch.Tensor,
+        row_offset: int = 0,
+        *,
+        zero_dead_rows: bool = True,
     ) -> torch.Tensor:
         """Fill one row per tree node: row ``row_offset + n`` = tokens allowed after the path
         root..n. Returns ``valid``: ``(N,)`` bool, True for nodes whose token is allowed by
         their parent's row with every ancestor valid (the root is always valid).
 
         Rows of invalid nodes, of nodes below them and of nodes whose token terminated the
-        grammar (a stop token) are all zero: nothing can be sampled from them. The matcher is
-        exactly as before afterwards. Raises ``TypeError`` when ``tree`` is not a
-        :class:`DraftTree`, :class:`GrammarStateError` on a terminated matcher and
+        grammar (a stop token) are the *dead* rows: all zero (nothing can be sampled from
+        them), or, with ``zero_dead_rows=False``, left unspecified for a caller that writes
+        them itself (SGLang's hook sets them all-allowed: one write per row instead of two).
+        The matcher is exactly as before afterwards. Raises ``TypeError`` when ``tree`` is not
+        a :class:`DraftTree`, :class:`GrammarStateError` on a terminated matcher and
         :class:`BitmaskError` on a bad buffer.
         """
         if not isinstance(tree, DraftTree):
@@ -250,7 +259,10 @@ class SpecGrammar(ABC):
         if self.is_terminated():
             raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
         before = self._num_accepted
-        valid = self._fill_tree_bitmask(tree, bitmask, row_offset)
+        if zero_dead_rows:
+            valid = self._fill_tree_bitmask(tree, bitmask, row_offset)
+        else:
+            valid = self._fill_tree_rows(tree, bitmask, row_offset)
         self._num_accepted = before
         if not (
             isinstance(valid, torch.Tensor)
@@ -320,6 +332,13 @@ class SpecGrammar(ABC):
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
     ) -> torch.Tensor:
         return fill_tree_bitmask_dfs(self, tree, bitmask, row_offset)
+
+    def _fill_tree_rows(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
+        # what _fill_tree_bitmask does, dead rows left unwritten where the adapter can skip
+        # them; zero rows are a correct default
+        return self._fill_tree_bitmask(tree, bitmask, row_offset)
 
     def _forced_tokens(self) -> list[int]:
         return forced_tokens_by_mask(self, self.max_forced_tokens)
@@ -463,11 +482,20 @@ class GrammarBackend(ABC):
         return m
 
     def fill_tree_bitmasks(
-        self, jobs: Sequence[tuple[SpecGrammar, DraftTree, int]], bitmask: torch.Tensor
+        self,
+        jobs: Sequence[tuple[SpecGrammar, DraftTree, int]],
+        bitmask: torch.Tensor,
+        *,
+        zero_dead_rows: bool = True,
     ) -> list[torch.Tensor]:
         """Fill the tree rows of many requests: ``jobs`` = ``(matcher, tree, row_offset)``.
-        Returns each job's ``valid`` tensor. Backends with a parallel executor override this."""
-        return [m.fill_tree_bitmask(tree, bitmask, off) for m, tree, off in jobs]
+        Returns each job's ``valid`` tensor; rows and ``zero_dead_rows`` as
+        :meth:`SpecGrammar.fill_tree_bitmask`. Backends with a parallel executor override
+        this."""
+        return [
+            m.fill_tree_bitmask(tree, bitmask, off, zero_dead_rows=zero_dead_rows)
+            for m, tree, off in jobs
+        ]
 
     # -- hooks ------------------------------------------------------------------------------
     @abstractmethod

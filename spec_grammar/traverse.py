@@ -22,10 +22,17 @@ if TYPE_CHECKING:
 
 
 def fill_tree_bitmask_dfs(
-    matcher: SpecGrammar, tree: DraftTree, bitmask: torch.Tensor, row_offset: int = 0
+    matcher: SpecGrammar,
+    tree: DraftTree,
+    bitmask: torch.Tensor,
+    row_offset: int = 0,
+    *,
+    zero_dead: bool = True,
 ) -> torch.Tensor:
     """Fill rows ``row_offset .. row_offset+N-1`` of ``bitmask`` for ``tree`` with
     accept/fill/rollback on ``matcher``'s hooks; returns the ``(N,)`` bool valid-node mask.
+    Rows of dead nodes (invalid, below an invalid node, or terminated) are zeroed when
+    ``zero_dead``, otherwise left as they were.
 
     Cost: one accept, one fill and one rollback per valid node; invalid subtrees are skipped.
     The matcher ends in the state it started in.
@@ -36,7 +43,8 @@ def fill_tree_bitmask_dfs(
     next_sibling = tree.next_sibling_list
     n_tok = matcher.info.tokenizer_vocab_size
     words = bitmask.numpy()
-    words[row_offset : row_offset + n] = 0
+    filled = [False] * n  # rows written by a fill
+    filled[0] = True
     valid = [False] * n
     valid[0] = True
     matcher._fill_next_token_bitmask(bitmask, row_offset)
@@ -65,12 +73,17 @@ def fill_tree_bitmask_dfs(
         if matcher._is_terminated():
             continue
         matcher._fill_next_token_bitmask(bitmask, row_offset + node)
+        filled[node] = True
         children.clear()
         c = first_child[node]
         while c != -1:
             children.append(c)
             c = next_sibling[c]
         stack.extend(reversed(children))
+    if zero_dead:
+        dead = [row_offset + k for k in range(n) if not filled[k]]
+        if dead:
+            words[dead] = 0
     return torch.tensor(valid, dtype=torch.bool)
 
 

@@ -92,6 +92,24 @@ class DraftTree:
         self.first_child_list = first_child
         self.next_sibling_list = next_sibling
 
+    @classmethod
+    def _from_ordered_links(
+        cls,
+        tokens: list[int],
+        parents: list[int],
+        first_child: list[int],
+        next_sibling: list[int],
+    ) -> DraftTree:
+        """A tree whose links the caller has checked to be exactly those :meth:`__init__`
+        derives from ``parents`` (every child after its parent, siblings by increasing index,
+        -1 where none): skips deriving them again (the SGLang hook's per-request cost)."""
+        tree = cls.__new__(cls)
+        tree.token_list = tokens
+        tree.parent_list = parents
+        tree.first_child_list = first_child
+        tree.next_sibling_list = next_sibling
+        return tree
+
     # -- builders ---------------------------------------------------------------------------
     @classmethod
     def from_parents(

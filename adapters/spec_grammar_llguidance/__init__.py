@@ -139,7 +139,10 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     :meth:`VocabIndex.extensions_accepted` skip the extensions of a refused token."""
     if np.count_nonzero(row) != 1:
         return
-    word = int(row[np.flatnonzero(row)[0]]) & 0xFFFFFFFF
+    bits = row.view(np.uint32)
+    # the one non-zero word is the largest as unsigned: argmax finds it without allocating
+    # (flatnonzero took ~18 µs on a 262k-token row)
+    word = int(bits[bits.argmax()])
     if word & (word - 1):
         return
     # only the first max_token_bytes + 1 bytes can begin or hold a token: a longer forced run
@@ -147,7 +150,6 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     forced = matcher.compute_ff_bytes()[: vocab.max_token_bytes + 1]
     if not forced:
         return
-    bits = row.view(np.uint32)
 
     def accepts(t: int) -> bool:
         return bool((int(bits[t >> 5]) >> (t & 31)) & 1) or matcher.validate_tokens([t]) == 1
@@ -347,14 +349,21 @@ class LLGuidanceMatcher(SpecGrammar):
         self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
     ) -> torch.Tensor:
         with self._shared.lock:
-            return self._fill_tree_walk(self._enter(), tree, bitmask, row_offset)
+            return self._fill_tree_walk(self._enter(), tree, bitmask, row_offset, True)
+
+    def _fill_tree_rows(
+        self, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+    ) -> torch.Tensor:
+        with self._shared.lock:
+            return self._fill_tree_walk(self._enter(), tree, bitmask, row_offset, False)
 
     def _fill_tree_walk(
-        self, m: Any, tree: DraftTree, bitmask: torch.Tensor, row_offset: int
+        self, m: Any, tree: DraftTree, bitmask: torch.Tensor, row_offset: int, zero_dead: bool
     ) -> torch.Tensor:
         """Depth-first walk with consume/rollback on the native matcher; a child is entered only
-        when its bit is set in its parent's row (G4), a stop-token child is valid with a zero
-        row and is never consumed. Same rows as :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`."""
+        when its bit is set in its parent's row (G4), a stop-token child is valid with a dead
+        row and is never consumed. Same rows as :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`
+        (dead rows zeroed when ``zero_dead``, else left as they were)."""
         n = tree.num_nodes
         tokens = tree.token_list
         parents = tree.parent_list
@@ -364,9 +373,13 @@ class LLGuidanceMatcher(SpecGrammar):
         stops = self._stop_ids
         vocab = self._backend.vocab_index
         words = bitmask.numpy()[row_offset : row_offset + n]
-        words[:] = 0
+        # _fill_row inlined, rows addressed from the block's base pointer: the per-row Python
+        # (a ctypes object per row, three calls) cost as much as llguidance's mask itself
+        base, row_bytes = words.ctypes.data, words.strides[0]
         valid = [False] * n
         valid[0] = True
+        filled = [False] * n
+        filled[0] = True
         _fill_row(m, words[0], vocab)
         # Stack entries: a node to enter (>= 0) or ~node to leave (roll its token back).
         stack = tree.children(0)[::-1]
@@ -379,8 +392,7 @@ class LLGuidanceMatcher(SpecGrammar):
                     depth -= 1
                     continue
                 t = tokens[node]
-                prow = words[parents[node]]
-                if not (0 <= t < n_tok and (int(prow[t >> 5]) >> (t & 31)) & 1):
+                if not (0 <= t < n_tok and (int(words[parents[node], t >> 5]) >> (t & 31)) & 1):
                     continue
                 valid[node] = True
                 if t in stops:
@@ -388,7 +400,11 @@ class LLGuidanceMatcher(SpecGrammar):
                 _consume_native(m, t)
                 depth += 1
                 stack.append(~node)
-                _fill_row(m, words[node], vocab)
+                m.unsafe_compute_mask_ptr(base + node * row_bytes, row_bytes)
+                if m.is_error():
+                    _check_native(m)
+                _complete_row(m, words[node], vocab)
+                filled[node] = True
                 c = first_child[node]
                 kids = []
                 while c != -1:
@@ -398,7 +414,11 @@ class LLGuidanceMatcher(SpecGrammar):
         finally:
             if depth:
                 m.rollback(depth)
-        return torch.tensor(valid, dtype=torch.bool)
+        if zero_dead:
+            dead = [k for k in range(n) if not filled[k]]
+            if dead:
+                words[dead] = 0
+        return torch.from_numpy(np.array(valid, dtype=bool))
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -604,11 +624,15 @@ class LLGuidanceBackend(GrammarBackend):
             return self._executor
 
     def fill_tree_bitmasks(
-        self, jobs: Sequence[tuple[SpecGrammar, DraftTree, int]], bitmask: torch.Tensor
+        self,
+        jobs: Sequence[tuple[SpecGrammar, DraftTree, int]],
+        bitmask: torch.Tensor,
+        *,
+        zero_dead_rows: bool = True,
     ) -> list[torch.Tensor]:
         """Fill the tree rows of many requests, ``jobs`` = ``(matcher, tree, row_offset)``; rows
         and the returned ``(N,)`` bool ``valid`` tensors are exactly those of
-        :meth:`SpecGrammar.fill_tree_bitmask` per job.
+        :meth:`SpecGrammar.fill_tree_bitmask` per job (``zero_dead_rows`` as there).
 
         Level by level (breadth first over all trees at once): every valid node of the level
         gets its own native matcher (its parent's, moved on by its token, for the first child; a
@@ -640,23 +664,30 @@ class LLGuidanceBackend(GrammarBackend):
                 seen.add(id(m._shared))  # views of one library matcher are filled one by one
                 par.append(i)
         if len(par) > 1 and self.num_threads > 1:
-            for i, valid in zip(par, self._fill_trees_par([jobs[i] for i in par], bitmask)):
+            filled = self._fill_trees_par([jobs[i] for i in par], bitmask, zero_dead_rows)
+            for i, valid in zip(par, filled):
                 results[i] = valid
         for i, (m, tree, off) in enumerate(jobs):
             if results[i] is None:
-                results[i] = m.fill_tree_bitmask(tree, bitmask, off)
+                results[i] = m.fill_tree_bitmask(tree, bitmask, off, zero_dead_rows=zero_dead_rows)
         return results  # type: ignore[return-value]
 
     def _fill_trees_par(
-        self, jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]], bitmask: torch.Tensor
+        self,
+        jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]],
+        bitmask: torch.Tensor,
+        zero_dead: bool,
     ) -> list[torch.Tensor]:
         with contextlib.ExitStack() as locks:
             for m, _, _ in sorted(jobs, key=lambda job: id(job[0]._shared)):
                 locks.enter_context(m._shared.lock)
-            return self._fill_trees_locked(jobs, bitmask)
+            return self._fill_trees_locked(jobs, bitmask, zero_dead)
 
     def _fill_trees_locked(
-        self, jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]], bitmask: torch.Tensor
+        self,
+        jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]],
+        bitmask: torch.Tensor,
+        zero_dead: bool,
     ) -> list[torch.Tensor]:
         words = bitmask.numpy()
         executor = self.executor
@@ -664,12 +695,12 @@ class LLGuidanceBackend(GrammarBackend):
         n_tok = self.tokenizer_info.tokenizer_vocab_size
         stops = frozenset(self.tokenizer_info.stop_token_ids)
         valids: list[list[bool]] = []
+        filled: list[int] = []  # bitmask rows written by the executor
         # tokens each library matcher consumed during the fill: id -> [matcher, count]
         consumed: dict[int, list[Any]] = {}
         spares_used = [0] * len(jobs)
         level: list[tuple[int, int, Any]] = []  # (job, node, native matcher at that node)
-        for j, (m, tree, off) in enumerate(jobs):
-            words[off : off + tree.num_nodes] = 0
+        for j, (m, tree, _) in enumerate(jobs):
             v = [False] * tree.num_nodes
             v[0] = True
             valids.append(v)
@@ -682,8 +713,10 @@ class LLGuidanceBackend(GrammarBackend):
 
         try:
             while level:
+                rows = [(nm, jobs[j][2] + node) for j, node, nm in level]
+                filled.extend(r for _, r in rows)
                 executor.unsafe_compute_mask_ptr(
-                    [(nm, jobs[j][2] + node) for j, node, nm in level],
+                    rows,
                     bitmask.data_ptr(),
                     bitmask.shape[1] * 4,
                     bitmask.shape[0],
@@ -726,6 +759,12 @@ class LLGuidanceBackend(GrammarBackend):
                     m._shared.lost()
                     m._shared.drop_spares()
                 raise
+        if zero_dead:
+            dead = np.ones(bitmask.shape[0], dtype=bool)
+            dead[filled] = False
+            for _, tree, off in jobs:
+                rows = words[off : off + tree.num_nodes]
+                rows[dead[off : off + tree.num_nodes]] = 0
         out = []
         for (_, tree, off), v in zip(jobs, valids):
             clear_padding_bits(bitmask, off, off + tree.num_nodes, n_tok)

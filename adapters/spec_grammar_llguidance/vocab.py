@@ -107,6 +107,9 @@ class VocabIndex:
         pairs = sorted((b, t) for t, b in enumerate(info.token_bytes) if b and t not in specials)
         self._keys = [b for b, _ in pairs]
         self._ids = [t for _, t in pairs]
+        self._by_bytes: dict[bytes, list[int]] = {}  # for proper_prefixes: one lookup a length
+        for b, t in pairs:
+            self._by_bytes.setdefault(b, []).append(t)
         self.max_token_bytes = max((len(b) for b in self._keys), default=1)
         """Bytes of the longest token."""
 
@@ -141,11 +144,11 @@ class VocabIndex:
         return out
 
     def proper_prefixes(self, text: bytes) -> list[int]:
-        """Tokens whose bytes are a non-empty proper prefix of ``text``."""
-        out = []
-        for k in range(1, len(text)):
-            i = bisect_left(self._keys, text[:k])
-            while i < len(self._keys) and self._keys[i] == text[:k]:
-                out.append(self._ids[i])
-                i += 1
+        """Tokens whose bytes are a non-empty proper prefix of ``text`` (shorter first)."""
+        out: list[int] = []
+        get = self._by_bytes.get
+        for k in range(1, min(len(text), self.max_token_bytes + 1)):
+            ids = get(text[:k])
+            if ids:
+                out += ids
         return out

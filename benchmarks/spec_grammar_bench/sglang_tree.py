@@ -10,7 +10,10 @@ SGLang's own ``XGrammarGrammarBackend`` / ``GuidanceBackend`` (any whitespace, a
 default). Ours: :func:`spec_grammar.integrations.sglang.tree_fill.generate_token_bitmask` over
 the ``spec-grammar:<library>`` objects. Each cell is the fastest of interleaved repeats (the
 least disturbed by other work on a shared host), the median beside it; the ratio is SGLang's
-time over ours. Rows are also compared (SGLang's built-in grammars are
+time over ours. Before each repeat the previous masks are dropped, as SGLang's verify step
+drops its own (a mask still held cannot be reused by the hook's CPU mask pool). Requests of a
+batch differ: four schemas cycled, each request at its own position of its instance with its
+own tree. Rows are also compared (SGLang's built-in grammars are
 compiled with SGLang's settings; rows are compared on every token but the special ones, which
 SGLang's xgrammar grammars allow as text inside strings and ours never do; the count of rows
 that still differ is printed).
@@ -86,6 +89,8 @@ def _prepare(model: str, library: str, cases: int, sizes: list[int], seed: int) 
         if not hasattr(g_ours, "matcher") or type(g_theirs).__name__ == "InvalidGrammarObject":
             continue
         ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) < -(-32 // cases) + 2:
+            continue  # too short for each of its requests to start at its own position
         if g_ours.matcher.validate_tokens(ids) != len(ids):
             continue
         try:  # SGLang's grammar (its own compile settings) must accept the instance too
@@ -99,11 +104,14 @@ def _prepare(model: str, library: str, cases: int, sizes: list[int], seed: int) 
     special[list(ours.backend.tokenizer_info.special_token_ids)] = True
     special[list(ours.backend.tokenizer_info.stop_token_ids)] = True
     plans = {}
+    per = -(-32 // len(picked))  # requests per schema
     for n in sizes:
         reqs = []
         for r in range(32):
             name, key, ids, g_ours, g_theirs = picked[r % len(picked)]
-            pos = 1 + (r * 7919) % max(1, len(ids) - 2)
+            # the requests of one schema at evenly spread, distinct positions of its instance
+            # (a stride modulo the length repeated positions of short instances)
+            pos = 1 + (r // len(picked)) * max(1, len(ids) - 2) // per
             m = g_ours.matcher.fork()
             m.accept_tokens(ids[:pos])
             tree, _ = grow_tree([m], ids, pos, n, rng, special[: m.info.tokenizer_vocab_size])
@@ -156,6 +164,9 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
                     args = _tensors(reqs)
                     t_ours, t_theirs = [], []
                     for _ in range(repeats):
+                        # the last step's masks are dropped first, as SGLang's verify step
+                        # drops its own (a local there)
+                        m_theirs = m_ours = None
                         t0 = time.perf_counter()
                         m_theirs, _ = sglang_fill(theirs, *args, vocab)
                         t1 = time.perf_counter()

@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
@@ -279,6 +280,29 @@ def random_tree_rows(session: Session, fixture: str) -> None:
             where + ": rows outside the tree",
             "untouched",
             "overwritten",
+        )
+        # zero_dead_rows=False: same validity and live rows; dead rows may keep what was there
+        kept = allocate_token_bitmask(tree.num_nodes + 2, backend.vocab_size)
+        valid_kept = m.fill_tree_bitmask(tree, kept, row_offset=1, zero_dead_rows=False)
+        check(
+            valid_kept.tolist() == expected_valid,
+            contract,
+            where + ": valid (zero_dead_rows=False)",
+            expected_valid,
+            valid_kept.tolist(),
+        )
+        live_rows = [
+            1 + node
+            for node, pth in enumerate(paths)
+            if pth is not None and not oracle.state(pth)[1]
+        ]
+        check(
+            bool(torch.equal(kept[live_rows], bm[live_rows]))
+            and bool((kept[0] == -1).all() and (kept[-1] == -1).all()),
+            contract,
+            where + ": live rows and rows outside the tree (zero_dead_rows=False)",
+            "as with zero_dead_rows=True",
+            "different",
         )
         after = (allowed_set(m), m.num_accepted, m.is_terminated())
         check(

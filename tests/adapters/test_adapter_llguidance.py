@@ -401,6 +401,17 @@ def test_tree_rows_equal_fresh_replay(tok, backend, compiled, par_backend, schem
         assert torch.equal(par[:n], rows) and torch.equal(par[n : 2 * n], rows)
         rows0, valid0 = oracle_tree(backend, compiled, [], tree)
         assert vs[2].tolist() == valid0 and torch.equal(par[2 * n :], rows0)
+        # zero_dead_rows=False (SGLang's hook): the same live rows, dead rows not written
+        kept = torch.full_like(par, 0x5A5A5A5A)
+        vk = par_backend.fill_tree_bitmasks(jobs, kept, zero_dead_rows=False)
+        assert [v.tolist() for v in vk] == [v.tolist() for v in vs]
+        live = [
+            j * n + k
+            for j, v in enumerate(vs)
+            for k, ok in enumerate(v.tolist())
+            if ok and (k == 0 or tree.token_list[k] != eos)
+        ]
+        assert torch.equal(kept[live], par[live])
 
         for mm, prefix_len in ((m, p), (pm, p), (jobs[1][0], p), (other, 0)):
             assert mm.num_accepted == prefix_len and not mm._m.is_error()
@@ -425,6 +436,20 @@ def test_tree_with_shared_matcher_and_terminated_job(par_backend, schema, ids, e
 
 
 # -- grammar kinds and compile errors ------------------------------------------------------------
+
+
+def test_vocab_index_proper_prefixes_match_a_scan(tok, backend):
+    """The row completion's prefix lookup against a scan of the whole vocabulary."""
+    vocab = backend.vocab_index
+    info = backend.tokenizer_info
+    specials = info.special_token_ids
+    for text in [b'{"status": "inactive"', b"  hello world", b"\xe2\x82\xac1", b"a"]:
+        want = sorted(
+            (b, t)
+            for t, b in enumerate(info.token_bytes)
+            if b and t not in specials and len(b) < len(text) and text.startswith(b)
+        )
+        assert vocab.proper_prefixes(text) == [t for _, t in want], text
 
 
 @pytest.mark.parametrize(

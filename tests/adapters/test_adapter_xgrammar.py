@@ -89,3 +89,31 @@ def test_plain_tokenizers_tokenizer_same_masks(tok):
         stop_token_ids=[tok.eos_token_id],
     )
     _same_masks(tok, get_backend("xgrammar", tok), plain)
+
+
+def test_special_tokens_as_0xff_same_masks_as_empty_text(tok):
+    """Special ids are given the byte 0xFF (no UTF-8 text holds it) rather than empty text,
+    which xgrammar rejects one by one in every mask. Oracle: a backend whose xgrammar
+    vocabulary gives them empty text (xgrammar's own never-allowed tokens)."""
+    import xgrammar as xgr
+
+    from spec_grammar.registry import get_backend
+
+    fast = get_backend("xgrammar", tok)
+    info = fast._xgr_info
+    specials = fast._special_set
+    assert specials, "the tokenizer needs special tokens for this test"
+    decoded = [b"" if t in specials else b for t, b in enumerate(info.decoded_vocab)]
+    empty = get_backend("xgrammar", tok)
+    empty._compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo(
+            decoded,
+            xgr.VocabType.RAW,
+            vocab_size=info.vocab_size,
+            stop_token_ids=list(info.stop_token_ids),
+            add_prefix_space=info.add_prefix_space,
+        ),
+        max_threads=1,
+        cache_enabled=False,
+    )
+    _same_masks(tok, empty, fast)

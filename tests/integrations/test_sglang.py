@@ -371,6 +371,37 @@ def test_tree_fill_rows_identical_to_sglang_walk_long(sgl_backends, sgl_tok, doc
     _check_batch(sgl_backends, sgl_tok, doc, name, batch)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_hook_tree_links_equal_draft_tree_from_sglang(data):
+    """The hook's tree reading (one pass, SGLang's links kept when already in order) gives the
+    tree :meth:`DraftTree.from_sglang` builds, in either sibling order; broken links (a cycle,
+    a child before its parent, an unreachable node) give None."""
+    from spec_grammar.integrations.sglang.tree_fill import _tree
+    from spec_grammar.tree import DraftTree
+
+    n = data.draw(st.integers(1, 12))
+    parents = [-1] + [data.draw(st.integers(0, c - 1)) for c in range(1, n)]
+    nxt, sib = _links(parents, data.draw(st.booleans()))
+    tokens = list(range(100, 100 + n))
+    want = DraftTree.from_parents(tokens, parents)
+    got = _tree(tokens, nxt, sib)
+    assert got.parent_list == want.parent_list
+    assert got.first_child_list == want.first_child_list
+    assert got.next_sibling_list == want.next_sibling_list
+    if n > 2:
+        broken = data.draw(st.sampled_from(["cycle", "backward", "unreachable"]))
+        c = data.draw(st.integers(1, n - 1))
+        nxt2, sib2 = list(nxt), list(sib)
+        if broken == "cycle":
+            sib2[c] = c
+        elif broken == "backward":
+            nxt2[c] = 0
+        else:
+            nxt2 = [-1] * n
+        assert _tree(tokens, nxt2, sib2) is None
+
+
 def test_termination_inside_the_tree(sgl_backends, sgl_tok, doc):
     """A chain that completes the document then takes EOS: EOS's row and everything below
     it stay all-allowed, in SGLang's walk and in ours."""
@@ -389,6 +420,38 @@ def test_termination_inside_the_tree(sgl_backends, sgl_tok, doc):
         theirs, _ = SGLANG_GENERATE(reqs, nxt, sib, toks, len(sgl_tok))
         assert torch.equal(ours, theirs), name
         assert bool((ours[3:] == -1).all()) and not bool((ours[2] == -1).all())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA hosts pin the mask instead")
+def test_tree_mask_memory_is_reused_only_when_released(sgl_backends, sgl_tok, doc):
+    """On a CPU host the hook hands out one of its last two masks again once nothing holds
+    it: every row is rewritten (a poisoned buffer gives SGLang's rows), and a mask still held
+    (or a view of it) is never handed out twice."""
+    g = _grammar(sgl_backends, "xgrammar")
+    for t in doc[:3]:
+        g.accept_token(t)
+    ids = [doc[2], doc[3], doc[4], sgl_tok.eos_token_id]
+    args = (torch.tensor([[1, 2, -1, -1]]), torch.tensor([[-1, 3, -1, -1]]), torch.tensor([ids]))
+    reqs = [SimpleNamespace(grammar=g), SimpleNamespace(grammar=None)]
+    args = tuple(torch.cat([a, a]) for a in args)
+    theirs, _ = SGLANG_GENERATE(reqs, *args, len(sgl_tok))
+    first, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    view = first[2:4]
+    held, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert held.data_ptr() != first.data_ptr()  # `first` is in use
+    del first
+    again, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert again.data_ptr() not in (view.data_ptr() - 2 * view.stride(0), held.data_ptr())
+    again.fill_(0x5A5A5A5A)
+    ptr = again.data_ptr()
+    del view, again
+    reused, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert reused.data_ptr() == ptr  # one of the last two masks, released
+    assert torch.equal(reused, theirs) and torch.equal(held, theirs)
+    ptrs = {reused.data_ptr(), held.data_ptr()}
+    del reused
+    reused, _ = generate_token_bitmask(reqs, *args, len(sgl_tok))
+    assert reused.data_ptr() in ptrs
 
 
 def test_foreign_grammar_objects_keep_sglang_walk(sgl_backends, sgl_tok, doc):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from spec_grammar_xgrammar import XGrammarBackend, XGrammarMatcher
 
@@ -83,7 +84,10 @@ class BrokenMatcher(XGrammarMatcher):
         if "tree_stale_rows" in self.bugs:
             safe = tree.tokens.clamp(0, self.info.tokenizer_vocab_size - 1)
             # xgrammar's native walk alone (gotcha G8: descendants of rejected nodes keep stale rows)
-            words = self._traverse(tree, safe.numpy(), bitmask, row_offset)
+            links = np.array(
+                (tree.first_child_list, tree.next_sibling_list, safe.tolist()), dtype=np.int64
+            )
+            words = self._traverse(tree, links, bitmask, row_offset)
             return torch.tensor(
                 [
                     i == 0 or bool((int(words[p, t >> 5]) >> (t & 31)) & 1)

@@ -105,12 +105,22 @@ class SGLangGrammar(BaseGrammarObject):
         return self.matcher.is_terminated()
 
     def copy(self) -> SGLangGrammar:
-        """An independent copy (:meth:`SpecGrammar.fork`): SGLang copies its cached grammar,
-        at the start state, for every request."""
+        """An independent copy. SGLang copies its cached grammar, at the start state, for
+        every request: that copy is a new matcher (:meth:`GrammarBackend.matcher`, a few µs)
+        rather than a :meth:`SpecGrammar.fork`, whose library matcher stays shared with the
+        cached grammar, so every request of one schema would move that one library matcher
+        to its own output at each use (rolling back and replaying up to
+        ``max_rollback_tokens`` tokens per request per step). A copy of an advanced object is
+        a fork."""
         stats = self.grammar_stats
         if stats is not None:
             stats = dataclasses.replace(stats, is_cache_hit=True, tree_traversal_time=[])
-        return SGLangGrammar(self.backend, self.matcher.fork(), self.compiled, stats)
+        m = self.matcher
+        if m.num_accepted == 0 and not m.is_terminated():
+            twin = self.backend.matcher(self.compiled)
+        else:
+            twin = m.fork()
+        return SGLangGrammar(self.backend, twin, self.compiled, stats)
 
     # -- masks ---------------------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
