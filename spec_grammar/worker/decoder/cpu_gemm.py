@@ -24,6 +24,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -53,11 +54,34 @@ def _cpu_flags() -> str:
     return "\n".join(pick)
 
 
+def _whole_elf(path: Path | str) -> bool:
+    """Whether ``path`` is a 64-bit little-endian ELF file holding every byte its headers point
+    at. ``dlopen`` of a file cut short (a crash before it reached the disk) dies with SIGBUS
+    rather than failing, so a cached library is checked before it is loaded (the layout:
+    the System V ABI's ELF-64 header and program headers)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    if len(data) < 64 or data[:6] != b"\x7fELF\x02\x01":
+        return False
+    phoff, shoff = struct.unpack_from("<QQ", data, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 54)
+    if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+        return False
+    for i in range(phnum):
+        offset, _, _, filesz = struct.unpack_from("<QQQQ", data, phoff + i * phentsize + 8)
+        if offset + filesz > len(data):
+            return False
+    return True
+
+
 def _build(cxx: str, cpu: str) -> Path:
     """The compiled library for ``cxx`` on this CPU (built now unless cached). The cache key
     holds the CPU's flags: ``-march=native`` code built on one CPU may not run on another that
     shares the cache directory. Raises OSError / subprocess.CalledProcessError when the build
-    fails."""
+    fails. A cached file that is not a whole ELF library is built again."""
     from ...models import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -65,7 +89,7 @@ def _build(cxx: str, cpu: str) -> Path:
         "\n".join([_SOURCE.read_text(), " ".join(_FLAGS), version, cpu]).encode()
     ).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"cpu_gemm-{key}.so"
-    if out.exists():
+    if _whole_elf(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: processes building at once never load a partial file
@@ -75,6 +99,11 @@ def _build(cxx: str, cpu: str) -> Path:
         subprocess.run(
             [cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True
         )
+        if not _whole_elf(tmp):
+            raise OSError(f"{cxx} exited 0 but wrote no ELF library")
+        # on disk before the rename: a crash must not leave a short file under the final name
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -97,8 +126,13 @@ def _function():
         log.info("small-batch CPU kernel needs a C++ compiler (g++ or $CXX): oneDNN projections")
         return None
     try:
-        fn = ctypes.CDLL(str(_build(cxx, cpu))).sg_linear_f32
-    except (OSError, subprocess.CalledProcessError) as e:
+        path = _build(cxx, cpu)
+        try:
+            fn = ctypes.CDLL(str(path)).sg_linear_f32
+        except (OSError, AttributeError):  # a cached file that is not this library: build anew
+            path.unlink(missing_ok=True)
+            fn = ctypes.CDLL(str(_build(cxx, cpu))).sg_linear_f32
+    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.info("small-batch CPU kernel did not build (%s): oneDNN projections", detail[:500])
         return None
@@ -114,13 +148,14 @@ def available() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x @ weight.T + bias`` for float32 CPU tensors ``x (T, in)`` (unit column stride),
-    ``weight (out, in)`` contiguous, ``bias (out,)`` or None, ``1 <= T <=``
+    """``x @ weight.T + bias`` for float32 strided CPU tensors ``x (T, in)`` (unit column
+    stride), ``weight (out, in)`` contiguous, ``bias (out,)`` or None, ``1 <= T <=``
     :data:`MAX_ROWS`; returns ``(T, out)`` float32, or None where the kernel does not apply
-    (other shapes, dtypes, devices, or the kernel unavailable): the caller computes it another
-    way. Runs on ``torch.get_num_threads()`` threads."""
+    (other shapes, dtypes, devices or layouts, negated views, an input needing a gradient, or
+    the kernel unavailable): the caller computes it another way. Runs on ``torch.get_num_threads()`` threads."""
     if not (
-        x.dtype == weight.dtype == torch.float32
+        x.layout == weight.layout == torch.strided
+        and x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.dim() == 2
@@ -129,8 +164,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and weight.dim() == 2
         and weight.is_contiguous()
         and weight.shape[1] == x.shape[1]
-        and (bias is None or (bias.dtype == torch.float32 and bias.shape == (weight.shape[0],)))
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and (
+            bias is None
+            or (
+                bias.dtype == torch.float32
+                and bias.device.type == "cpu"
+                and bias.shape == (weight.shape[0],)
+            )
+        )
+        # the kernel reads raw storage: a negated view's sign bit would be ignored
+        and not any(t.is_neg() for t in (x, weight, bias) if t is not None)
+        and not (
+            torch.is_grad_enabled()
+            and any(t.requires_grad for t in (x, weight, bias) if t is not None)
+        )
     ):
         return None
     fn = _function()
