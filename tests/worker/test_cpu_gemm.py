@@ -3,6 +3,7 @@ float64 ``F.linear``, row results independent of the batch, the shapes it declin
 fallback to oneDNN when it cannot be built."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -189,3 +190,20 @@ def test_mismatched_bias_gets_f_linears_error_not_onednns():
         with pytest.raises(RuntimeError) as got:
             ops.linear(x, w, bias)
         assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "OFF"])
+def test_the_switch_reads_the_usual_spellings_of_off(tmp_path, value):
+    """``SPEC_GRAMMAR_CPU_GEMM=false`` (or off / no) left the kernel on: only "0" was read."""
+    rc, out = _probe(tmp_path, SPEC_GRAMMAR_CPU_GEMM=value)
+    assert rc == 0 and "available False" in out and "SPEC_GRAMMAR_CPU_GEMM" in out, out[-500:]
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
+@pytest.mark.parametrize("cxx", ["", "g++ -g", " g++"])
+def test_cxx_empty_or_with_arguments_still_builds(tmp_path, cxx):
+    """``CXX`` exported empty means the default compiler, and ``CXX`` may carry arguments
+    (``ccache g++``, ``g++ -m64``) as make reads it; both were taken for a missing compiler."""
+    rc, out = _probe(tmp_path, CXX=cxx)
+    assert rc == 0 and "available True" in out, out[-500:]

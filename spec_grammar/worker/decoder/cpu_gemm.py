@@ -6,12 +6,13 @@ and a third at 8 (SmolLM2-135M's LM head on one core of this project's AMD EPYC:
 row, 15 ms at 8; the kernel here: 5.5 ms and 7 ms; the source says how). It runs for up to
 :data:`MAX_ROWS` rows, where it measured faster; more rows go to oneDNN.
 
-The library is compiled from the packaged source with the system's C++ compiler (``$CXX``, else
-``g++``: ``-O3 -march=native -fopenmp``, about a second) into
-``<cache>/kernels/cpu_gemm-<hash>.so`` (:func:`spec_grammar.models.cache_dir`), keyed by the
-source, the flags and the compiler, and loaded with :mod:`ctypes` (the call releases the GIL).
-Without an x86-64 CPU with AVX-512, without a compiler, when the build fails, or with
-``SPEC_GRAMMAR_CPU_GEMM=0``, :func:`linear` returns None and the caller keeps oneDNN (logged
+The library is compiled from the packaged source with the system's C++ compiler (``$CXX``, which
+may carry arguments such as ``ccache g++``; unset or empty: ``g++``) with ``-O3 -march=native
+-fopenmp`` (about a second) into ``<cache>/kernels/cpu_gemm-<hash>.so``
+(:func:`spec_grammar.models.cache_dir`), keyed by the source, the flags, the compiler and the
+CPU, and loaded with :mod:`ctypes` (the call releases the GIL). Without an x86-64 CPU with
+AVX-512, without a compiler, when the build fails, or with ``SPEC_GRAMMAR_CPU_GEMM=0`` (or
+``false`` / ``off`` / ``no``), :func:`linear` returns None and the caller keeps oneDNN (logged
 once at INFO).
 """
 
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import struct
 import subprocess
@@ -40,6 +42,7 @@ MAX_ROWS = 24
 projections (1.2-2.4x from 1 to 16 rows, 1.1-1.2x at 24), at 32 even."""
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+_OFF = ("0", "false", "off", "no")  # SPEC_GRAMMAR_CPU_GEMM values that turn the kernel off
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -77,16 +80,17 @@ def _whole_elf(path: Path | str) -> bool:
     return True
 
 
-def _build(cxx: str, cpu: str) -> Path:
-    """The compiled library for ``cxx`` on this CPU (built now unless cached). The cache key
-    holds the CPU's flags: ``-march=native`` code built on one CPU may not run on another that
+def _build(cxx: list[str], cpu: str) -> Path:
+    """The compiled library for the compiler command ``cxx`` (the executable and its arguments)
+    on this CPU (built now unless cached). The cache key holds the command, its version and the
+    CPU's flags: ``-march=native`` code built on one CPU may not run on another that
     shares the cache directory. Raises OSError / subprocess.CalledProcessError when the build
     fails. A cached file that is not a whole ELF library is built again."""
     from ...models import cache_dir
 
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\n".join([_SOURCE.read_text(), " ".join(_FLAGS), version, cpu]).encode()
+        "\n".join([_SOURCE.read_text(), " ".join([*cxx, *_FLAGS]), version, cpu]).encode()
     ).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"cpu_gemm-{key}.so"
     if _whole_elf(out):
@@ -97,10 +101,10 @@ def _build(cxx: str, cpu: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True
+            [*cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True
         )
         if not _whole_elf(tmp):
-            raise OSError(f"{cxx} exited 0 but wrote no ELF library")
+            raise OSError(f"{' '.join(cxx)} exited 0 but wrote no ELF library")
         # on disk before the rename: a crash must not leave a short file under the final name
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -114,17 +118,23 @@ def _build(cxx: str, cpu: str) -> Path:
 @functools.cache
 def _function():
     """The kernel's ctypes function, or None (the reason logged once)."""
-    if os.environ.get("SPEC_GRAMMAR_CPU_GEMM", "1") == "0":
-        log.info("small-batch CPU kernel off (SPEC_GRAMMAR_CPU_GEMM=0): oneDNN projections")
+    switch = os.environ.get("SPEC_GRAMMAR_CPU_GEMM", "1")
+    if switch.strip().lower() in _OFF:
+        log.info(
+            "small-batch CPU kernel off (SPEC_GRAMMAR_CPU_GEMM=%s): oneDNN projections", switch
+        )
         return None
     cpu = _cpu_flags()
     if platform.machine() not in ("x86_64", "AMD64") or " avx512f" not in cpu:
         log.info("small-batch CPU kernel needs an x86-64 CPU with AVX-512: oneDNN projections")
         return None
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
+    # make's reading of $CXX: empty means the default, and it may carry arguments (ccache g++)
+    cxx = shlex.split(os.environ.get("CXX") or "g++") or ["g++"]
+    exe = shutil.which(cxx[0])
+    if exe is None:
         log.info("small-batch CPU kernel needs a C++ compiler (g++ or $CXX): oneDNN projections")
         return None
+    cxx = [exe, *cxx[1:]]
     try:
         path = _build(cxx, cpu)
         try:
