@@ -207,3 +207,24 @@ def test_cxx_empty_or_with_arguments_still_builds(tmp_path, cxx):
     (``ccache g++``, ``g++ -m64``) as make reads it; both were taken for a missing compiler."""
     rc, out = _probe(tmp_path, CXX=cxx)
     assert rc == 0 and "available True" in out, out[-500:]
+
+
+def test_fake_tensors_and_dispatch_modes_never_reach_the_kernel():
+    """Under ``FakeTensorMode`` (shape propagation, export, compilers' tracing) a fake tensor's
+    data pointer is no memory: the kernel read and wrote through it and the process died with
+    SIGSEGV. Now :func:`ops.linear` gives ``F.linear``'s fake result; run in a child process so
+    a crash fails this test instead of ending the run."""
+    code = (
+        "import torch\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from spec_grammar.worker.decoder import cpu_gemm, ops\n"
+        "x, w, b = torch.randn(3, 40), torch.randn(7, 40), torch.randn(7)\n"
+        "with FakeTensorMode() as mode:\n"
+        "    fx, fw, fb = (mode.from_tensor(t) for t in (x, w, b))\n"
+        "    assert cpu_gemm.linear(fx, fw, fb) is None\n"
+        "    y = ops.linear(fx, fw, fb)\n"
+        "    want = torch.nn.functional.linear(fx, fw, fb)\n"
+        "    assert type(y) is type(want) and y.shape == want.shape == (3, 7)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])

@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["MAX_ROWS", "available", "linear"]
 
@@ -42,6 +43,7 @@ MAX_ROWS = 24
 projections (1.2-2.4x from 1 to 16 rows, 1.1-1.2x at 24), at 32 even."""
 
 _SOURCE = Path(__file__).with_name("cpu_gemm.cpp")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types whose data_ptr is their memory
 _OFF = ("0", "false", "off", "no")  # SPEC_GRAMMAR_CPU_GEMM values that turn the kernel off
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -161,10 +163,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``x @ weight.T + bias`` for float32 strided CPU tensors ``x (T, in)`` (unit column
     stride), ``weight (out, in)`` contiguous, ``bias (out,)`` or None, ``1 <= T <=``
     :data:`MAX_ROWS`; returns ``(T, out)`` float32, or None where the kernel does not apply
-    (other shapes, dtypes, devices or layouts, negated views, an input needing a gradient, or
-    the kernel unavailable): the caller computes it another way. Runs on ``torch.get_num_threads()`` threads."""
+    (other shapes, dtypes, devices or layouts, negated views, an input needing a gradient,
+    tensor subclasses or an active dispatch mode, or the kernel unavailable): the caller
+    computes it another way. Runs on ``torch.get_num_threads()`` threads."""
     if not (
-        x.layout == weight.layout == torch.strided
+        # real memory only: a tensor subclass (FakeTensor, FunctionalTensor) or a tensor made
+        # under a dispatch mode (FakeTensorMode) may have no data behind its pointer
+        all(type(t) in _PLAIN for t in (x, weight, bias) if t is not None)
+        and _get_current_dispatch_mode() is None
+        and x.layout == weight.layout == torch.strided
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
