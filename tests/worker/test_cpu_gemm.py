@@ -163,7 +163,11 @@ def test_a_corrupt_cached_library_is_rebuilt_not_loaded(tmp_path):
     assert rc == 0 and "available True" in out, out[-500:]
     (lib,) = (tmp_path / "kernels").glob("cpu_gemm-*.so")
     good = lib.read_bytes()
-    for bad in (good[:5000], good[:1000], b"", Path("/bin/true").read_bytes()):
+    # an ELF header whose one program header (size 0) points past the file's end
+    bogus = bytearray(good[:64])
+    bogus[32:48] = (60).to_bytes(8, "little") + bytes(8)  # program headers at 60, no sections
+    bogus[54:62] = bytes([0, 0, 1, 0, 0, 0, 0, 0])  # one program header of size 0
+    for bad in (good[:5000], good[:1000], b"", Path("/bin/true").read_bytes(), bytes(bogus)):
         lib.write_bytes(bad)
         rc, out = _probe(tmp_path)
         assert rc == 0 and "available True" in out, (len(bad), rc, out[-500:])

@@ -73,7 +73,9 @@ def _whole_elf(path: Path | str) -> bool:
         return False
     phoff, shoff = struct.unpack_from("<QQ", data, 32)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 54)
-    if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+    if phentsize < 56 or phoff + phnum * phentsize > len(data):  # 56: an ELF-64 program header
+        return False
+    if shoff + shnum * shentsize > len(data):
         return False
     for i in range(phnum):
         offset, _, _, filesz = struct.unpack_from("<QQQQ", data, phoff + i * phentsize + 8)
