@@ -158,19 +158,20 @@ class StepCostModel:
     def record(self, rows: int, ms: float, padded: int | None = None) -> None:
         """A step of ``rows`` rows (attention over ``padded`` query rows; default ``rows``)
         took ``ms`` after drafting. A measurement that is no finite non-negative number (NaN,
-        infinity: a broken clock) or a shape with ``padded < rows`` is ignored: one would poison
-        the fit's sums for good."""
+        infinity: a broken clock), one whose square overflows a float, or a shape with
+        ``padded < rows`` is ignored: one would poison the fit's sums for good."""
         padded = rows if padded is None else padded
         if rows < 1 or padded < rows or not (math.isfinite(ms) and ms >= 0):
             return
         pred = self.predict(rows, padded) if len(self._shapes) > 1 else None
         if pred is not None:
             ms = min(ms, 2.0 * pred)
-        self._shapes.add((rows, padded))
         x, d = np.array([1.0, rows, padded]), self.decay
-        self._xx = self._xx * d + np.outer(x, x)
-        self._xy = self._xy * d + x * ms
-        self._yy = self._yy * d + ms * ms
+        xx, xy, yy = self._xx * d + np.outer(x, x), self._xy * d + x * ms, self._yy * d + ms * ms
+        if not (math.isfinite(yy) and np.isfinite(xx).all() and np.isfinite(xy).all()):
+            return  # finite, but its square overflows: as poisonous as an infinity
+        self._shapes.add((rows, padded))
+        self._xx, self._xy, self._yy = xx, xy, yy
         self._coef = self._fit() if len(self._shapes) > 1 else None
 
     def _fit(self) -> np.ndarray | None:

@@ -3,8 +3,10 @@ float64 ``F.linear``, row results independent of the batch, the shapes it declin
 fallback to oneDNN when it cannot be built."""
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,3 +107,128 @@ def test_without_the_kernel_projections_fall_back_to_onednn(tmp_path, env, reaso
     if reason == "build" and not cpu_gemm.available():
         pytest.skip("no AVX-512 CPU here: the build is never tried")
     assert ("SPEC_GRAMMAR_CPU_GEMM=0" if reason != "build" else "did not build") in out.stderr
+
+
+@needs_kernel
+def test_inputs_the_kernel_cannot_honour_go_to_torch():
+    """A bias that needs a gradient, a bias on another device, a negated view (``is_neg``), a
+    weight without strided storage: the kernel would drop the gradient, read a null or foreign
+    pointer, ignore the sign bit, or fail on ``data_ptr``; :func:`cpu_gemm.linear` declines them
+    and :func:`ops.linear` behaves as ``F.linear`` does (same values, gradient, or error)."""
+    torch.manual_seed(3)
+    x, w, b = torch.randn(3, 40), torch.randn(7, 40), torch.randn(7)
+
+    bias = b.clone().requires_grad_()
+    assert cpu_gemm.linear(x, w, bias) is None
+    ops.linear(x, w, bias).sum().backward()
+    assert torch.allclose(bias.grad, torch.full((7,), 3.0))
+
+    assert cpu_gemm.linear(x, w, torch.empty(7, device="meta")) is None
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.linear(x, w, torch.empty(7, device="meta"))
+    with pytest.raises(RuntimeError):
+        ops.linear(x, w, torch.empty(7, device="meta"))
+
+    want = torch.nn.functional.linear(-x.double(), -w.double(), -b.double())
+    neg = torch._neg_view
+    for args in ((neg(x), -w, -b), (-x, neg(w), -b), (-x, -w, neg(b))):
+        got = ops.linear(*args)
+        assert torch.allclose(got.double(), want, atol=1e-4), [a.is_neg() for a in args]
+
+    if torch.backends.mkldnn.is_available():
+        assert cpu_gemm.linear(x, w.to_mkldnn(), None) is None
+
+
+def _probe(cache, **env):
+    """``cpu_gemm.available()`` in a fresh process on ``cache``: (returncode, stdout+stderr)."""
+    code = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "from spec_grammar.worker.decoder import cpu_gemm\n"
+        "print('available', cpu_gemm.available())\n"
+    )
+    run_env = {**os.environ, "SPEC_GRAMMAR_CACHE": str(cache), **env}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120
+    )
+    return out.returncode, out.stdout + out.stderr
+
+
+@needs_kernel
+def test_a_corrupt_cached_library_is_rebuilt_not_loaded(tmp_path):
+    """A cached library cut short (a crash before the file reached the disk) made ``dlopen``
+    die with SIGBUS; one of another build lacked the symbol (AttributeError). Both are now
+    rebuilt, and the rebuilt file equals a clean build."""
+    rc, out = _probe(tmp_path)
+    assert rc == 0 and "available True" in out, out[-500:]
+    (lib,) = (tmp_path / "kernels").glob("cpu_gemm-*.so")
+    good = lib.read_bytes()
+    # an ELF header whose one program header (size 0) points past the file's end
+    bogus = bytearray(good[:64])
+    bogus[32:48] = (60).to_bytes(8, "little") + bytes(8)  # program headers at 60, no sections
+    bogus[54:62] = bytes([0, 0, 1, 0, 0, 0, 0, 0])  # one program header of size 0
+    for bad in (good[:5000], good[:1000], b"", Path("/bin/true").read_bytes(), bytes(bogus)):
+        lib.write_bytes(bad)
+        rc, out = _probe(tmp_path)
+        assert rc == 0 and "available True" in out, (len(bad), rc, out[-500:])
+        assert lib.stat().st_size == len(good)
+
+
+@needs_kernel
+def test_a_compiler_that_writes_nothing_leaves_no_library_in_the_cache(tmp_path):
+    """``CXX=true`` exits 0 without writing the library: the kernel is unavailable with the
+    reason logged, and no empty file is left under the cache key for later runs to load."""
+    rc, out = _probe(tmp_path, CXX="true")
+    assert rc == 0 and "available False" in out and "did not build" in out, out[-500:]
+    assert not list((tmp_path / "kernels").glob("*.so"))
+
+
+def test_mismatched_bias_gets_f_linears_error_not_onednns():
+    """A bias of the wrong size or dtype past the kernel's row limit (oneDNN's side): oneDNN
+    failed with "could not create a primitive descriptor"; :func:`ops.linear` now raises
+    ``F.linear``'s error, which names the sizes or dtypes."""
+    x, w = torch.randn(cpu_gemm.MAX_ROWS + 1, 40), torch.randn(7, 40)
+    for bias in (torch.randn(6), torch.randn(7, dtype=torch.float64)):
+        with pytest.raises(RuntimeError) as want:
+            torch.nn.functional.linear(x, w, bias)
+        with pytest.raises(RuntimeError) as got:
+            ops.linear(x, w, bias)
+        assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("value", ["false", "off", "no", "OFF"])
+def test_the_switch_reads_the_usual_spellings_of_off(tmp_path, value):
+    """``SPEC_GRAMMAR_CPU_GEMM=false`` (or off / no) left the kernel on: only "0" was read."""
+    rc, out = _probe(tmp_path, SPEC_GRAMMAR_CPU_GEMM=value)
+    assert rc == 0 and "available False" in out and "SPEC_GRAMMAR_CPU_GEMM" in out, out[-500:]
+
+
+@needs_kernel
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
+@pytest.mark.parametrize("cxx", ["", "g++ -g", " g++"])
+def test_cxx_empty_or_with_arguments_still_builds(tmp_path, cxx):
+    """``CXX`` exported empty means the default compiler, and ``CXX`` may carry arguments
+    (``ccache g++``, ``g++ -m64``) as make reads it; both were taken for a missing compiler."""
+    rc, out = _probe(tmp_path, CXX=cxx)
+    assert rc == 0 and "available True" in out, out[-500:]
+
+
+def test_fake_tensors_and_dispatch_modes_never_reach_the_kernel():
+    """Under ``FakeTensorMode`` (shape propagation, export, compilers' tracing) a fake tensor's
+    data pointer is no memory: the kernel read and wrote through it and the process died with
+    SIGSEGV. Now :func:`ops.linear` gives ``F.linear``'s fake result; run in a child process so
+    a crash fails this test instead of ending the run."""
+    code = (
+        "import torch\n"
+        "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "from spec_grammar.worker.decoder import cpu_gemm, ops\n"
+        "x, w, b = torch.randn(3, 40), torch.randn(7, 40), torch.randn(7)\n"
+        "with FakeTensorMode() as mode:\n"
+        "    fx, fw, fb = (mode.from_tensor(t) for t in (x, w, b))\n"
+        "    assert cpu_gemm.linear(fx, fw, fb) is None\n"
+        "    y = ops.linear(fx, fw, fb)\n"
+        "    want = torch.nn.functional.linear(fx, fw, fb)\n"
+        "    assert type(y) is type(want) and y.shape == want.shape == (3, 7)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])

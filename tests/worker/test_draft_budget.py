@@ -235,9 +235,9 @@ def test_fixed_trees_are_kept_whole():
 
 
 def test_cost_model_ignores_broken_timings_and_never_predicts_a_free_step():
-    """A NaN / infinite measurement leaves the fit as it was (one would poison its sums for
-    good); zero milliseconds (a coarse clock) predict a positive time, so the budget's choice
-    (expected tokens over predicted ms) never divides by zero."""
+    """A NaN / infinite measurement, or one whose square overflows, leaves the fit as it was
+    (one would poison its sums for good); zero milliseconds (a coarse clock) predict a positive
+    time, so the budget's choice (expected tokens over predicted ms) never divides by zero."""
     clean, fed = StepCostModel(), StepCostModel()
     for rows, ms in [(4, 10.0), (8, 14.0), (2, 8.0)]:
         clean.record(rows, ms)
@@ -245,6 +245,17 @@ def test_cost_model_ignores_broken_timings_and_never_predicts_a_free_step():
         fed.record(rows, float("inf"))
         fed.record(rows, float("nan"))
         fed.record(rows, -1.0)
+    assert [fed.predict(r) for r in (1, 6, 30)] == [clean.predict(r) for r in (1, 6, 30)]
+    # finite but so large that its square overflows the sums (1e200 ms, uncapped while one
+    # shape is measured): it made the sum of squares infinite for good, no plane was fitted
+    # again, and predictions stayed ~1e147 ms after 120 ordinary steps
+    clean, fed = StepCostModel(), StepCostModel()
+    for model in (clean, fed):
+        model.record(4, 10.0)
+    fed.record(8, 1e200)
+    for rows, ms in [(4, 10.0), (8, 14.0), (2, 8.0)] * 40:
+        clean.record(rows, ms)
+        fed.record(rows, ms)
     assert [fed.predict(r) for r in (1, 6, 30)] == [clean.predict(r) for r in (1, 6, 30)]
     budget = DraftBudget()
     budget.record_step(2, 5.0)  # the cold first step: left out

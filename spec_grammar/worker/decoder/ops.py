@@ -50,12 +50,32 @@ def use_triton(t: torch.Tensor) -> bool:
     )
 
 
+def _onednn_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether oneDNN's matmul computes ``F.linear(x, weight, bias)``: one dtype and CPU for all
+    three, and a bias of ``(out,)``. Otherwise its op fails with an opaque "could not create a
+    primitive descriptor" or, for a bias without storage, reads no bias at all; ``F.linear``
+    names the mismatch instead."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and (
+            bias is None
+            or (
+                bias.device.type == "cpu"
+                and bias.dtype == x.dtype
+                and bias.shape == (weight.shape[0],)
+            )
+        )
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` (``F.linear``) for ``x (T, in)`` and ``weight (out, in)`` of one
     dtype; returns ``(T, out)``. On CPU in float32 up to :data:`.cpu_gemm.MAX_ROWS` rows it runs
     the small-batch kernel (:mod:`.cpu_gemm`) where it is available; otherwise on CPU in float32
     / bfloat16 with oneDNN present oneDNN's matmul (see the module docstring); elsewhere (CUDA,
-    float64) ``F.linear``."""
+    float64, or an input that needs a gradient) ``F.linear``."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= cpu_gemm.MAX_ROWS:
         y = cpu_gemm.linear(x, weight, bias)
         if y is not None:
@@ -65,6 +85,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and x.device.type == "cpu"
         and x.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
+        and _onednn_takes(x, weight, bias)
+        # the oneDNN op has no autograd formula: an input needing a gradient goes to F.linear
+        and not (
+            torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        )
     ):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return torch.nn.functional.linear(x, weight, bias)
