@@ -737,6 +737,11 @@ def run(args) -> int:
             "forced_tokens": worker.config.forced_tokens,
             "draft_budget": worker.config.draft_budget,
         }
+        if worker.runner.device.type == "cpu":
+            from ..worker.decoder import cpu_gemm
+
+            # "on", or why the small-batch kernel does not run (oneDNN does: slower decoding)
+            runner["cpu_projections"] = cpu_gemm.status()
         # one line: token id lists would take a line per id with an indent (pipe to jq to read)
         print(
             json.dumps(

@@ -232,3 +232,18 @@ def test_fake_tensors_and_dispatch_modes_never_reach_the_kernel():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+
+
+def test_status_says_whether_the_kernel_runs_and_why_not():
+    """``status()`` is "on" exactly when the kernel is available, else the reason; a missing
+    compiler is a warning on stderr (the user can act on it), not only an INFO record."""
+    assert (cpu_gemm.status() == "on") == cpu_gemm.available()
+    code = "from spec_grammar.worker.decoder import cpu_gemm\nprint(cpu_gemm.status())\n"
+    env = {**os.environ, "CXX": "no-such-compiler-xyz", "SPEC_GRAMMAR_CPU_GEMM": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    if "AVX-512" in out.stdout:
+        pytest.skip("no AVX-512 CPU here: the compiler is never looked for")
+    assert "needs a C++ compiler" in out.stdout and "install g++" in out.stderr

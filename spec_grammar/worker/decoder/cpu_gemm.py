@@ -12,8 +12,9 @@ may carry arguments such as ``ccache g++``; unset or empty: ``g++``) with ``-O3 
 (:func:`spec_grammar.models.cache_dir`), keyed by the source, the flags, the compiler and the
 CPU, and loaded with :mod:`ctypes` (the call releases the GIL). Without an x86-64 CPU with
 AVX-512, without a compiler, when the build fails, or with ``SPEC_GRAMMAR_CPU_GEMM=0`` (or
-``false`` / ``off`` / ``no``), :func:`linear` returns None and the caller keeps oneDNN (logged
-once at INFO).
+``false`` / ``off`` / ``no``), :func:`linear` returns None and the caller keeps oneDNN;
+:func:`status` says why, and the reason is logged once (at WARNING where the user can act: no
+compiler, a failed build).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["MAX_ROWS", "available", "linear"]
+__all__ = ["MAX_ROWS", "available", "linear", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -120,24 +121,31 @@ def _build(cxx: list[str], cpu: str) -> Path:
 
 
 @functools.cache
-def _function():
-    """The kernel's ctypes function, or None (the reason logged once)."""
+def _load():
+    """``(ctypes function, None)`` or ``(None, why not)``; the reason logged once: at WARNING
+    where the user can act (no compiler, a failed build: decoding then runs about 1.5-2x slower
+    on such a CPU), else INFO."""
     switch = os.environ.get("SPEC_GRAMMAR_CPU_GEMM", "1")
     if switch.strip().lower() in _OFF:
-        log.info(
-            "small-batch CPU kernel off (SPEC_GRAMMAR_CPU_GEMM=%s): oneDNN projections", switch
-        )
-        return None
+        why = f"off (SPEC_GRAMMAR_CPU_GEMM={switch})"
+        log.info("small-batch CPU kernel %s: oneDNN projections", why)
+        return None, why
     cpu = _cpu_flags()
     if platform.machine() not in ("x86_64", "AMD64") or " avx512f" not in cpu:
-        log.info("small-batch CPU kernel needs an x86-64 CPU with AVX-512: oneDNN projections")
-        return None
+        why = "needs an x86-64 CPU with AVX-512"
+        log.info("small-batch CPU kernel %s: oneDNN projections", why)
+        return None, why
     # make's reading of $CXX: empty means the default, and it may carry arguments (ccache g++)
     cxx = shlex.split(os.environ.get("CXX") or "g++") or ["g++"]
     exe = shutil.which(cxx[0])
     if exe is None:
-        log.info("small-batch CPU kernel needs a C++ compiler (g++ or $CXX): oneDNN projections")
-        return None
+        why = f"needs a C++ compiler ({cxx[0]} not found; set $CXX)"
+        log.warning(
+            "small-batch CPU kernel %s: oneDNN projections, decoding about 1.5-2x slower on "
+            "this CPU; install g++ to build it",
+            why,
+        )
+        return None, why
     cxx = [exe, *cxx[1:]]
     try:
         path = _build(cxx, cpu)
@@ -147,18 +155,25 @@ def _function():
             path.unlink(missing_ok=True)
             fn = ctypes.CDLL(str(_build(cxx, cpu))).sg_linear_f32
     except (OSError, AttributeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.info("small-batch CPU kernel did not build (%s): oneDNN projections", detail[:500])
-        return None
+        detail = (getattr(e, "stderr", "") or str(e)).strip()
+        why = f"did not build with {' '.join(cxx)}"
+        log.warning("small-batch CPU kernel %s: oneDNN projections (%s)", why, detail[:500])
+        return None, why
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     fn.restype = None
-    return fn
+    return fn, None
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
-    return _function() is not None
+    return _load()[0] is not None
+
+
+def status() -> str:
+    """``"on"``, or why the kernel does not run (e.g. ``"needs an x86-64 CPU with AVX-512"``);
+    builds it on the first call."""
+    return _load()[1] or "on"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -199,7 +214,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         )
     ):
         return None
-    fn = _function()
+    fn = _load()[0]
     if fn is None:
         return None
     if bias is not None:
