@@ -24,6 +24,7 @@ from spec_grammar import Ebnf, JsonSchema, Regex
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker, build_prompt
+from spec_grammar.worker.decoder import cpu_gemm
 from spec_grammar.worker.defaults import DEFAULT_FORCED_TOKENS
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
@@ -478,6 +479,7 @@ def test_cli_generate_json(tmp_path):
     assert all(s["predicted_ms"] > 0 for s in steps[2:] if s["batch_size"])  # after 2 measured
     assert out["runner"]["forced_tokens"] is DEFAULT_FORCED_TOKENS  # says whether it is on
     assert out["runner"]["draft_budget"] is True  # on by default (--no-draft-budget: off)
+    assert out["runner"]["cpu_projections"] == cpu_gemm.status()  # "on", or why not
 
 
 @pytest.mark.parametrize(
