@@ -737,7 +737,7 @@ def run(args) -> int:
             "forced_tokens": worker.config.forced_tokens,
             "draft_budget": worker.config.draft_budget,
         }
-        if worker.runner.device.type == "cpu":
+        if str(worker.runner.device) == "cpu":
             from ..worker.decoder import cpu_gemm
 
             # "on", or why the small-batch kernel does not run (oneDNN does: slower decoding)
