@@ -18,6 +18,17 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
+def _run_fresh(code: str, cache=None, **env) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (the kernel's load is cached per process), with ``env``
+    added and ``SPEC_GRAMMAR_CACHE`` set to ``cache`` when given."""
+    run_env = {**os.environ, **env}
+    if cache is not None:
+        run_env["SPEC_GRAMMAR_CACHE"] = str(cache)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120
+    )
+
+
 def _reference(x, w, b):
     return torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
 
@@ -99,10 +110,7 @@ def test_without_the_kernel_projections_fall_back_to_onednn(tmp_path, env, reaso
         "want = torch.nn.functional.linear(x.double(), w.double())\n"
         "assert torch.allclose(ops.linear(x, w, None).double(), want, atol=1e-4)\n"
     )
-    run_env = {**os.environ, "SPEC_GRAMMAR_CACHE": str(tmp_path), **env}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120
-    )
+    out = _run_fresh(code, tmp_path, **env)
     assert out.returncode == 0, out.stderr
     if reason == "build" and not cpu_gemm.available():
         pytest.skip("no AVX-512 CPU here: the build is never tried")
@@ -147,10 +155,7 @@ def _probe(cache, **env):
         "from spec_grammar.worker.decoder import cpu_gemm\n"
         "print('available', cpu_gemm.available())\n"
     )
-    run_env = {**os.environ, "SPEC_GRAMMAR_CACHE": str(cache), **env}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120
-    )
+    out = _run_fresh(code, cache, **env)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -230,7 +235,7 @@ def test_fake_tensors_and_dispatch_modes_never_reach_the_kernel():
         "    want = torch.nn.functional.linear(fx, fw, fb)\n"
         "    assert type(y) is type(want) and y.shape == want.shape == (3, 7)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = _run_fresh(code)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
 
 
@@ -239,10 +244,7 @@ def test_status_says_whether_the_kernel_runs_and_why_not():
     compiler is a warning on stderr (the user can act on it), not only an INFO record."""
     assert (cpu_gemm.status() == "on") == cpu_gemm.available()
     code = "from spec_grammar.worker.decoder import cpu_gemm\nprint(cpu_gemm.status())\n"
-    env = {**os.environ, "CXX": "no-such-compiler-xyz", "SPEC_GRAMMAR_CPU_GEMM": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = _run_fresh(code, CXX="no-such-compiler-xyz", SPEC_GRAMMAR_CPU_GEMM="1")
     assert out.returncode == 0, out.stderr
     if "AVX-512" in out.stdout:
         pytest.skip("no AVX-512 CPU here: the compiler is never looked for")
