@@ -4,19 +4,31 @@ spec-grammar plugin's hook, side by side in one run.
 Both sides get the same batch: real JSONSchemaBench schemas, a valid instance of each (sampled
 from the grammar), a draft tree per request grown along the instance (:mod:`.trees`: the
 instance's next token first, other children valid with probability 0.65), roots at spread
-positions of the instance. SGLang's side: ``spec_utils.generate_token_bitmask`` (a Python DFS
-per request, ``traverse_tree``) over ``XGrammarGrammar`` / ``GuidanceGrammar`` objects built by
-SGLang's own ``XGrammarGrammarBackend`` / ``GuidanceBackend`` (any whitespace, as SGLang's
-default). Ours: :func:`spec_grammar.integrations.sglang.tree_fill.generate_token_bitmask` over
-the ``spec-grammar:<library>`` objects. Each cell is the fastest of interleaved repeats (the
-least disturbed by other work on a shared host), the median beside it; the ratio is SGLang's
-time over ours. Before each repeat the previous masks are dropped, as SGLang's verify step
-drops its own (a mask still held cannot be reused by the hook's CPU mask pool). Requests of a
-batch differ: four schemas cycled, each request at its own position of its instance with its
-own tree. Rows are also compared (SGLang's built-in grammars are
-compiled with SGLang's settings; rows are compared on every token but the special ones, which
-SGLang's xgrammar grammars allow as text inside strings and ours never do; the count of rows
-that still differ is printed).
+positions of the instance. A child counts as valid when both grammars allow it (``--valid-on
+both``, the default), so both sides fill the rows of the same nodes: llguidance's own masks
+allow only the canonical spelling of forced text where ours allow every spelling
+(``--valid-on ours`` grows the trees from our grammars alone; our llguidance rows then cover
+more nodes than SGLang's).
+
+SGLang's side: ``spec_utils.generate_token_bitmask`` (a Python DFS per request,
+``traverse_tree``) over ``XGrammarGrammar`` / ``GuidanceGrammar`` objects built by SGLang's own
+``XGrammarGrammarBackend`` / ``GuidanceBackend`` (any whitespace, as SGLang's default). Ours:
+:func:`spec_grammar.integrations.sglang.tree_fill.generate_token_bitmask` over the
+``spec-grammar:<library>`` objects. Each cell is the fastest of interleaved repeats (the least
+disturbed by other work on a shared host), the median beside it; the ratio is SGLang's time
+over ours. Before each repeat the previous masks are dropped, as SGLang's verify step drops its
+own (a mask still held cannot be reused by the hook's CPU mask pool). Requests of a batch
+differ: four schemas cycled, each request at its own position of its instance with its own
+tree.
+
+The library's share: the time SGLang's walk spends inside its grammar objects'
+``fill_vocab_mask`` (the library's mask computation; fastest of separate passes). A fill that
+has the library compute each row cannot take less, so "ceiling" = SGLang's walk / that share
+bounds the ratio any such hook can reach.
+
+Rows are also compared (SGLang's built-in grammars are compiled with SGLang's settings; rows
+are compared on every token but the special ones, which SGLang's xgrammar grammars allow as
+text inside strings and ours never do; the count of rows that still differ is printed).
 
     python -m spec_grammar_bench.sglang_tree [--models smollm2,gemma3] [--repeats 5]
 
@@ -64,7 +76,39 @@ def _sglang_backend(library: str, tok: Any, vocab: int, eos: set[int]) -> Any:
     )  # fmt: skip
 
 
-def _prepare(model: str, library: str, cases: int, sizes: list[int], seed: int) -> dict:
+class _SGLangView:
+    """:func:`.trees.grow_tree`'s matcher interface over an SGLang grammar object: a copy of
+    ``start`` (the object at its grammar's start state) moved along ``path``. A fork replays
+    the path on a new copy (SGLang's xgrammar ``copy()`` starts over, its llguidance one copies
+    the current state: replaying covers both)."""
+
+    def __init__(self, start: Any, path: list[int], info: Any):
+        self.start, self.path, self.info = start, list(path), info
+        self.grammar = start.copy()
+        for t in self.path:
+            self.grammar.accept_token(t)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.grammar.fill_vocab_mask(bitmask, row)
+
+    def fork(self) -> _SGLangView:
+        return _SGLangView(self.start, self.path, self.info)
+
+    def accept_token(self, token: int) -> bool:
+        try:
+            self.grammar.accept_token(token)
+        except ValueError:  # SGLang's objects raise on a token their grammar refuses
+            return False
+        self.path.append(token)
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.grammar.is_terminated()
+
+
+def _prepare(
+    model: str, library: str, cases: int, sizes: list[int], seed: int, valid_on: str
+) -> dict:
     """Per tree size: the request list (schema, prefix, tree) for the largest batch."""
     from spec_grammar.integrations.sglang import register
     from spec_grammar.integrations.sglang.grammar import make_backend_factory
@@ -114,7 +158,11 @@ def _prepare(model: str, library: str, cases: int, sizes: list[int], seed: int) 
             pos = 1 + (r // len(picked)) * max(1, len(ids) - 2) // per
             m = g_ours.matcher.fork()
             m.accept_tokens(ids[:pos])
-            tree, _ = grow_tree([m], ids, pos, n, rng, special[: m.info.tokenizer_vocab_size])
+            matchers = [m]
+            if valid_on == "both":
+                matchers.append(_SGLangView(g_theirs, ids[:pos], m.info))
+            excluded = special[: m.info.tokenizer_vocab_size]
+            tree, _ = grow_tree(matchers, ids, pos, n, rng, excluded)
             reqs.append((key, ids[:pos], tree, g_ours, g_theirs))
         plans[n] = reqs
     return {"tok": tok, "vocab": vocab, "plans": plans, "special": special}
@@ -141,10 +189,38 @@ def _tensors(reqs: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return nxt, sib, toks
 
 
+def _library_ms(fill: Any, objs: list[Any], args: tuple, vocab: int, repeats: int) -> float:
+    """Milliseconds SGLang's walk ``fill`` spends inside the grammar objects'
+    ``fill_vocab_mask`` (fastest of ``repeats`` passes; the objects are restored)."""
+    spent = [0.0]
+
+    def timed(method: Any) -> Any:
+        def fill_vocab_mask(*a: Any) -> None:
+            t0 = time.perf_counter()
+            method(*a)
+            spent[0] += time.perf_counter() - t0
+
+        return fill_vocab_mask
+
+    for o in objs:
+        o.grammar.fill_vocab_mask = timed(o.grammar.fill_vocab_mask)
+    best = float("inf")
+    try:
+        for _ in range(repeats):
+            spent[0] = 0.0
+            fill(objs, *args, vocab)
+            best = min(best, spent[0])
+    finally:
+        for o in objs:
+            del o.grammar.fill_vocab_mask
+    return 1e3 * best
+
+
 def run(models: list[str], libraries: list[str], sizes: list[int], batches: list[int],
-        repeats: int, cases: int, seed: int) -> list[dict]:  # fmt: skip
-    """One row per (model, library, draft tokens, batch): median seconds of each side, the
-    ratio and the number of rows that differ."""
+        repeats: int, cases: int, seed: int, valid_on: str = "both") -> list[dict]:  # fmt: skip
+    """One row per (model, library, draft tokens, batch): fastest and median milliseconds of
+    each side, their ratios, the library's share of SGLang's walk and the ceiling it sets, and
+    the rows that differ or were filled on each side."""
     spec_utils = _import_sglang()
     sglang_fill = spec_utils.generate_token_bitmask
     from spec_grammar.integrations.sglang.tree_fill import generate_token_bitmask as our_fill
@@ -152,7 +228,7 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
     rows = []
     for model in models:
         for library in libraries:
-            prep = _prepare(model, library, cases, sizes, seed)
+            prep = _prepare(model, library, cases, sizes, seed, valid_on)
             vocab = prep["vocab"]
             for n in sizes:
                 for bs in batches:
@@ -174,6 +250,7 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
                         t2 = time.perf_counter()
                         t_theirs.append(t1 - t0)
                         t_ours.append(t2 - t1)
+                    library_ms = _library_ms(sglang_fill, theirs, args, vocab, repeats)
                     # SGLang's xgrammar grammars allow special tokens (<|im_start|>, ...) as text
                     # in strings, ours never do: rows are compared on the other tokens
                     special = np.zeros(32 * m_ours.shape[1], dtype=bool)
@@ -193,16 +270,19 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
                         "ours_ms": 1e3 * min(t_ours),
                         "sglang_median_ms": 1e3 * statistics.median(t_theirs),
                         "ours_median_ms": 1e3 * statistics.median(t_ours),
+                        "library_ms": library_ms,
                         "rows": bs * n, "rows_differ": differ,
                         "filled_sglang": filled_theirs, "filled_ours": filled_ours,
                     }  # fmt: skip
                     row["ratio"] = row["sglang_ms"] / row["ours_ms"]
                     row["ratio_median"] = row["sglang_median_ms"] / row["ours_median_ms"]
+                    row["ceiling"] = row["sglang_ms"] / library_ms
                     rows.append(row)
                     print(
                         f"{model:8s} {library:10s} N={n:3d} bs={bs:3d}  sglang {row['sglang_ms']:9.2f} ms"
                         f"  ours {row['ours_ms']:8.2f} ms  ratio {row['ratio']:6.2f}x"
                         f" (medians {row['ratio_median']:5.2f}x)"
+                        f"  library {library_ms:8.2f} ms (ceiling {row['ceiling']:5.2f}x)"
                         f"  rows differ {differ}/{bs * n}  filled {filled_theirs} vs {filled_ours}",
                         flush=True,
                     )
@@ -213,14 +293,15 @@ def markdown(rows: list[dict]) -> str:
     """The table of :func:`run`'s rows."""
     out = [
         "| model | library | draft tokens | batch | SGLang walk (ms) | our hook (ms) | ratio "
-        "| ratio of medians | rows differing | rows filled (SGLang / ours) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ratio of medians | library's share (ms) | ceiling | rows differing "
+        "| rows filled (SGLang / ours) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         out.append(
             f"| {r['model']} | {r['library']} | {r['draft_tokens']} | {r['batch']} | "
             f"{r['sglang_ms']:.2f} | {r['ours_ms']:.2f} | {r['ratio']:.2f}x | "
-            f"{r['ratio_median']:.2f}x | "
+            f"{r['ratio_median']:.2f}x | {r['library_ms']:.2f} | {r['ceiling']:.2f}x | "
             f"{r['rows_differ']}/{r['rows']} | {r['filled_sglang']} / {r['filled_ours']} |"
         )
     return "\n".join(out)
@@ -235,11 +316,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cases", type=int, default=4, help="real schemas per batch (cycled)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--valid-on", choices=("both", "ours"), default="both",
+        help="grow trees whose valid children both grammars allow (same rows on both sides), "
+        "or our grammars alone",
+    )  # fmt: skip
     p.add_argument("--out", help="write the rows as JSON and the table as Markdown here (stem)")
     a = p.parse_args(argv)
     rows = run(
         a.models.split(","), a.libraries.split(","), [int(x) for x in a.draft_tokens.split(",")],
-        [int(x) for x in a.batches.split(",")], a.repeats, a.cases, a.seed,
+        [int(x) for x in a.batches.split(",")], a.repeats, a.cases, a.seed, a.valid_on,
     )  # fmt: skip
     table = markdown(rows)
     print(table)
