@@ -593,3 +593,15 @@ def test_greedy_tree_speculation_through_sglang_yields_valid_output(sgl_backends
                 break
         assert req.grammar.is_terminated() and out[-1] == eos
         assert re.fullmatch(pattern, sgl_tok.decode(out[:-1])), sgl_tok.decode(out)
+
+
+def test_bench_trees_give_both_sides_the_same_nodes():
+    """The SGLang tree-fill benchmark's default trees count a child as valid only when both
+    grammars allow it, so SGLang's walk over its built-in objects and our hook fill the rows of
+    the same nodes (SGLang's llguidance masks allow only the canonical spelling of forced text,
+    ours every spelling: trees grown from ours alone gave our rows more nodes)."""
+    sglang_tree = pytest.importorskip("spec_grammar_bench.sglang_tree")
+    rows = sglang_tree.run(["smollm2"], ["llguidance", "xgrammar"], [16], [4], 1, 2, 0)
+    assert {r["library"] for r in rows} == {"llguidance", "xgrammar"}
+    for r in rows:
+        assert r["filled_sglang"] == r["filled_ours"] > 4, r
