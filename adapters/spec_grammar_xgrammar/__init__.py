@@ -8,6 +8,7 @@ since xgrammar 0.2.9 has no non-mutating validate.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib.metadata
 import json
@@ -17,7 +18,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -509,6 +510,10 @@ class XGrammarBackend(GrammarBackend):
 
     - ``max_threads``: compiler threads (default 1: on small hosts more threads only add
       contention).
+    - ``num_threads``: threads that fill many requests' tree rows side by side in
+      :meth:`fill_tree_bitmasks` (default as llguidance's executor: 80 % of the CPUs, at most
+      32; 1 fills them one after another). xgrammar's calls release the GIL (tvm-ffi), so the
+      fills of different requests run in parallel.
     - ``dynamic_compilation`` (default ``True``): xgrammar builds each grammar position's
       token-mask cache the first time a matcher reaches it (``GrammarCompiler(...,
       enable_dynamic_compilation=True)``) instead of for every position at compile time. Same
@@ -586,11 +591,16 @@ class XGrammarBackend(GrammarBackend):
         tokenizer: Any,
         *,
         max_threads: int = 1,
+        num_threads: int | None = None,
         dynamic_compilation: bool = True,
         jump_forward_scan_limit: int | None = DEFAULT_JUMP_FORWARD_SCAN_LIMIT,
         **kwargs: Any,
     ):
         super().__init__(tokenizer, **kwargs)
+        cpus = os.cpu_count() or 1
+        self.num_threads = int(num_threads) if num_threads else max(1, min(32, cpus * 4 // 5))
+        self._fill_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self.jump_forward_scan_limit = (
             None if jump_forward_scan_limit is None else int(jump_forward_scan_limit)
         )
@@ -660,6 +670,65 @@ class XGrammarBackend(GrammarBackend):
         if buf is None or buf.shape[0] < n:
             buf = self._scratch.rows = torch.empty((max(n, 64), self._xgr_width), dtype=torch.int32)
         return buf[:n]
+
+    def fill_tree_bitmasks(
+        self,
+        jobs: Sequence[tuple[SpecGrammar, DraftTree, int]],
+        bitmask: torch.Tensor,
+        *,
+        zero_dead_rows: bool = True,
+    ) -> list[torch.Tensor]:
+        """Fill the tree rows of many requests, ``jobs`` = ``(matcher, tree, row_offset)``;
+        rows and the returned ``(N,)`` bool ``valid`` tensors are exactly those of
+        :meth:`SpecGrammar.fill_tree_bitmask` per job (``zero_dead_rows`` as there).
+
+        With ``num_threads > 1`` the jobs are spread over a pool of that many threads, each
+        job's fill whole in one thread. Jobs whose matchers share a library matcher (forks of
+        one request) stay in one thread, in order, as do matchers of other backends. Raises
+        what :meth:`SpecGrammar.fill_tree_bitmask` raises (the first failing job's error, once
+        every job has run)."""
+        if self.num_threads <= 1 or len(jobs) < 2:
+            return super().fill_tree_bitmasks(jobs, bitmask, zero_dead_rows=zero_dead_rows)
+        groups: dict[int, list[int]] = {}
+        for i, (m, _, _) in enumerate(jobs):
+            key = id(m._shared) if isinstance(m, XGrammarMatcher) else 0
+            groups.setdefault(key, []).append(i)
+        if len(groups) < 2:
+            return super().fill_tree_bitmasks(jobs, bitmask, zero_dead_rows=zero_dead_rows)
+        # about equal numbers of nodes per thread, largest groups first
+        order = sorted(groups.values(), key=lambda g: -sum(jobs[i][1].num_nodes for i in g))
+        shares: list[list[int]] = [[] for _ in range(min(self.num_threads, len(order)))]
+        load = [0] * len(shares)
+        for g in order:
+            k = load.index(min(load))
+            shares[k].extend(g)
+            load[k] += sum(jobs[i][1].num_nodes for i in g)
+        results: list[torch.Tensor | None] = [None] * len(jobs)
+
+        def fill(share: list[int]) -> None:
+            for i in share:
+                m, tree, off = jobs[i]
+                results[i] = m.fill_tree_bitmask(tree, bitmask, off, zero_dead_rows=zero_dead_rows)
+
+        with self._pool_lock:
+            if self._fill_pool is None:
+                self._fill_pool = concurrent.futures.ThreadPoolExecutor(
+                    self.num_threads - 1, thread_name_prefix="spec-grammar-xgrammar-fill"
+                )
+        # the caller's thread takes the first share: one hand-off fewer per call
+        futures = [self._fill_pool.submit(fill, share) for share in shares[1:]]
+        error: BaseException | None = None
+        try:
+            fill(shares[0])
+        except BaseException as e:  # noqa: BLE001  (re-raised once the pool's shares are done)
+            error = e
+        for f in futures:
+            e = f.exception()
+            if error is None and e is not None:
+                error = e
+        if error is not None:
+            raise error
+        return results  # type: ignore[return-value]
 
     @classmethod
     def library_version(cls) -> str:

@@ -107,8 +107,9 @@ class _SGLangView:
 
 
 def _prepare(
-    model: str, library: str, cases: int, sizes: list[int], seed: int, valid_on: str
-) -> dict:
+    model: str, library: str, cases: int, sizes: list[int], seed: int, valid_on: str,
+    threads: int | None,
+) -> dict:  # fmt: skip
     """Per tree size: the request list (schema, prefix, tree) for the largest batch."""
     from spec_grammar.integrations.sglang import register
     from spec_grammar.integrations.sglang.grammar import make_backend_factory
@@ -119,6 +120,8 @@ def _prepare(
     vocab = len(tok)
     eos = {tok.eos_token_id}
     ours = make_backend_factory(library)(SimpleNamespace(), tok, vocab, eos)
+    if threads:
+        ours.backend.num_threads = threads  # threads of its batched tree fill
     theirs = _sglang_backend(library, tok, vocab, eos)
     rng = random.Random(seed)
     picked = []
@@ -217,7 +220,8 @@ def _library_ms(fill: Any, objs: list[Any], args: tuple, vocab: int, repeats: in
 
 
 def run(models: list[str], libraries: list[str], sizes: list[int], batches: list[int],
-        repeats: int, cases: int, seed: int, valid_on: str = "both") -> list[dict]:  # fmt: skip
+        repeats: int, cases: int, seed: int, valid_on: str = "both",
+        threads: int | None = 1) -> list[dict]:  # fmt: skip
     """One row per (model, library, draft tokens, batch): fastest and median milliseconds of
     each side, their ratios, the library's share of SGLang's walk and the ceiling it sets, and
     the rows that differ or were filled on each side."""
@@ -228,7 +232,7 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
     rows = []
     for model in models:
         for library in libraries:
-            prep = _prepare(model, library, cases, sizes, seed, valid_on)
+            prep = _prepare(model, library, cases, sizes, seed, valid_on, threads)
             vocab = prep["vocab"]
             for n in sizes:
                 for bs in batches:
@@ -266,6 +270,7 @@ def run(models: list[str], libraries: list[str], sizes: list[int], batches: list
                     filled_theirs = int((m_theirs != -1).any(dim=1).sum())
                     row = {
                         "model": model, "library": library, "draft_tokens": n, "batch": bs,
+                        "threads": threads or 0,
                         "sglang_ms": 1e3 * min(t_theirs),
                         "ours_ms": 1e3 * min(t_ours),
                         "sglang_median_ms": 1e3 * statistics.median(t_theirs),
@@ -317,6 +322,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", type=int, default=4, help="real schemas per batch (cycled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--threads", type=int, default=1,
+        help="threads of our backends' batched tree fill (0: the backend's default, 80%% of the "
+        "CPUs); SGLang's walk runs on one",
+    )  # fmt: skip
+    p.add_argument(
         "--valid-on", choices=("both", "ours"), default="both",
         help="grow trees whose valid children both grammars allow (same rows on both sides), "
         "or our grammars alone",
@@ -325,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     rows = run(
         a.models.split(","), a.libraries.split(","), [int(x) for x in a.draft_tokens.split(",")],
-        [int(x) for x in a.batches.split(",")], a.repeats, a.cases, a.seed, a.valid_on,
+        [int(x) for x in a.batches.split(",")], a.repeats, a.cases, a.seed, a.valid_on, a.threads,
     )  # fmt: skip
     table = markdown(rows)
     print(table)

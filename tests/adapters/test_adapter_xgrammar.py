@@ -15,8 +15,11 @@ import torch
 
 from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.datasets import bfcl_cases
+from spec_grammar.errors import GrammarStateError
 from spec_grammar.specs import ToolCalls
 from spec_grammar.tree import DraftTree
+
+XGrammarBackend = pytest.importorskip("spec_grammar_xgrammar").XGrammarBackend
 
 pytestmark = pytest.mark.model
 
@@ -117,3 +120,50 @@ def test_special_tokens_as_0xff_same_masks_as_empty_text(tok):
         cache_enabled=False,
     )
     _same_masks(tok, empty, fast)
+
+
+def test_threaded_tree_fill_equals_one_by_one(tok):
+    """``num_threads=2``: many requests' tree rows filled on two threads equal each job's own
+    ``fill_tree_bitmask`` one after another (itself checked against fresh-matcher replay by the
+    conformance suite), forks of one request included, with and without ``zero_dead_rows``;
+    a terminated job raises once the others are filled, and every matcher is left as it was."""
+    par = XGrammarBackend(tok, num_threads=2)
+    assert XGrammarBackend(tok, num_threads=1).num_threads == 1
+    rng = random.Random(1)
+    jobs, rows = [], 0
+    for case in bfcl_cases()[:4]:
+        compiled = par.compile(ToolCalls(case["tools"], whitespace="spaced"))
+        ids = tok.encode(
+            json.dumps(case["example_output"], separators=(", ", ": ")), add_special_tokens=False
+        )
+        for p in (1, len(ids) // 2):
+            m = par.matcher(compiled)
+            m.accept_tokens(ids[:p])
+            nxt = ids[p : p + 5]
+            tree = DraftTree(
+                [ids[p - 1]] + nxt + [rng.randrange(len(tok)) for _ in range(4)],
+                [-1] + list(range(len(nxt))) + [rng.randrange(len(nxt) + 1) for _ in range(4)],
+            )
+            for job_matcher in (m, m.fork()):  # a fork shares m's library matcher
+                jobs.append((job_matcher, tree, rows))
+                rows += tree.num_nodes
+    before = [m.num_accepted for m, _, _ in jobs]
+    for zero_dead in (True, False):
+        one = torch.full((rows, par.tokenizer_info.bitmask_width), 0x5A5A5A5A, dtype=torch.int32)
+        two = one.clone()
+        want = [m.fill_tree_bitmask(t, one, off, zero_dead_rows=zero_dead) for m, t, off in jobs]
+        got = par.fill_tree_bitmasks(jobs, two, zero_dead_rows=zero_dead)
+        assert [v.tolist() for v in got] == [v.tolist() for v in want]
+        assert torch.equal(one, two)
+    assert par._fill_pool is not None  # the pool filled a share
+    assert [m.num_accepted for m, _, _ in jobs] == before
+
+    done = par.matcher(compiled)  # the last case's grammar, at the end of its example
+    assert done.accept_tokens(ids + [tok.eos_token_id]) == len(ids) + 1 and done.is_terminated()
+    bm = allocate_token_bitmask(rows + 1, par.vocab_size)
+    with pytest.raises(GrammarStateError):
+        par.fill_tree_bitmasks(jobs + [(done, DraftTree([0], [-1]), rows)], bm)
+    one = allocate_token_bitmask(rows, par.vocab_size)
+    for m, t, off in jobs:
+        m.fill_tree_bitmask(t, one, off)
+    assert torch.equal(bm[:rows], one)  # the other jobs were still filled
