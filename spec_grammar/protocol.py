@@ -426,6 +426,11 @@ class GrammarBackend(ABC):
         if self.max_forced_tokens < 0:
             raise ValueError(f"max_forced_tokens must be >= 0, got {max_forced_tokens}")
 
+    library_requirement: str | None = None
+    """The grammar library and the oldest release the adapter works with, as a pip requirement
+    ``"name>=X.Y.Z"`` (None: not checked). :func:`~spec_grammar.registry.load_backend_class`
+    refuses the backend when :meth:`library_version` is older."""
+
     @classmethod
     def library_version(cls) -> str:
         """Version of the grammar library behind this backend."""

@@ -7,6 +7,7 @@ can also be named directly as ``module:Class``.
 from __future__ import annotations
 
 import importlib
+import re
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -80,12 +81,33 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         raise BackendNotFoundError(
             f"{name!r}: {cls.__name__} does not implement the hook(s) {', '.join(missing)}"
         )
+    if cls.library_requirement:
+        _check_library(name, cls, cls.library_requirement)
     if not isinstance(cls.capabilities, Capabilities):
         raise BackendNotFoundError(
             f"{name!r}: {cls.__name__}.capabilities must be a Capabilities, got "
             f"{type(cls.capabilities).__name__} (every grammar would be refused as unsupported)"
         )
     return cls
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string (``"0.2.9.post1"`` -> ``(0, 2, 9)``)."""
+    m = re.match(r"\d+(?:\.\d+)*", version.strip())
+    return tuple(int(x) for x in m.group().split(".")) if m else ()
+
+
+def _check_library(name: str, cls: type[GrammarBackend], requirement: str) -> None:
+    """Raise :class:`BackendNotFoundError` when ``cls``'s library is older than
+    ``requirement`` (``"name>=X.Y.Z"``): an older release (an engine's pin) fails later with
+    the library's own error, far from its cause."""
+    library, _, minimum = requirement.partition(">=")
+    found = cls.library_version()
+    if _release(found) and _release(found) < _release(minimum):
+        raise BackendNotFoundError(
+            f"backend {name!r} needs {requirement}, found {library} {found}; "
+            f"install it with: pip install '{requirement}'"
+        )
 
 
 def get_backend(

@@ -437,6 +437,7 @@ class LLGuidanceBackend(GrammarBackend):
     """
 
     name = "llguidance"
+    library_requirement = "llguidance>=1.9"  # the oldest release tested (the extra's pin)
     capabilities = Capabilities(
         json_schema=True,
         regex=True,

@@ -666,6 +666,7 @@ class OutlinesBackend(GrammarBackend):
     """
 
     name = "outlines"
+    library_requirement = "outlines-core>=0.2.14"  # the oldest release tested (the extra's pin)
     capabilities = Capabilities(
         json_schema=True,
         regex=True,

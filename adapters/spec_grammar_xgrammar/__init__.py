@@ -534,6 +534,7 @@ class XGrammarBackend(GrammarBackend):
     """
 
     name = "xgrammar"
+    library_requirement = "xgrammar>=0.2.9"  # the oldest release tested (the extra's pin)
     capabilities = Capabilities(
         json_schema=True,
         regex=True,

@@ -8,6 +8,7 @@ Real backends on the SmolLM2 tokenizer with 64 padding columns (so ids in
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from functools import cache
@@ -138,6 +139,22 @@ def test_size_limit_and_unknown_backend(name):
         get_backend("xgramar", tok)
     with pytest.raises(BackendNotFoundError, match=r"cannot load backend class 'nosuch\.module:X'"):
         load_backend_class("nosuch.module:X")
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_library_older_than_the_adapter_needs_is_refused(name, monkeypatch):
+    """An engine's pin can leave an older library in place (SGLang 0.5.23 pins xgrammar 0.2.7,
+    whose GrammarCompiler lacks an argument ours passes: a TypeError when the engine built the
+    backend): loading the backend says what it needs and what it found."""
+    cls = load_backend_class(name)  # the installed release is new enough
+    library = cls.library_requirement.partition(">=")[0]
+    monkeypatch.setattr(cls, "library_version", classmethod(lambda c: "0.0.1"))
+    with pytest.raises(
+        BackendNotFoundError,
+        match=rf"^backend '{name}' needs {re.escape(cls.library_requirement)}, "
+        rf"found {re.escape(library)} 0\.0\.1; install it with: pip install",
+    ):
+        get_backend(name, fixture_tokenizer("smollm2")[0])
 
 
 class _Blocked:

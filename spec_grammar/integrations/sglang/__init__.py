@@ -12,11 +12,14 @@ SGLang's ``load_plugins()`` runs it in the launcher and in every scheduler proce
   worker, with :func:`.tree_fill.generate_token_bitmask` through SGLang's ``HookRegistry``
   (``HookType.REPLACE``); ``SPEC_GRAMMAR_SGLANG_TREE_FILL=0`` leaves SGLang's own walk in place.
 
-Needs the ``sglang`` extra (``pip install 'spec-grammar[sglang]'``). See docs/serving-sglang.md.
+Needs the ``sglang`` extra (``pip install -e '.[sglang,llguidance]'`` from a checkout; the
+install and SGLang's pins: docs/serving-sglang.md). Registering the hook logs one INFO line
+(logger ``spec_grammar.integrations.sglang``) per process.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from importlib.metadata import entry_points
 
@@ -31,6 +34,7 @@ TREE_FILL_ENV = "SPEC_GRAMMAR_SGLANG_TREE_FILL"
 __all__ = ["register", "backend_names", "PREFIX", "TREE_FILL_ENV"]
 
 _hook_registered = False
+logger = logging.getLogger(__name__)
 
 
 def backend_names() -> list[str]:
@@ -61,3 +65,5 @@ def register() -> None:
 
         HookRegistry.register(TARGET, generate_token_bitmask, HookType.REPLACE)
         _hook_registered = True
+        # SGLang applies registered hooks after loading the plugins and logs a failure itself
+        logger.info("spec-grammar's draft-tree mask fill registered to replace %s", TARGET)
