@@ -593,3 +593,19 @@ def test_greedy_tree_speculation_through_sglang_yields_valid_output(sgl_backends
                 break
         assert req.grammar.is_terminated() and out[-1] == eos
         assert re.fullmatch(pattern, sgl_tok.decode(out[:-1])), sgl_tok.decode(out)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_grammars_accepting_nothing_become_invalid_objects(sgl_backends, name):
+    """A key string that json.loads cannot nest (RecursionError) and an EBNF grammar whose
+    start state allows no token (xgrammar: an empty row; llguidance: a failed matcher, which
+    raised inside SGLang's mask fill) are refused at dispatch with the reason."""
+    b = sgl_backends[name]
+    deep = b.dispatch_json("[" * 100_000 + "]" * 100_000)
+    assert isinstance(deep, sgl_base.InvalidGrammarObject)
+    assert "recursion" in deep.error_message
+    empty = b.dispatch_ebnf("root ::= root")
+    assert isinstance(empty, sgl_base.InvalidGrammarObject)
+    assert "accepts no document" in empty.error_message
+    ok = b.dispatch_ebnf('root ::= "a" | root')  # recursion with a way out is served
+    assert isinstance(ok, SGLangGrammar)

@@ -36,7 +36,7 @@ from sglang.srt.constrained.base_grammar_backend import (
 )
 
 from ...bitmask import bitmask_width
-from ...errors import SpecGrammarError
+from ...errors import GrammarCompileError, GrammarStateError, SpecGrammarError
 from ...kernels import apply_token_bitmask_inplace
 from ...protocol import CompiledGrammar, GrammarBackend, SpecGrammar
 from ...registry import get_backend
@@ -182,7 +182,23 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         try:
             spec: GrammarSpec = spec_fn()
             compiled = self.backend.compile(spec)
-        except (SpecGrammarError, ValueError) as e:
+            matcher = self.backend.matcher(compiled)
+            # a grammar whose start state allows no token (``root ::= root``) accepts no
+            # document: xgrammar hands out an empty row, llguidance's matcher fails at the
+            # first fill, which would raise inside SGLang's batch mask fill
+            row = allocate_mask(matcher.info.vocab_size, 1)
+            try:
+                matcher.fill_next_token_bitmask(row, 0)
+                failed = None if bool(row.any()) else "it allows no token"
+            except GrammarStateError as e:
+                failed = f"its matcher failed: {e}"
+            if failed:
+                raise GrammarCompileError(
+                    f"the grammar accepts no document (at its start state {failed})",
+                    backend=self.backend.name,
+                )
+        # RecursionError: json.loads of a deeply nested key string
+        except (SpecGrammarError, ValueError, RecursionError) as e:
             logger.error(
                 "spec-grammar:%s cannot serve %s %.200r: %s",
                 self.backend.name,
@@ -194,10 +210,7 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         for line in compiled.warnings:
             logger.warning("spec-grammar:%s does not enforce %s", self.backend.name, line)
         return SGLangGrammar(
-            self.backend,
-            self.backend.matcher(compiled),
-            compiled,
-            GrammarStats(dispatch_type=dispatch_type),
+            self.backend, matcher, compiled, GrammarStats(dispatch_type=dispatch_type)
         )
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
