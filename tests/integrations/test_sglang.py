@@ -609,3 +609,48 @@ def test_grammars_accepting_nothing_become_invalid_objects(sgl_backends, name):
     assert "accepts no document" in empty.error_message
     ok = b.dispatch_ebnf('root ::= "a" | root')  # recursion with a way out is served
     assert isinstance(ok, SGLangGrammar)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_a_state_with_no_continuation_aborts_only_its_request(sgl_backends, sgl_tok, doc, name):
+    """``"a" x`` with ``x ::= x`` reaches a state that allows nothing: xgrammar gives an empty
+    row, llguidance's matcher fails (GrammarStateError, a RuntimeError, which SGLang's mask
+    fill and its ``except ValueError`` around accept_token did not catch: the scheduler
+    crashed). Now the row is all-zero, the next accept_token raises ValueError (SGLang aborts
+    that request), rollback recovers, and in the tree hook a dead draft node leaves the other
+    requests of the batch (same backend) with SGLang's rows."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as P,
+    )
+
+    V = len(sgl_tok)
+    a, b = (sgl_tok.encode(c, add_special_tokens=False)[0] for c in "ab")
+    proto = sgl_backends[name].dispatch_ebnf('root ::= "a" x | "b"\nx ::= x')
+    assert isinstance(proto, SGLangGrammar)
+    g = proto.copy()
+    rows = g.allocate_vocab_mask(V, 3, "cpu")
+    g.fill_vocab_mask(rows, 0)
+    g.accept_token(a)
+    g.fill_vocab_mask(rows, 1)
+    assert not bool(rows[1].any())
+    req = SimpleNamespace(grammar=g, rid="dead", to_finish=None)
+    assert P._accept_grammar_tokens(None, req, [b]) == []
+    assert req.to_finish is not None
+    g.rollback(1)
+    g.fill_vocab_mask(rows, 2)
+    assert torch.equal(rows[0], rows[2])
+
+    # the tree hook: a healthy request beside one whose tree holds the dead node
+    good = _grammar(sgl_backends, name)
+    for t in doc[:3]:
+        good.accept_token(t)
+    reqs = [SimpleNamespace(grammar=good), SimpleNamespace(grammar=proto.copy())]
+    nxt = torch.tensor([[1, 2, -1, -1], [1, -1, -1, -1]])
+    sib = torch.tensor([[-1, -1, -1, -1], [-1, 2, 3, -1]])
+    toks = torch.tensor([[doc[2], doc[3], doc[4], 0], [0, a, b, b]])
+    for _ in range(2):  # and again: the matchers are usable after the failure
+        ours, _ = generate_token_bitmask(reqs, nxt, sib, toks, V)
+        theirs, _ = SGLANG_GENERATE(reqs, nxt, sib, toks, V)
+        assert torch.equal(ours, theirs)
+        assert not bool(ours[5].any()) and torch.equal(ours[4], rows[0])
+        assert good.matcher.num_accepted == 3 and reqs[1].grammar.matcher.num_accepted == 0
