@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import operator
 import os
 from typing import Any
 
@@ -131,6 +132,7 @@ class SGLangGrammar(BaseGrammarObject):
         :class:`~spec_grammar.errors.GrammarStateError` beyond ``max_rollback_tokens`` or
         the tokens accepted so far."""
         m = self.matcher
+        k = operator.index(k)
         if not 0 <= k <= min(len(self.path), m.max_rollback_tokens):
             raise GrammarStateError(
                 f"rollback({k}) with {len(self.path)} tokens accepted "
