@@ -654,3 +654,24 @@ def test_a_state_with_no_continuation_aborts_only_its_request(sgl_backends, sgl_
         assert torch.equal(ours, theirs)
         assert not bool(ours[5].any()) and torch.equal(ours[4], rows[0])
         assert good.matcher.num_accepted == 3 and reqs[1].grammar.matcher.num_accepted == 0
+
+
+def test_a_walk_that_raises_leaves_our_grammar_where_it_was(sgl_backends, sgl_tok, doc):
+    """Cyclic sibling links send SGLang's traverse_tree (which the hook uses for links it
+    cannot read as a tree) into RecursionError after hundreds of accept_token calls without
+    their rollbacks; the hook re-raises with the grammar back at its state (replay oracle)."""
+    V = len(sgl_tok)
+    for name in BACKENDS:
+        g = _grammar(sgl_backends, name)
+        for t in doc[:5]:
+            g.accept_token(t)
+        want = g.allocate_vocab_mask(V, 2, "cpu")
+        g.fill_vocab_mask(want, 0)
+        nxt = torch.tensor([[1, -1, -1]])
+        sib = torch.tensor([[-1, 2, 1]])  # node 1 -> 2 -> 1 -> ...
+        toks = torch.tensor([[doc[4], doc[5], doc[5]]])
+        with pytest.raises(RecursionError):
+            generate_token_bitmask([SimpleNamespace(grammar=g)], nxt, sib, toks, V)
+        assert g.matcher.num_accepted == 5 and g.path == doc[:5]
+        g.fill_vocab_mask(want, 1)
+        assert torch.equal(want[0], want[1]), name

@@ -258,12 +258,22 @@ def generate_token_bitmask(
         # imported here: spec_utils pulls in SGLang's kernels, which registration must not
         from sglang.srt.speculative.spec_utils import traverse_tree
     for i in walk:
-        traverse_tree(
-            retrieve_next_token_cpu[i],
-            retrieve_next_sibling_cpu[i],
-            draft_tokens_cpu[i],
-            reqs[i].grammar,
-            mask[i * n : (i + 1) * n],
-            vocab_size=vocab_size,
-        )
+        g = reqs[i].grammar
+        mark = len(g.path) if isinstance(g, SGLangGrammar) else None
+        try:
+            traverse_tree(
+                retrieve_next_token_cpu[i],
+                retrieve_next_sibling_cpu[i],
+                draft_tokens_cpu[i],
+                g,
+                mask[i * n : (i + 1) * n],
+                vocab_size=vocab_size,
+            )
+        except BaseException:
+            # SGLang's walk stops without its rollbacks (RecursionError on cyclic links, an
+            # id < 0 it reads a bit for): ours go back to where they were
+            if mark is not None and len(g.path) != mark:
+                del g.path[mark:]
+                g.recover()
+            raise
     return mask, grammar
