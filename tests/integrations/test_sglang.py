@@ -675,3 +675,18 @@ def test_a_walk_that_raises_leaves_our_grammar_where_it_was(sgl_backends, sgl_to
         assert g.matcher.num_accepted == 5 and g.path == doc[:5]
         g.fill_vocab_mask(want, 1)
         assert torch.equal(want[0], want[1]), name
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_regex_with_a_lone_trailing_backslash_is_refused(sgl_backends, sgl_tok, name):
+    """``a\\`` is not a regex (Python's re and xgrammar / outlines-core refuse it);
+    llguidance's grammar_from_regex dropped the backslash and served ``a``. An escaped
+    backslash stays a literal one."""
+    b = sgl_backends[name]
+    for bad in ("a\\", "\\", "a\\\\\\"):
+        g = b.dispatch_regex(bad)
+        assert isinstance(g, sgl_base.InvalidGrammarObject), (bad, g)
+    g = b.dispatch_regex("a\\\\")
+    assert isinstance(g, SGLangGrammar)
+    ids = sgl_tok.encode("a\\", add_special_tokens=False)
+    assert g.matcher.validate_tokens(ids + [sgl_tok.eos_token_id]) == len(ids) + 1
