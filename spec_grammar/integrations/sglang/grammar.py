@@ -183,7 +183,10 @@ class SGLangGrammar(BaseGrammarObject):
         """Write the allowed set of the current state into row ``idx`` of the CPU mask.
         Raises :class:`~spec_grammar.errors.BitmaskError` on a mask of another width. A state
         at which the grammar library fails (twice: once more after :meth:`recover`) gets an
-        all-zero row."""
+        all-zero row. Raises :class:`~spec_grammar.errors.GrammarStateError` once terminated
+        (SGLang fills only live grammars)."""
+        if self.is_terminated():
+            self.matcher.fill_next_token_bitmask(vocab_mask, idx)  # raises, with the reason
         for _ in range(2):
             try:
                 self.matcher.fill_next_token_bitmask(vocab_mask, idx)
