@@ -690,3 +690,58 @@ def test_regex_with_a_lone_trailing_backslash_is_refused(sgl_backends, sgl_tok, 
     assert isinstance(g, SGLangGrammar)
     ids = sgl_tok.encode("a\\", add_special_tokens=False)
     assert g.matcher.validate_tokens(ids + [sgl_tok.eos_token_id]) == len(ids) + 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@_tree_property(10)
+@given(data=st.data())
+def test_object_contract_against_fresh_replay(sgl_backends, sgl_tok, doc, name, data):
+    """Random accept / refused token / rollback (also past the history) / copy sequences on
+    SGLang grammar objects: a refused token or a refused rollback changes nothing, copies
+    diverge freely, and every object's row and termination equal a fresh matcher replaying
+    its accepted tokens."""
+    V, eos = len(sgl_tok), sgl_tok.eos_token_id
+    proto = _grammar(sgl_backends, name)
+    objs, paths = [proto.copy()], [[]]
+
+    def row(g):
+        m = g.allocate_vocab_mask(V, 1, "cpu")
+        g.fill_vocab_mask(m, 0)
+        return m[0]
+
+    for _ in range(data.draw(st.integers(1, 12))):
+        i = data.draw(st.integers(0, len(objs) - 1))
+        g, p = objs[i], paths[i]
+        op = data.draw(st.sampled_from(["doc", "doc", "eos", "bad", "rollback", "copy"]))
+        if op in ("doc", "eos") and not g.is_terminated() and p == doc[: len(p)]:
+            # some more of the document, or all of it and EOS
+            more = doc[len(p) :] + [eos] if op == "eos" else doc[len(p) : len(p) + 6]
+            for t in more:
+                g.accept_token(t)
+                p.append(t)
+        elif op == "bad":
+            t = data.draw(st.sampled_from([-1, V, V + 7, 2**40, sgl_tok.encode("}")[0]]))
+            live = not g.is_terminated()
+            before = row(g) if live else None
+            if live and 0 <= t < V and (int(before[t // 32]) >> (t % 32)) & 1:
+                continue  # allowed here
+            with pytest.raises(ValueError):
+                g.accept_token(t)
+            assert g.path == p and (not live or torch.equal(row(g), before))
+        elif op == "rollback":
+            k = data.draw(st.integers(0, len(p) + 2))
+            if k > len(p):
+                with pytest.raises(Exception, match="rollback"):
+                    g.rollback(k)
+            else:
+                g.rollback(k)
+                del p[len(p) - k :]
+        elif op == "copy":
+            objs.append(g.copy())
+            paths.append(list(p))
+    for g, p in zip(objs, paths):
+        fresh = proto.copy()
+        assert fresh.matcher.accept_tokens(p) == len(p) and g.path == p
+        assert g.is_terminated() == fresh.is_terminated()
+        if not g.is_terminated():
+            assert torch.equal(row(g), row(fresh))
