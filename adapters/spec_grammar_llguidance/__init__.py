@@ -541,7 +541,14 @@ class LLGuidanceBackend(GrammarBackend):
                     schema = json.dumps(rewritten, ensure_ascii=False)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         if isinstance(spec, Regex):
-            return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+            pattern = spec.pattern
+            if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+                # grammar_from_regex drops a lone trailing backslash (`a\` was served as `a`)
+                raise GrammarCompileError(
+                    "regex failed to compile: it ends with an unfinished escape (a lone "
+                    "trailing backslash)"
+                )
+            return llguidance.LLMatcher.grammar_from_regex(pattern)
         if isinstance(spec, Ebnf):
             text = spec.text
             if spec.root != "root":

@@ -595,6 +595,158 @@ def test_greedy_tree_speculation_through_sglang_yields_valid_output(sgl_backends
         assert re.fullmatch(pattern, sgl_tok.decode(out[:-1])), sgl_tok.decode(out)
 
 
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_grammars_accepting_nothing_become_invalid_objects(sgl_backends, name):
+    """A key string that json.loads cannot nest (RecursionError) and an EBNF grammar whose
+    start state allows no token (xgrammar: an empty row; llguidance: a failed matcher, which
+    raised inside SGLang's mask fill) are refused at dispatch with the reason."""
+    b = sgl_backends[name]
+    deep = b.dispatch_json("[" * 100_000 + "]" * 100_000)
+    assert isinstance(deep, sgl_base.InvalidGrammarObject)
+    assert "recursion" in deep.error_message
+    empty = b.dispatch_ebnf("root ::= root")
+    assert isinstance(empty, sgl_base.InvalidGrammarObject)
+    assert "accepts no document" in empty.error_message
+    ok = b.dispatch_ebnf('root ::= "a" | root')  # recursion with a way out is served
+    assert isinstance(ok, SGLangGrammar)
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_a_state_with_no_continuation_aborts_only_its_request(sgl_backends, sgl_tok, doc, name):
+    """``"a" x`` with ``x ::= x`` reaches a state that allows nothing: xgrammar gives an empty
+    row, llguidance's matcher fails (GrammarStateError, a RuntimeError, which SGLang's mask
+    fill and its ``except ValueError`` around accept_token did not catch: the scheduler
+    crashed). Now the row is all-zero, the next accept_token raises ValueError (SGLang aborts
+    that request), rollback recovers, and in the tree hook a dead draft node leaves the other
+    requests of the batch (same backend) with SGLang's rows."""
+    from sglang.srt.managers.scheduler_components.batch_result_processor import (
+        SchedulerBatchResultProcessor as P,
+    )
+
+    V = len(sgl_tok)
+    a, b = (sgl_tok.encode(c, add_special_tokens=False)[0] for c in "ab")
+    proto = sgl_backends[name].dispatch_ebnf('root ::= "a" x | "b"\nx ::= x')
+    assert isinstance(proto, SGLangGrammar)
+    g = proto.copy()
+    rows = g.allocate_vocab_mask(V, 3, "cpu")
+    g.fill_vocab_mask(rows, 0)
+    g.accept_token(a)
+    g.fill_vocab_mask(rows, 1)
+    assert not bool(rows[1].any())
+    req = SimpleNamespace(grammar=g, rid="dead", to_finish=None)
+    assert P._accept_grammar_tokens(None, req, [b]) == []
+    assert req.to_finish is not None
+    g.rollback(1)
+    g.fill_vocab_mask(rows, 2)
+    assert torch.equal(rows[0], rows[2])
+
+    # the tree hook: a healthy request beside one whose tree holds the dead node
+    good = _grammar(sgl_backends, name)
+    for t in doc[:3]:
+        good.accept_token(t)
+    reqs = [SimpleNamespace(grammar=good), SimpleNamespace(grammar=proto.copy())]
+    nxt = torch.tensor([[1, 2, -1, -1], [1, -1, -1, -1]])
+    sib = torch.tensor([[-1, -1, -1, -1], [-1, 2, 3, -1]])
+    toks = torch.tensor([[doc[2], doc[3], doc[4], 0], [0, a, b, b]])
+    for _ in range(2):  # and again: the matchers are usable after the failure
+        ours, _ = generate_token_bitmask(reqs, nxt, sib, toks, V)
+        theirs, _ = SGLANG_GENERATE(reqs, nxt, sib, toks, V)
+        assert torch.equal(ours, theirs)
+        assert not bool(ours[5].any()) and torch.equal(ours[4], rows[0])
+        assert good.matcher.num_accepted == 3 and reqs[1].grammar.matcher.num_accepted == 0
+
+
+def test_a_walk_that_raises_leaves_our_grammar_where_it_was(sgl_backends, sgl_tok, doc):
+    """Cyclic sibling links send SGLang's traverse_tree (which the hook uses for links it
+    cannot read as a tree) into RecursionError after hundreds of accept_token calls without
+    their rollbacks; the hook re-raises with the grammar back at its state (replay oracle)."""
+    V = len(sgl_tok)
+    for name in BACKENDS:
+        g = _grammar(sgl_backends, name)
+        for t in doc[:5]:
+            g.accept_token(t)
+        want = g.allocate_vocab_mask(V, 2, "cpu")
+        g.fill_vocab_mask(want, 0)
+        nxt = torch.tensor([[1, -1, -1]])
+        sib = torch.tensor([[-1, 2, 1]])  # node 1 -> 2 -> 1 -> ...
+        toks = torch.tensor([[doc[4], doc[5], doc[5]]])
+        with pytest.raises(RecursionError):
+            generate_token_bitmask([SimpleNamespace(grammar=g)], nxt, sib, toks, V)
+        assert g.matcher.num_accepted == 5 and g.path == doc[:5]
+        g.fill_vocab_mask(want, 1)
+        assert torch.equal(want[0], want[1]), name
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_regex_with_a_lone_trailing_backslash_is_refused(sgl_backends, sgl_tok, name):
+    """``a\\`` is not a regex (Python's re and xgrammar / outlines-core refuse it);
+    llguidance's grammar_from_regex dropped the backslash and served ``a``. An escaped
+    backslash stays a literal one."""
+    b = sgl_backends[name]
+    for bad in ("a\\", "\\", "a\\\\\\"):
+        g = b.dispatch_regex(bad)
+        assert isinstance(g, sgl_base.InvalidGrammarObject), (bad, g)
+    g = b.dispatch_regex("a\\\\")
+    assert isinstance(g, SGLangGrammar)
+    ids = sgl_tok.encode("a\\", add_special_tokens=False)
+    assert g.matcher.validate_tokens(ids + [sgl_tok.eos_token_id]) == len(ids) + 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@_tree_property(10)
+@given(data=st.data())
+def test_object_contract_against_fresh_replay(sgl_backends, sgl_tok, doc, name, data):
+    """Random accept / refused token / rollback (also past the history) / copy sequences on
+    SGLang grammar objects: a refused token or a refused rollback changes nothing, copies
+    diverge freely, and every object's row and termination equal a fresh matcher replaying
+    its accepted tokens."""
+    V, eos = len(sgl_tok), sgl_tok.eos_token_id
+    proto = _grammar(sgl_backends, name)
+    objs, paths = [proto.copy()], [[]]
+
+    def row(g):
+        m = g.allocate_vocab_mask(V, 1, "cpu")
+        g.fill_vocab_mask(m, 0)
+        return m[0]
+
+    for _ in range(data.draw(st.integers(1, 12))):
+        i = data.draw(st.integers(0, len(objs) - 1))
+        g, p = objs[i], paths[i]
+        op = data.draw(st.sampled_from(["doc", "doc", "eos", "bad", "rollback", "copy"]))
+        if op in ("doc", "eos") and not g.is_terminated() and p == doc[: len(p)]:
+            # some more of the document, or all of it and EOS
+            more = doc[len(p) :] + [eos] if op == "eos" else doc[len(p) : len(p) + 6]
+            for t in more:
+                g.accept_token(t)
+                p.append(t)
+        elif op == "bad":
+            t = data.draw(st.sampled_from([-1, V, V + 7, 2**40, sgl_tok.encode("}")[0]]))
+            live = not g.is_terminated()
+            before = row(g) if live else None
+            if live and 0 <= t < V and (int(before[t // 32]) >> (t % 32)) & 1:
+                continue  # allowed here
+            with pytest.raises(ValueError):
+                g.accept_token(t)
+            assert g.path == p and (not live or torch.equal(row(g), before))
+        elif op == "rollback":
+            k = data.draw(st.integers(0, len(p) + 2))
+            if k > len(p):
+                with pytest.raises(Exception, match="rollback"):
+                    g.rollback(k)
+            else:
+                g.rollback(k)
+                del p[len(p) - k :]
+        elif op == "copy":
+            objs.append(g.copy())
+            paths.append(list(p))
+    for g, p in zip(objs, paths):
+        fresh = proto.copy()
+        assert fresh.matcher.accept_tokens(p) == len(p) and g.path == p
+        assert g.is_terminated() == fresh.is_terminated()
+        if not g.is_terminated():
+            assert torch.equal(row(g), row(fresh))
+
+
 def test_bench_trees_give_both_sides_the_same_nodes():
     """The SGLang tree-fill benchmark's default trees count a child as valid only when both
     grammars allow it, so SGLang's walk over its built-in objects and our hook fill the rows of

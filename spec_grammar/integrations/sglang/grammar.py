@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import operator
 import os
 from typing import Any
 
@@ -36,7 +37,7 @@ from sglang.srt.constrained.base_grammar_backend import (
 )
 
 from ...bitmask import bitmask_width
-from ...errors import SpecGrammarError
+from ...errors import GrammarCompileError, GrammarStateError, SpecGrammarError
 from ...kernels import apply_token_bitmask_inplace
 from ...protocol import CompiledGrammar, GrammarBackend, SpecGrammar
 from ...registry import get_backend
@@ -69,6 +70,15 @@ class SGLangGrammar(BaseGrammarObject):
         matcher: the request's :class:`SpecGrammar` (owned by this object).
         compiled: the grammar it runs (kept for ``repr``).
         grammar_stats: SGLang's per-request statistics record, or None.
+        path: the tokens ``matcher`` has accepted (a fork's), default none.
+
+    A matcher whose library failed (llguidance's reaching a state with no continuation, e.g.
+    ``x ::= x`` after ``"a" x``; a batched fill that failed for another request of its group)
+    raises :class:`~spec_grammar.errors.GrammarStateError` on every later use. SGLang catches
+    only ``ValueError`` around ``accept_token`` and nothing around the mask fills, so here such
+    a matcher is replaced by a fresh one replaying :attr:`path` (:meth:`recover`); a state
+    that fails again allows no token (an all-zero row, as xgrammar gives a dead state) and
+    SGLang aborts the request at its next ``accept_token``.
     """
 
     def __init__(
@@ -77,32 +87,72 @@ class SGLangGrammar(BaseGrammarObject):
         matcher: SpecGrammar,
         compiled: CompiledGrammar,
         grammar_stats: GrammarStats | None = None,
+        path: list[int] | None = None,
     ):
         super().__init__()
         self.backend = backend
         self.matcher = matcher
         self.compiled = compiled
         self.grammar_stats = grammar_stats
+        self.path: list[int] = [] if path is None else path
+
+    def recover(self) -> None:
+        """Replace a failed matcher by a fresh one that replays :attr:`path` (rare: O(len))."""
+        logger.warning(
+            "spec-grammar: %r: matcher failed, replaying %d tokens", self, len(self.path)
+        )
+        m = self.backend.matcher(self.compiled)
+        try:
+            done = m.accept_tokens(self.path)
+        except GrammarStateError:
+            done = -1
+        if done != len(self.path):
+            raise GrammarStateError(f"{self!r}: replaying the accepted tokens failed")
+        self.matcher = m
 
     # -- token-level state -------------------------------------------------------------------
     def accept_token(self, token: int) -> None:
         """Advance by ``token``. Raises ``ValueError`` (SGLang then aborts this request only)
-        when the grammar refuses it, when it is outside ``[0, V)``, or once terminated."""
-        if self.matcher.is_terminated():
-            raise ValueError(f"token {int(token)} after the grammar terminated")
-        if not self.matcher.accept_token(token):  # InvalidTokenError is a ValueError
+        when the grammar refuses it, when it is outside ``[0, V)``, once terminated, or when
+        the grammar library fails at this state."""
+        try:
+            if self.matcher.is_terminated():
+                raise ValueError(f"token {int(token)} after the grammar terminated")
+            ok = self.matcher.accept_token(token)  # InvalidTokenError is a ValueError
+        except GrammarStateError as e:
+            self.recover()
+            raise ValueError(f"token {int(token)}: the grammar library failed: {e}") from e
+        if not ok:
             raise ValueError(f"token {int(token)} is not allowed by the grammar here")
+        self.path.append(int(token))
         self.current_token = int(token)
 
     def rollback(self, k: int) -> None:
         """Undo the last ``k`` accepted tokens, termination included (O(k)). Raises
         :class:`~spec_grammar.errors.GrammarStateError` beyond ``max_rollback_tokens`` or
         the tokens accepted so far."""
-        self.matcher.rollback(k)
+        m = self.matcher
+        k = operator.index(k)
+        if not 0 <= k <= min(len(self.path), m.max_rollback_tokens):
+            raise GrammarStateError(
+                f"rollback({k}) with {len(self.path)} tokens accepted "
+                f"(max_rollback_tokens={m.max_rollback_tokens})"
+            )
+        try:
+            m.rollback(k)
+        except GrammarStateError:
+            del self.path[len(self.path) - k :]
+            self.recover()
+            return
+        del self.path[len(self.path) - k :]
 
     def is_terminated(self) -> bool:
         """True once a stop token was accepted."""
-        return self.matcher.is_terminated()
+        try:
+            return self.matcher.is_terminated()
+        except GrammarStateError:
+            self.recover()
+            return self.matcher.is_terminated()
 
     def copy(self) -> SGLangGrammar:
         """An independent copy. SGLang copies its cached grammar, at the start state, for
@@ -116,11 +166,11 @@ class SGLangGrammar(BaseGrammarObject):
         if stats is not None:
             stats = dataclasses.replace(stats, is_cache_hit=True, tree_traversal_time=[])
         m = self.matcher
-        if m.num_accepted == 0 and not m.is_terminated():
+        if not self.path:
             twin = self.backend.matcher(self.compiled)
         else:
             twin = m.fork()
-        return SGLangGrammar(self.backend, twin, self.compiled, stats)
+        return SGLangGrammar(self.backend, twin, self.compiled, stats, list(self.path))
 
     # -- masks ---------------------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
@@ -131,8 +181,19 @@ class SGLangGrammar(BaseGrammarObject):
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
         """Write the allowed set of the current state into row ``idx`` of the CPU mask.
-        Raises :class:`~spec_grammar.errors.BitmaskError` on a mask of another width."""
-        self.matcher.fill_next_token_bitmask(vocab_mask, idx)
+        Raises :class:`~spec_grammar.errors.BitmaskError` on a mask of another width. A state
+        at which the grammar library fails (twice: once more after :meth:`recover`) gets an
+        all-zero row. Raises :class:`~spec_grammar.errors.GrammarStateError` once terminated
+        (SGLang fills only live grammars)."""
+        if self.is_terminated():
+            self.matcher.fill_next_token_bitmask(vocab_mask, idx)  # raises, with the reason
+        for _ in range(2):
+            try:
+                self.matcher.fill_next_token_bitmask(vocab_mask, idx)
+                return
+            except GrammarStateError:
+                self.recover()
+        vocab_mask[idx] = 0
 
     @staticmethod
     def reset_vocab_mask(vocab_mask: torch.Tensor) -> None:
@@ -182,7 +243,23 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         try:
             spec: GrammarSpec = spec_fn()
             compiled = self.backend.compile(spec)
-        except (SpecGrammarError, ValueError) as e:
+            matcher = self.backend.matcher(compiled)
+            # a grammar whose start state allows no token (``root ::= root``) accepts no
+            # document: xgrammar hands out an empty row, llguidance's matcher fails at the
+            # first fill, which would raise inside SGLang's batch mask fill
+            row = allocate_mask(matcher.info.vocab_size, 1)
+            try:
+                matcher.fill_next_token_bitmask(row, 0)
+                failed = None if bool(row.any()) else "it allows no token"
+            except GrammarStateError as e:
+                failed = f"its matcher failed: {e}"
+            if failed:
+                raise GrammarCompileError(
+                    f"the grammar accepts no document (at its start state {failed})",
+                    backend=self.backend.name,
+                )
+        # RecursionError: json.loads of a deeply nested key string
+        except (SpecGrammarError, ValueError, RecursionError) as e:
             logger.error(
                 "spec-grammar:%s cannot serve %s %.200r: %s",
                 self.backend.name,
@@ -194,10 +271,7 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         for line in compiled.warnings:
             logger.warning("spec-grammar:%s does not enforce %s", self.backend.name, line)
         return SGLangGrammar(
-            self.backend,
-            self.backend.matcher(compiled),
-            compiled,
-            GrammarStats(dispatch_type=dispatch_type),
+            self.backend, matcher, compiled, GrammarStats(dispatch_type=dispatch_type)
         )
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:

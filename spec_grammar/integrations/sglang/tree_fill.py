@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ...bitmask import bitmask_width
+from ...errors import GrammarStateError
 from ...tree import DraftTree
 from .grammar import SGLangGrammar, allocate_mask
 
@@ -111,6 +112,39 @@ def _skips_dead_rows(backend_type: type) -> bool:
     return "zero_dead_rows" in params
 
 
+def _fill(backend: Any, group: list, mask: torch.Tensor) -> list[torch.Tensor]:
+    if _skips_dead_rows(type(backend)):
+        # dead rows are set to -1 afterwards: the fill need not zero them first
+        return backend.fill_tree_bitmasks(group, mask, zero_dead_rows=False)
+    return backend.fill_tree_bitmasks(group, mask)
+
+
+def _fill_alone(
+    reqs: list[Any],
+    n: int,
+    backend: Any,
+    group: list,
+    mask: torch.Tensor,
+    untouched: list[int],
+    walk: list[int],
+) -> tuple[list, list[torch.Tensor]]:
+    """The jobs of a failed group fill, each filled alone; those that fail again are added to
+    ``untouched`` and ``walk``. Returns the jobs that filled and their valid flags."""
+    done, valids = [], []
+    for _, tree, off in group:
+        g = reqs[off // n].grammar
+        g.recover()
+        job = (g.matcher, tree, off)
+        try:
+            valids.append(_fill(backend, [job], mask)[0])
+            done.append(job)
+        except GrammarStateError:
+            g.recover()
+            untouched.append(off // n)
+            walk.append(off // n)
+    return done, valids
+
+
 def generate_token_bitmask(
     reqs: list[Any],
     retrieve_next_token_cpu: torch.Tensor,
@@ -136,8 +170,10 @@ def generate_token_bitmask(
         module docstring; ``grammar`` is the batch's last grammar object (SGLang's handle for
         the static apply). ``(None, None)`` when no request has a grammar.
 
-    Raises what the backends raise on a broken matcher
-    (:class:`~spec_grammar.errors.GrammarStateError`); every grammar is left in the state it
+    A group fill that fails (:class:`~spec_grammar.errors.GrammarStateError`: a library
+    matcher with no continuation at a draft node) is redone request by request after
+    :meth:`~.grammar.SGLangGrammar.recover`; a request failing again is walked by SGLang's
+    ``traverse_tree`` (the failing node's row all-zero). Every grammar is left in the state it
     had.
     """
     n = draft_tokens_cpu.shape[-1]
@@ -168,7 +204,7 @@ def generate_token_bitmask(
             untouched.append(i)
             walk.append(i)
             continue
-        if g.matcher.is_terminated():
+        if g.is_terminated():
             untouched.append(i)
             continue  # SGLang's walk fills nothing below a terminated root
         backend = g.backend
@@ -198,11 +234,14 @@ def generate_token_bitmask(
 
     dead: list[int] = []  # rows SGLang's walk leaves all-allowed
     for backend, group in jobs.values():
-        if _skips_dead_rows(type(backend)):
-            # dead rows are set to -1 below: the fill need not zero them first
-            valids = backend.fill_tree_bitmasks(group, mask, zero_dead_rows=False)
-        else:
-            valids = backend.fill_tree_bitmasks(group, mask)
+        try:
+            valids = _fill(backend, group, mask)
+        except GrammarStateError:
+            # a library matcher failed (llguidance at a draft node with no continuation) and
+            # the adapter trusts none of the group's: each request again alone, after
+            # SGLangGrammar.recover; one failing again goes to SGLang's walk, whose
+            # fill_vocab_mask gives the failing state an all-zero row
+            group, valids = _fill_alone(reqs, n, backend, group, mask, untouched, walk)
         for (m, tree, off), valid in zip(group, valids):
             stops = m.info.stop_token_ids
             ids = tree.token_list
@@ -219,12 +258,22 @@ def generate_token_bitmask(
         # imported here: spec_utils pulls in SGLang's kernels, which registration must not
         from sglang.srt.speculative.spec_utils import traverse_tree
     for i in walk:
-        traverse_tree(
-            retrieve_next_token_cpu[i],
-            retrieve_next_sibling_cpu[i],
-            draft_tokens_cpu[i],
-            reqs[i].grammar,
-            mask[i * n : (i + 1) * n],
-            vocab_size=vocab_size,
-        )
+        g = reqs[i].grammar
+        mark = len(g.path) if isinstance(g, SGLangGrammar) else None
+        try:
+            traverse_tree(
+                retrieve_next_token_cpu[i],
+                retrieve_next_sibling_cpu[i],
+                draft_tokens_cpu[i],
+                g,
+                mask[i * n : (i + 1) * n],
+                vocab_size=vocab_size,
+            )
+        except BaseException:
+            # SGLang's walk stops without its rollbacks (RecursionError on cyclic links, an
+            # id < 0 it reads a bit for): ours go back to where they were
+            if mark is not None and len(g.path) != mark:
+                del g.path[mark:]
+                g.recover()
+            raise
     return mask, grammar
