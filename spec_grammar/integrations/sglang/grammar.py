@@ -26,6 +26,7 @@ import json
 import logging
 import operator
 import os
+from array import array
 from typing import Any
 
 import torch
@@ -87,14 +88,15 @@ class SGLangGrammar(BaseGrammarObject):
         matcher: SpecGrammar,
         compiled: CompiledGrammar,
         grammar_stats: GrammarStats | None = None,
-        path: list[int] | None = None,
+        path: array | None = None,
     ):
         super().__init__()
         self.backend = backend
         self.matcher = matcher
         self.compiled = compiled
         self.grammar_stats = grammar_stats
-        self.path: list[int] = [] if path is None else path
+        # int32 ids: a long output costs 4 bytes a token here (a list: ~36)
+        self.path: array = array("i") if path is None else path
 
     def recover(self) -> None:
         """Replace a failed matcher by a fresh one that replays :attr:`path` (rare: O(len))."""
@@ -103,7 +105,7 @@ class SGLangGrammar(BaseGrammarObject):
         )
         m = self.backend.matcher(self.compiled)
         try:
-            done = m.accept_tokens(self.path)
+            done = m.accept_tokens(self.path.tolist())
         except GrammarStateError:
             done = -1
         if done != len(self.path):
@@ -170,7 +172,7 @@ class SGLangGrammar(BaseGrammarObject):
             twin = self.backend.matcher(self.compiled)
         else:
             twin = m.fork()
-        return SGLangGrammar(self.backend, twin, self.compiled, stats, list(self.path))
+        return SGLangGrammar(self.backend, twin, self.compiled, stats, array("i", self.path))
 
     # -- masks ---------------------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
