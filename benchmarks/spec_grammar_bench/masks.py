@@ -719,6 +719,11 @@ def run_masks(
             warnings.simplefilter("ignore")
             tok = load_tokenizer(tname)
             backends = [get_backend(b, tok) for b in chosen]
+            for b in backends:
+                if hasattr(b, "num_threads"):
+                    # the threads column is this bench's pool alone (a backend's own pool
+                    # defaults to 80 % of the CPUs)
+                    b.num_threads = 1
             ok_everywhere = set.intersection(
                 *[
                     {r["case"] for r in c["cases"] if r["status"] == "ok"}
