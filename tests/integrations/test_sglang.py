@@ -757,3 +757,25 @@ def test_bench_trees_give_both_sides_the_same_nodes():
     assert {r["library"] for r in rows} == {"llguidance", "xgrammar"}
     for r in rows:
         assert r["filled_sglang"] == r["filled_ours"] > 4, r
+
+
+def test_threads_env_sets_the_tree_fill_threads(monkeypatch, sgl_tok):
+    """SPEC_GRAMMAR_SGLANG_THREADS reaches every backend's ``num_threads`` (outlines has none);
+    a malformed value is refused naming the variable."""
+    from spec_grammar.integrations.sglang.grammar import THREADS_ENV, make_backend_factory
+
+    vocab = len(sgl_tok)
+    defaults = {
+        n: make_backend_factory(n)(SimpleNamespace(), sgl_tok, vocab).backend for n in BACKENDS
+    }
+    monkeypatch.setenv(THREADS_ENV, "3")
+    for name in BACKENDS:
+        backend = make_backend_factory(name)(SimpleNamespace(), sgl_tok, vocab).backend
+        assert getattr(backend, "num_threads", None) == (
+            3 if hasattr(defaults[name], "num_threads") else None
+        )
+    assert defaults["xgrammar"].num_threads == 1
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=THREADS_ENV):
+            make_backend_factory("xgrammar")(SimpleNamespace(), sgl_tok, vocab)

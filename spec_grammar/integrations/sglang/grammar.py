@@ -301,16 +301,36 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         )
 
 
+THREADS_ENV = "SPEC_GRAMMAR_SGLANG_THREADS"
+"""Environment variable: threads of the batched draft-tree fill (the backends'
+``num_threads``, for those that have one); unset: each backend's default."""
+
+
+def _threads() -> int | None:
+    """:data:`THREADS_ENV` as a thread count, or None when unset. Raises ``ValueError`` naming
+    the variable on anything but a positive integer."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{THREADS_ENV} must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
 def make_backend_factory(name: str):
     """SGLang's ``init_func`` for spec-grammar backend ``name``: called by SGLang's
     ``create_grammar_backend`` as ``init(server_args, tokenizer, vocab_size, eos_token_ids)``
     in every scheduler process. ``vocab_size`` is the logits width; ``eos_token_ids`` (a set,
     or None: the tokenizer's EOS) become the stop tokens. Raises
-    :class:`~spec_grammar.errors.BackendNotFoundError` when the backend's library is missing."""
+    :class:`~spec_grammar.errors.BackendNotFoundError` when the backend's library is missing
+    and ``ValueError`` on a malformed :data:`THREADS_ENV`."""
 
     def init(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Any = None):
         stop = sorted(int(t) for t in eos_token_ids) if eos_token_ids else None
+        threads = _threads()
         backend = get_backend(name, tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
+        if threads is not None and hasattr(backend, "num_threads"):
+            backend.num_threads = threads
         compact = getattr(server_args, "constrained_json_disable_any_whitespace", False)
         strict = os.environ.get(STRICT_ENV, "") not in ("", "0")
         return SGLangGrammarBackend(
