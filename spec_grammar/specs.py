@@ -55,6 +55,9 @@ class GrammarSpec(BaseModel):
         return json.dumps(self.model_dump(mode="json"), separators=(",", ":"), ensure_ascii=False)
 
 
+_NOT_GIVEN: Any = object()  # JsonSchema(None) is a null schema (refused), not a missing one
+
+
 class JsonSchema(GrammarSpec):
     """Output is a JSON document valid under ``schema``.
 
@@ -77,8 +80,8 @@ class JsonSchema(GrammarSpec):
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    def __init__(self, schema: Any = None, /, **data: Any):
-        if schema is not None:
+    def __init__(self, schema: Any = _NOT_GIVEN, /, **data: Any):
+        if schema is not _NOT_GIVEN:
             data["schema"] = schema
         super().__init__(**data)
 
@@ -93,9 +96,8 @@ class JsonSchema(GrammarSpec):
             except json.JSONDecodeError as e:
                 raise ValueError(f"schema is not valid JSON: {e}") from None
         if not isinstance(value, (dict, bool)):
-            raise ValueError(
-                f"a JSON schema must be an object or a boolean, got {type(value).__name__}"
-            )
+            got = "null" if value is None else type(value).__name__
+            raise ValueError(f"a JSON schema must be an object or a boolean, got {got}")
         return value
 
     @property

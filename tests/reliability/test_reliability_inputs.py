@@ -62,6 +62,10 @@ def test_bad_spec_values_are_named():
         JsonSchema("")
     with pytest.raises(GrammarSpecError, match="must be an object or a boolean, got list"):
         JsonSchema([1, 2])
+    # a null schema (SGLang's dispatch_json("null")) is named, not "Field required"
+    for null in (None, "null"):
+        with pytest.raises(GrammarSpecError, match="must be an object or a boolean, got null"):
+            JsonSchema(null)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
