@@ -698,13 +698,16 @@ class XGrammarBackend(GrammarBackend):
         if len(groups) < 2:
             return super().fill_tree_bitmasks(jobs, bitmask, zero_dead_rows=zero_dead_rows)
         # about equal numbers of nodes per thread, largest groups first
-        order = sorted(groups.values(), key=lambda g: -sum(jobs[i][1].num_nodes for i in g))
-        shares: list[list[int]] = [[] for _ in range(min(self.num_threads, len(order)))]
+        sized = sorted(
+            ((sum(jobs[i][1].num_nodes for i in g), g) for g in groups.values()),
+            key=lambda x: -x[0],
+        )
+        shares: list[list[int]] = [[] for _ in range(min(self.num_threads, len(sized)))]
         load = [0] * len(shares)
-        for g in order:
+        for nodes, g in sized:
             k = load.index(min(load))
             shares[k].extend(g)
-            load[k] += sum(jobs[i][1].num_nodes for i in g)
+            load[k] += nodes
         results: list[torch.Tensor | None] = [None] * len(jobs)
 
         def fill(share: list[int]) -> None:

@@ -721,8 +721,8 @@ def run_masks(
             backends = [get_backend(b, tok) for b in chosen]
             for b in backends:
                 if hasattr(b, "num_threads"):
-                    # the threads column is this bench's pool alone (a backend's own pool
-                    # defaults to 80 % of the CPUs)
+                    # the threads column is this bench's pool alone (llguidance's own
+                    # executor defaults to 80 % of the CPUs)
                     b.num_threads = 1
             ok_everywhere = set.intersection(
                 *[

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -115,16 +116,16 @@ def _prepare(
 ) -> dict:  # fmt: skip
     """Per tree size: the request list (schema, prefix, tree) for the largest batch."""
     from spec_grammar.integrations.sglang import register
-    from spec_grammar.integrations.sglang.grammar import make_backend_factory
+    from spec_grammar.integrations.sglang.grammar import THREADS_ENV, make_backend_factory
     from spec_grammar.models import load_tokenizer
 
     register()
     tok = load_tokenizer(model)
     vocab = len(tok)
     eos = {tok.eos_token_id}
+    if threads:  # as a server sets them: the plugin's variable
+        os.environ[THREADS_ENV] = str(threads)
     ours = make_backend_factory(library)(SimpleNamespace(), tok, vocab, eos)
-    if threads:
-        ours.backend.num_threads = threads  # threads of its batched tree fill
     theirs = _sglang_backend(library, tok, vocab, eos)
     rng = random.Random(seed)
     picked = []
@@ -341,8 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, default=1,
-        help="threads of our backends' batched tree fill (0: the backend's default, 80%% of the "
-        "CPUs); SGLang's walk runs on one",
+        help="threads of our backends' batched tree fill (SPEC_GRAMMAR_SGLANG_THREADS; 0: the "
+        "backend's default: xgrammar 1, llguidance 80%% of the CPUs); SGLang's walk runs on one",
     )  # fmt: skip
     p.add_argument(
         "--valid-on", choices=("both", "ours"), default="both",
