@@ -15,8 +15,11 @@ is accepted; ``--json`` prints one final record instead.
 
 Exit code 0 when every request succeeded, 1 when some failed, 2 on bad arguments (missing
 files, unknown backend, unreadable schema, bad sampling flags, a CLI grammar that fails to
-compile), reported in one line before the model loads, and 3 (:data:`CUT_EXIT_CODE`) when a
-grammar-constrained output ended at its token limit (one stderr line names each such request).
+compile), reported in one line before the model loads, 4 (:data:`INVALID_EXIT_CODE`) when a
+completed output breaks its request as written (``valid: false``: a keyword the backend does
+not enforce, a stop string cutting a document; one stderr line names each such request and its
+first violations), and 3 (:data:`CUT_EXIT_CODE`) when a grammar-constrained output ended at its
+token limit (one stderr line names each such request). Where several apply: 1, then 4, then 3.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ _REASONING_FIELDS = ("reasoning_end", "max_reasoning_tokens")
 
 CUT_EXIT_CODE = 3
 """Exit code when every request ran but a grammar-constrained output ended at
-``--max-new-tokens`` (incomplete: it does not parse); 1 (some request failed) wins over it."""
+``--max-new-tokens`` (incomplete: it does not parse); 1 (some request failed) and
+:data:`INVALID_EXIT_CODE` win over it."""
+
+INVALID_EXIT_CODE = 4
+"""Exit code when a completed output is invalid under its request as written
+(``RequestResult.valid`` is False: :mod:`spec_grammar.output_check`); 1 (some request failed)
+wins over it."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -54,7 +63,8 @@ def register(sub) -> None:
         description="Generate with a real model under a grammar (JSON schema, regex, EBNF, Lark, "
         "tool calls), verifying draft trees against the grammar's tree bitmask. The text streams "
         "to stdout as each draft path is accepted; the stats line goes to stderr. Exit code: 0 "
-        f"done, 1 a request failed, 2 bad arguments, {CUT_EXIT_CODE} a grammar-constrained "
+        f"done, 1 a request failed, 2 bad arguments, {INVALID_EXIT_CODE} an output breaks its "
+        f"request as written (valid: false), {CUT_EXIT_CODE} a grammar-constrained "
         "output was cut at --max-new-tokens (incomplete).",
         formatter_class=_HelpFormatter,
     )
@@ -762,7 +772,8 @@ def run(args) -> int:
                     print(f"error: {r.error}", file=sys.stderr)
                 break
             if len(final) > 1:
-                print(f"--- {r.rid} [{r.finish_reason}]")
+                mark = ", invalid" if r.valid is False else ""
+                print(f"--- {r.rid} [{r.finish_reason}{mark}]")
             if r.error:
                 print(f"error: {r.error}", file=sys.stderr if len(final) == 1 else sys.stdout)
             else:
@@ -780,8 +791,19 @@ def run(args) -> int:
             "tokens) before its grammar completed: incomplete; raise --max-new-tokens",
             file=sys.stderr,
         )
+    invalid = [r for r in final if r.valid is False]
+    for r in invalid:
+        shown_v = "; ".join(f"{v.path or '/'}: {v.message}" for v in r.violations[:3])
+        more = f" (+{len(r.violations) - 3} more)" if len(r.violations) > 3 else ""
+        print(
+            f"spec-grammar generate: {r.rid}: output invalid under its request as written "
+            f"(backend {r.backend}): {shown_v}{more}",
+            file=sys.stderr,
+        )
     if summary.errors:
         return 1
+    if invalid:
+        return INVALID_EXIT_CODE
     return CUT_EXIT_CODE if cut else 0
 
 

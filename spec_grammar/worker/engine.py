@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from ..errors import DraftTreeError, SpecGrammarError
+from ..output_check import check_output
 from ..protocol import GrammarBackend
 from ..reasoning import ReasoningGrammar, reasoning_token_count, resolve_marker
 from ..specs import ToolCalls
@@ -85,6 +86,7 @@ from .grammar_work import (
 from .host_bitmask import HostBitmaskRing
 from .placement import EarlyMask, GrammarPlacement, LazyGrammar
 from .request import (
+    COMPLETED_DETAILS,
     Request,
     RequestError,
     RequestResult,
@@ -423,6 +425,8 @@ class SpecWorker:
                         st.matcher, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens
                     )
                 st.warnings = compiled.warnings
+                st.backend_name = compiled.backend_name
+                st.backend_reason = getattr(compiled, "route_reason", None)
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
                 return st
@@ -1086,6 +1090,10 @@ class SpecWorker:
         content, calls = self._tool_calls(st, text)
         n = len(st.output_ids)
         wall = max(st.end_s - st.start_s, 1e-9)
+        detail = st.finish_reason or "error"
+        valid, violations = None, []
+        if detail in COMPLETED_DETAILS and st.request.grammar is not None:
+            valid, violations = check_output(st.request.grammar, text)
         return RequestResult(
             rid=st.rid if isinstance(st.rid, str) else repr(st.rid),  # a bad id ended the request
             text=text,
@@ -1094,8 +1102,8 @@ class SpecWorker:
             reasoning_text=reasoning,
             content=content,
             tool_calls=calls,
-            finish_reason=finish_reason_of(st.finish_reason or "error", st.request.grammar, text),
-            finish_detail=st.finish_reason or "error",
+            finish_reason=finish_reason_of(detail, st.request.grammar, text),
+            finish_detail="violation" if valid is False else detail,
             error=st.error,
             num_tokens=n,
             steps=st.steps,
@@ -1104,4 +1112,8 @@ class SpecWorker:
             grammar_ms_hidden=st.grammar_ms - st.grammar_exposed_ms,
             grammar_ms_exposed=st.grammar_exposed_ms,
             warnings=list(st.warnings),
+            valid=valid,
+            violations=violations,
+            backend=st.backend_name,
+            backend_reason=st.backend_reason,
         )
