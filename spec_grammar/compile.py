@@ -52,6 +52,8 @@ class CompiledGrammar:
         warnings: one line per JSON-Schema keyword the backend compiled but does not enforce
             (see :mod:`spec_grammar.json_schema.strict`); empty when the grammar is enforced in
             full.
+        route: with the ``auto`` backend (:mod:`spec_grammar.routing`), ``"<backend>:
+            <why>"``; None otherwise.
     """
 
     spec: GrammarSpec
@@ -60,6 +62,7 @@ class CompiledGrammar:
     compile_time_s: float
     backend_id: int = 0
     warnings: tuple[str, ...] = ()
+    route: str | None = None
 
 
 class CompileCache:

@@ -17,6 +17,9 @@ from .errors import BackendNotFoundError
 from .protocol import Capabilities, GrammarBackend
 
 ENTRY_POINT_GROUP = "spec_grammar.backends"
+AUTO = "auto"
+"""The routing backend's name (:class:`~spec_grammar.routing.AutoBackend`): per request, the
+registered backend that enforces the most of the spec, then the fastest."""
 _BUILT_IN = ("xgrammar", "llguidance", "outlines")
 
 __all__ = ["get_backend", "load_backend_class", "list_backends", "BackendInfo", "ENTRY_POINT_GROUP"]
@@ -45,6 +48,10 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
     """
     if not isinstance(name, str) or not name:
         raise BackendNotFoundError(f"a backend name must be a non-empty string, got {name!r}")
+    if name == AUTO:  # routing over the registered backends: built in, not an entry point
+        from .routing import AutoBackend
+
+        return AutoBackend
     eps = _entry_points()
     if name in eps:
         try:
@@ -68,7 +75,7 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         except (ImportError, AttributeError) as e:
             raise BackendNotFoundError(f"cannot load backend class {name!r}: {e}") from e
     else:
-        known = ", ".join(sorted(eps)) or "none"
+        known = ", ".join([AUTO, *sorted(eps)])
         raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
     if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
         raise BackendNotFoundError(
@@ -122,7 +129,8 @@ def get_backend(
 
 def list_backends() -> list[BackendInfo]:
     """Every registered backend with its library version and capabilities; a backend whose
-    library is missing is listed with ``error`` set."""
+    library is missing is listed with ``error`` set. ``auto`` (:data:`AUTO`) is not listed: it
+    routes over these."""
     out = []
     for name, ep in sorted(_entry_points().items()):
         try:

@@ -426,7 +426,7 @@ class SpecWorker:
                     )
                 st.warnings = compiled.warnings
                 st.backend_name = compiled.backend_name
-                st.backend_reason = getattr(compiled, "route_reason", None)
+                st.backend_reason = compiled.route
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
                 return st
