@@ -9,12 +9,15 @@ from __future__ import annotations
 import importlib
 import re
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from .capabilities import Capabilities
 from .errors import BackendNotFoundError
-from .protocol import Capabilities, GrammarBackend
+
+if TYPE_CHECKING:  # the protocol imports torch: a name check needs neither
+    from .protocol import GrammarBackend
 
 ENTRY_POINT_GROUP = "spec_grammar.backends"
 AUTO = "auto"
@@ -22,7 +25,15 @@ AUTO = "auto"
 registered backend that enforces the most of the spec, then the fastest."""
 _BUILT_IN = ("xgrammar", "llguidance", "outlines")
 
-__all__ = ["get_backend", "load_backend_class", "list_backends", "BackendInfo", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "get_backend",
+    "load_backend_class",
+    "check_backend_name",
+    "list_backends",
+    "BackendInfo",
+    "ENTRY_POINT_GROUP",
+    "AUTO",
+]
 
 
 class BackendInfo(BaseModel):
@@ -37,6 +48,18 @@ class BackendInfo(BaseModel):
 
 def _entry_points() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def check_backend_name(name: str) -> None:
+    """Raise :class:`BackendNotFoundError` when ``name`` is neither ``auto``, a registered
+    entry point nor of the ``module:Class`` form: the check a command makes first, reading
+    package metadata only (no backend, library or torch import: well under a second)."""
+    if not isinstance(name, str) or not name:
+        raise BackendNotFoundError(f"a backend name must be a non-empty string, got {name!r}")
+    eps = _entry_points()
+    if name != AUTO and name not in eps and ":" not in name:
+        known = ", ".join([AUTO, *sorted(eps)])
+        raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
 
 
 def load_backend_class(name: str) -> type[GrammarBackend]:
@@ -77,6 +100,8 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
     else:
         known = ", ".join([AUTO, *sorted(eps)])
         raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
+    from .protocol import GrammarBackend
+
     if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
         raise BackendNotFoundError(
             f"{name!r} does not name a GrammarBackend subclass (got {cls!r})"

@@ -196,6 +196,35 @@ def backends_taking(spec: GrammarSpec) -> str:
     return f"backends that would take it: {', '.join(names) if names else 'none registered'}"
 
 
+def _same_everywhere(spec: GrammarSpec, best: Route) -> None:
+    """Raise what every backend would raise, before any is tried (or built): the schema
+    checks of :func:`~spec_grammar.compile.compile_spec` (an invalid schema, no finite
+    document) and a strict refusal by the best route (every other leaves as much or more
+    unenforced)."""
+    target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
+    if not isinstance(target, JsonSchema):
+        return
+    from .errors import GrammarCompileError
+    from .json_schema.check import check_json_schema, has_finite_document
+
+    try:
+        check_json_schema(target.json_schema)
+    except GrammarCompileError as e:
+        raise GrammarCompileError(str(e), backend=AUTO, reason=e.reason) from None
+    if target.json_schema is False or not has_finite_document(target.json_schema):
+        raise GrammarCompileError(
+            "the schema accepts no finite document (a required property or item refers back "
+            "to its own schema, or meets `false` / `enum: []`)",
+            backend=AUTO,
+        )
+    if target.strict and best.unenforced:
+        raise UnsupportedGrammarError(
+            f"strict mode: no registered backend enforces every keyword; the best, {best.name}, "
+            f"leaves {len(best.unenforced)} unenforced: " + "; ".join(best.unenforced[:5]),
+            backend=AUTO,
+        )
+
+
 class AutoBackend(GrammarBackend):
     """The ``auto`` backend: per spec, the registered backend :func:`rank` puts first that
     compiles it (a library refusal moves on to the next; the error of the first is raised when
@@ -270,6 +299,7 @@ class AutoBackend(GrammarBackend):
                 f"({', '.join(self._classes) or 'none'})",
                 backend=self.name,
             )
+        _same_everywhere(spec, routes[0])
         first: SpecGrammarError | None = None
         for route in routes:
             try:

@@ -6,8 +6,8 @@ grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark
 (file paths relative to the batch file), and optional sampling fields such as
 ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``: any
 :class:`~spec_grammar.worker.sampling_params.SamplingParams` field; ``limits``: an object of output
-limits over the flags' ones, or null for none). JSON-schema and tool-call grammars get the
-output limits of the flags (``--max-digits`` ..., default
+limits over the flags' ones, or null for none; ``strict``: true / false over ``--strict``).
+JSON-schema and tool-call grammars get the output limits of the flags (``--max-digits`` ..., default
 :data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`). A line with an unknown key,
 one that cannot be turned into a request, or whose grammar fails to compile, is reported as
 failed; the other requests complete. One request's text streams to stdout as each draft path
@@ -110,8 +110,16 @@ def register(sub) -> None:
         "--grammar-backend",
         "--backend",
         dest="grammar_backend",
-        default="xgrammar",
-        help="xgrammar, outlines, llguidance, an entry point or module:Class",
+        default="auto",
+        help="auto (per request, the backend that enforces the most of its grammar, then the "
+        "fastest: docs/routing.md), xgrammar, outlines, llguidance, an entry point or "
+        "module:Class",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a JSON schema or tool list of which the backend would leave a keyword "
+        "unenforced (with auto: when no backend enforces all of it), before the model loads",
     )
     g.add_argument(
         "--no-schema-in-prompt",
@@ -565,6 +573,7 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
         *_GRAMMAR_FIELDS,
         "tool_choice",
         "limits",
+        "strict",
         *_REASONING_FIELDS,
         *SamplingParams.model_fields,
     )
@@ -598,12 +607,15 @@ def run(args) -> int:
     if args.prompt is None and not args.batch_file:
         raise ValueError("give a PROMPT or --batch-file")
     # file and grammar-flag errors before torch is imported (a second or more)
-    from ..specs import with_limits
+    from ..specs import with_limits, with_strict
 
     if args.max_reasoning_tokens is not None and args.reasoning_end is None:
         raise ValueError("--max-reasoning-tokens needs --reasoning-end")
+    from ..registry import check_backend_name
+
+    check_backend_name(args.grammar_backend)  # a misspelt backend is told before any import
     limits = _output_limits(args)
-    global_spec = with_limits(_cli_spec(args), limits)
+    global_spec = with_strict(with_limits(_cli_spec(args), limits), args.strict)
     batch_text = _read_text(args.batch_file, "batch") if args.batch_file else None
     base_sampling = _sampling(args, {})
 
@@ -614,7 +626,14 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from ..registry import load_backend_class
-    from ..worker.api import build_prompt, build_worker, precompile, resolve_device, summarize
+    from ..worker.api import (
+        build_prompt,
+        build_worker,
+        precompile,
+        precompile_all,
+        resolve_device,
+        summarize,
+    )
     from ..worker.api import with_schema as schema_turns
     from ..worker.request import Request, RequestResult
 
@@ -651,12 +670,17 @@ def run(args) -> int:
                 turns = _line_turns(rec, args.system)
                 _check_line_keys(rec)
                 line_limits = _line_limits(rec["limits"], limits) if "limits" in rec else limits
+                strict = rec.get("strict", args.strict)
+                if not isinstance(strict, bool):
+                    raise ValueError(f"strict must be true or false, got {_json_type(strict)}")
                 if any(k in rec for k in _GRAMMAR_FIELDS):
                     spec = with_limits(_spec_from_fields(rec, base), line_limits)
-                elif "limits" in rec:  # the CLI's grammar with this line's limits
+                elif "limits" in rec or "strict" in rec:  # the CLI's grammar, this line's options
                     spec = with_limits(_cli_spec(args), line_limits)
                 else:
                     spec = global_spec
+                if hasattr(spec, "strict"):  # the line's own strict wins over --strict
+                    spec = spec.model_copy(update={"strict": strict})
                 items.append((f"line-{n}", turns, spec, _sampling(args, rec)))
                 reasoning[f"line-{n}"] = tuple(  # type: ignore[assignment]
                     rec.get(k, v) for k, v in zip(_REASONING_FIELDS, cli_reasoning)
@@ -665,8 +689,21 @@ def run(args) -> int:
                 items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
         if not items or (args.prompt is not None and len(items) == 1):
             raise ValueError(f"batch file {args.batch_file} has no requests")
-    if global_spec is not None:
+    if global_spec is not None:  # the flags' grammar: a bad one is a bad argument (exit 2)
         precompile(global_spec, model=args.model, grammar_backend=args.grammar_backend)
+    # every batch line's grammar too, before the weights: a refused line fails in seconds
+    live = [i for i in items if len(i) == 4]
+    refused = precompile_all(
+        [i[2] for i in live], model=args.model, grammar_backend=args.grammar_backend
+    )
+    why_refused = {i[0]: why for i, why in zip(live, refused) if why}
+    items = [(i[0], f"{i[0]}: {why_refused[i[0]]}") if i[0] in why_refused else i for i in items]
+    if all(len(i) == 2 for i in items):  # nothing left to generate: no model load
+        for _rid, why in items:
+            print(f"error: {why}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"results": [_failed(rid, why).model_dump() for rid, why in items]}))
+        return 1
 
     worker = build_worker(
         model=args.model,
@@ -704,23 +741,7 @@ def run(args) -> int:
     final: list[RequestResult] = []
     for slot in slots:
         if isinstance(slot, tuple):
-            final.append(
-                RequestResult(
-                    rid=slot[0],
-                    text="",
-                    token_ids=[],
-                    prompt_tokens=0,
-                    finish_reason="error",
-                    finish_detail="error",
-                    error=slot[1],
-                    num_tokens=0,
-                    steps=0,
-                    accept_length=0.0,
-                    tokens_per_s=0.0,
-                    grammar_ms_hidden=0.0,
-                    grammar_ms_exposed=0.0,
-                )
-            )
+            final.append(_failed(*slot))
         else:
             final.append(results[slot])
     summary = summarize(final, worker.step_stats, wall)
@@ -805,6 +826,27 @@ def run(args) -> int:
     if invalid:
         return INVALID_EXIT_CODE
     return CUT_EXIT_CODE if cut else 0
+
+
+def _failed(rid: str, why: str):
+    """The result of a request that failed before the model ran (a bad line, a refused grammar)."""
+    from ..worker.request import RequestResult
+
+    return RequestResult(
+        rid=rid,
+        text="",
+        token_ids=[],
+        prompt_tokens=0,
+        finish_reason="error",
+        finish_detail="error",
+        error=why,
+        num_tokens=0,
+        steps=0,
+        accept_length=0.0,
+        tokens_per_s=0.0,
+        grammar_ms_hidden=0.0,
+        grammar_ms_exposed=0.0,
+    )
 
 
 def _stdout_stream(tokenizer):

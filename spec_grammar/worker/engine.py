@@ -100,7 +100,17 @@ from .sampling import SamplingParams, make_generator, process_tree_logits
 from .streaming import committed_text
 from .verify import verify
 
-__all__ = ["SpecWorker", "cut_tree_depth", "split_balanced"]
+__all__ = ["SpecWorker", "cut_tree_depth", "split_balanced", "context_length"]
+
+
+def context_length(model: Any) -> int | None:
+    """The most positions ``model`` (a Hugging Face causal LM or its config) takes:
+    ``max_position_embeddings`` of its config (the text config of a multimodal one); None when
+    it declares none."""
+    config = getattr(model, "config", model)
+    config = getattr(config, "text_config", None) or config
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -411,6 +421,23 @@ class SpecWorker:
         if not ids:
             st.finish("error", now, "the prompt is empty")
             return st
+        ctx = context_length(self.runner.model)
+        if ctx is not None:
+            room = ctx - len(ids) - self.config.num_draft_tokens  # the last tree's positions too
+            if room < 1:
+                st.finish(
+                    "error",
+                    now,
+                    f"the prompt is {len(ids)} tokens; the model's context is {ctx} tokens "
+                    f"({self.config.num_draft_tokens} kept for a draft tree): shorten the prompt",
+                )
+                return st
+            if params.max_new_tokens > room:  # as vLLM does: clamp and say it
+                st.warnings += (
+                    f"max_new_tokens={params.max_new_tokens} is past the model's context "
+                    f"({ctx} tokens, prompt {len(ids)}): clamped to {room}",
+                )
+                st.sampling = params = params.model_copy(update={"max_new_tokens": room})
         if req.grammar is not None:
             if self.backend is None:
                 st.finish(
@@ -424,7 +451,7 @@ class SpecWorker:
                     st.matcher = ReasoningGrammar(
                         st.matcher, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens
                     )
-                st.warnings = compiled.warnings
+                st.warnings += compiled.warnings
                 st.backend_name = compiled.backend_name
                 st.backend_reason = compiled.route
             except SpecGrammarError as e:
