@@ -58,13 +58,15 @@ __all__ = [
 AUTO = "auto"
 
 MEASURED_COST: dict[str, dict[str, tuple[float, float]]] = {
-    "xgrammar": {"json_schema": (2.5, 21.0), "tool_calls": (3.0, 19.0), "regex": (0.6, 13.0)},
-    "llguidance": {"json_schema": (1.6, 33.0), "tool_calls": (2.4, 30.0), "regex": (0.4, 22.0)},
-    "outlines": {"json_schema": (90.0, 6.0), "tool_calls": (120.0, 6.0), "regex": (40.0, 5.0)},
+    "xgrammar": {"json_schema": (2.0, 5.1), "tool_calls": (2.8, 5.1)},
+    "llguidance": {"json_schema": (1.5, 23.1), "tool_calls": (2.4, 23.1)},
+    "outlines": {"json_schema": (57.0, 2.5), "tool_calls": (92.3, 2.5)},
 }
-"""backend -> grammar kind -> (median compile ms, median mask us per token), SmolLM2's
-tokenizer, on the bundled corpora (``docs/routing.md``: how, when, on which host). Kinds not
-listed (EBNF, Lark) fall back to the ``json_schema`` entry."""
+"""backend -> grammar kind -> (median compile ms, mask us per visited tree node), SmolLM2's
+tokenizer, on the bundled corpora: the JSONSchemaBench sample for ``json_schema``, the BFCL
+tool lists for ``tool_calls`` (``docs/benchmarks.md``, "Compile time" and "Tree fill" at
+N=16, from ``benchmarks/results/masks/masks.json``; ``docs/routing.md`` says how and adds a
+second run). Other kinds (regex, EBNF, Lark) use the ``json_schema`` entry."""
 
 TOKENS_PER_REQUEST = 200
 """Tokens a request is taken to run for when compile and mask costs are added: the CLI's
