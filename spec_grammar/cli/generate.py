@@ -745,14 +745,8 @@ def run(args) -> int:
         else:
             final.append(results[slot])
     summary = summarize(final, worker.step_stats, wall)
-    shown: set[tuple[str, ...]] = set()
-    for r in final:  # one line per distinct warning set (a shared grammar warns once)
-        if r.warnings and tuple(r.warnings) not in shown:
-            shown.add(tuple(r.warnings))
-            print(
-                f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}",
-                file=sys.stderr,
-            )
+    for line in _warning_lines(final):
+        print(line, file=sys.stderr)
     cut = [
         r
         for r, req in zip(final, [requests[s] if isinstance(s, int) else None for s in slots])
@@ -826,6 +820,21 @@ def run(args) -> int:
     if invalid:
         return INVALID_EXIT_CODE
     return CUT_EXIT_CODE if cut else 0
+
+
+def _warning_lines(results) -> list[str]:
+    """One stderr line per distinct warning (a cause shared by many requests, a grammar
+    compiled once, is said once), naming the requests and the backend that served them:
+    ``warning: line-1, line-3 (xgrammar): uniqueItems at /: ...``."""
+    by_cause: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        for w in dict.fromkeys(r.warnings):
+            by_cause.setdefault((w, r.backend or ""), []).append(r.rid)
+    out = []
+    for (w, backend), rids in by_cause.items():
+        who = ", ".join(rids[:5]) + (f" (+{len(rids) - 5} more)" if len(rids) > 5 else "")
+        out.append(f"warning: {who}{f' ({backend})' if backend else ''}: {w}")
+    return out
 
 
 def _failed(rid: str, why: str):
