@@ -6,8 +6,10 @@ the n-gram drafter, default output limits. One worker per backend, the same requ
 batch each; per row: tokens/s (output tokens over the run's wall time), grammar ms per output
 token (matcher advance + tree fill, hidden + exposed: the mask work), outputs valid / completed
 (the post-check, :mod:`spec_grammar.output_check`), and the post-check's own time against the
-run's wall time (each output checked again here, timed with ``perf_counter``). Rows run one
-after the other in one process; on a shared host run it under ``nice`` and say so.
+run's wall time (each output checked again here, timed with ``perf_counter``). Every row's
+grammars are compiled before its clock starts (the CLI precompiles them too; auto's backends are
+built then). Rows run one after the other in one process (a backend may be named twice, to see
+the host's drift); on a shared host run it under ``nice`` and say so.
 
     python benchmarks/bench_auto.py --jsb 4 --bfcl 4 --max-new-tokens 96
 """
@@ -23,6 +25,7 @@ import torch
 from spec_grammar_bench.e2e import E2EBenchConfig, load_prompts
 
 from spec_grammar import get_backend
+from spec_grammar.errors import SpecGrammarError
 from spec_grammar.json_schema.limits import DEFAULT_OUTPUT_LIMITS
 from spec_grammar.models import load_model, load_tokenizer
 from spec_grammar.output_check import check_output
@@ -47,7 +50,7 @@ def main() -> None:
     prompts = load_prompts(E2EBenchConfig(jsb_cases=args.jsb, bfcl_cases=args.bfcl), tok)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     rows = {}
-    for name in args.backends.split(","):
+    for run, name in enumerate(args.backends.split(",")):
         backend = get_backend(name, tok, vocab_size=vocab, compile_timeout_s=30)
         worker = SpecWorker(model, tok, backend=backend, draft="ngram")
         reqs = [
@@ -59,6 +62,11 @@ def main() -> None:
             )
             for pr in prompts
         ]
+        for q in reqs:  # compiles (and auto's backends) before the clock, as the CLI does
+            try:
+                backend.compile(q.grammar)
+            except SpecGrammarError:  # the run reports it as that request's error
+                pass
         t0 = time.perf_counter()
         with worker:
             results = worker.run(reqs)
@@ -70,7 +78,7 @@ def main() -> None:
         check_s = time.perf_counter() - t1
         tokens = sum(r.num_tokens for r in results)
         grammar_ms = sum(r.grammar_ms_hidden + r.grammar_ms_exposed for r in results)
-        rows[name] = {
+        rows[f"{run}:{name}"] = {
             "tokens": tokens,
             "wall_s": wall,
             "tokens_per_s": tokens / wall,
@@ -82,8 +90,19 @@ def main() -> None:
             "check_ms": check_s * 1e3,
             "check_share_of_wall": check_s / wall,
             "picks": sorted({r.backend for r in results if r.backend}),
+            "per_request": {
+                r.rid: {
+                    "backend": r.backend,
+                    "tokens": r.num_tokens,
+                    "grammar_ms": r.grammar_ms_hidden + r.grammar_ms_exposed,
+                    "valid": r.valid,
+                    "finish": r.finish_reason,
+                }
+                for r in results
+            },
         }
-        print(name, json.dumps(rows[name]), flush=True)
+        shown = {k: v for k, v in rows[f"{run}:{name}"].items() if k != "per_request"}
+        print(name, json.dumps(shown), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

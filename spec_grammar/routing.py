@@ -263,6 +263,7 @@ class AutoBackend(GrammarBackend):
         self._owner: weakref.WeakKeyDictionary[SpecGrammar, GrammarBackend] = (
             weakref.WeakKeyDictionary()
         )
+        self._threads: int | None = None
         self.excluded: dict[str, str] = {}
         """backend name -> why it takes no part (its library missing, an option refused)."""
         self._classes: dict[str, type[GrammarBackend]] = {}
@@ -276,12 +277,27 @@ class AutoBackend(GrammarBackend):
     def library_version(cls) -> str:
         return "routing"
 
+    @property
+    def num_threads(self) -> int | None:
+        """Tree-fill threads given to every backend that has them (SGLang's plugin sets it:
+        ``SPEC_GRAMMAR_SGLANG_THREADS``); None until set, each backend's default then."""
+        return self._threads
+
+    @num_threads.setter
+    def num_threads(self, value: int) -> None:
+        self._threads = value
+        for b in self._children.values():
+            if hasattr(b, "num_threads"):
+                b.num_threads = value
+
     def child(self, name: str) -> GrammarBackend:
         """The backend ``name``, made on first use for this tokenizer and options."""
         with self._lock:
             b = self._children.get(name)
             if b is None:
                 b = self._classes[name](self._tokenizer, **self._options)
+                if self._threads is not None and hasattr(b, "num_threads"):
+                    b.num_threads = self._threads
                 self._children[name] = b
                 self._by_id[id(b)] = b
             return b

@@ -57,10 +57,11 @@ from typing import Any
 
 import torch
 
+from .. import compose
 from ..errors import DraftTreeError, SpecGrammarError
 from ..output_check import check_output
 from ..protocol import GrammarBackend
-from ..reasoning import ReasoningGrammar, reasoning_token_count, resolve_marker
+from ..reasoning import reasoning_token_count, resolve_marker
 from ..specs import ToolCalls
 from ..tokenizer_info import TokenizerInfo
 from ..tool_calls import parse_tool_calls
@@ -446,11 +447,12 @@ class SpecWorker:
                 return st
             try:
                 compiled = self.backend.compile(req.grammar)
-                st.matcher = self.backend.matcher(compiled)
-                if req.reasoning_end is not None:
-                    st.matcher = ReasoningGrammar(
-                        st.matcher, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens
-                    )
+                st.matcher = compose.matcher(
+                    self.backend,
+                    compiled,
+                    reasoning_end=req.reasoning_end,
+                    max_reasoning_tokens=req.max_reasoning_tokens,
+                )
                 st.warnings += compiled.warnings
                 st.backend_name = compiled.backend_name
                 st.backend_reason = compiled.route
