@@ -626,9 +626,11 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from ..registry import load_backend_class
+    from ..worker.api import _tokenizer as load_tokenizer
     from ..worker.api import (
         build_prompt,
         build_worker,
+        model_context_length,
         precompile,
         precompile_all,
         resolve_device,
@@ -697,6 +699,20 @@ def run(args) -> int:
         [i[2] for i in live], model=args.model, grammar_backend=args.grammar_backend
     )
     why_refused = {i[0]: why for i, why in zip(live, refused) if why}
+    # the prompts from the tokenizer alone too: one past the model's context is told now,
+    # not after the load (a 9k-token prompt on an 8k model ran for minutes)
+    tokenizer = load_tokenizer(args.model)
+    context = model_context_length(args.model)
+    prompts: dict[str, list[int]] = {}
+    for rid, turns, spec, _ in (i for i in live if i[0] not in why_refused):
+        if spec is not None and not args.no_schema_in_prompt:
+            turns = schema_turns(turns, spec)
+        prompts[rid] = build_prompt(tokenizer, turns)
+        if context is not None and len(prompts[rid]) + config.num_draft_tokens >= context:
+            why_refused[rid] = (
+                f"the prompt is {len(prompts[rid])} tokens; the model's context is {context} "
+                f"tokens ({config.num_draft_tokens} kept for a draft tree): shorten the prompt"
+            )
     items = [(i[0], f"{i[0]}: {why_refused[i[0]]}") if i[0] in why_refused else i for i in items]
     if all(len(i) == 2 for i in items):  # nothing left to generate: no model load
         for _rid, why in items:
@@ -716,11 +732,9 @@ def run(args) -> int:
         if len(item) == 2:
             slots.append(item)
             continue
-        rid, turns, spec, sampling = item
-        if spec is not None and not args.no_schema_in_prompt:
-            turns = schema_turns(turns, spec)
+        rid, _turns, spec, sampling = item
         req = Request(
-            prompt=build_prompt(worker.tokenizer, turns),
+            prompt=prompts[rid],
             grammar=spec,
             sampling=sampling,
             rid=rid,

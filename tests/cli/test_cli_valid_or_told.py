@@ -91,3 +91,16 @@ def test_an_output_breaking_its_schema_exits_4_valid_false(capsys, tmp_path):
     assert any("line-1" in ln and "invalid" in ln for ln in err.splitlines()), err
     clamped = [ln for ln in err.splitlines() if "clamped" in ln]
     assert clamped and "max_new_tokens=100000000" in clamped[0]
+
+
+def test_a_prompt_past_the_context_is_told_before_the_model_loads(capsys):
+    from spec_grammar.worker.api import model_context_length
+
+    context = model_context_length("smollm2")
+    if context is None:
+        pytest.skip("no saved config of the model yet (a GGUF model before its first load)")
+    rc = main(["generate", "--json", "--regex", "(yes|no)", "word " * (context + 100)])
+    out, err = capsys.readouterr()
+    [res] = json.loads(out)["results"]
+    assert rc == 1 and res["finish_reason"] == "error"
+    assert f"the model's context is {context} tokens" in res["error"], err
