@@ -4,7 +4,8 @@ The e2e benchmark's prompts (:func:`spec_grammar_bench.e2e.load_prompts`: JSONSc
 BFCL cases alternating, schema in the prompt), SmolLM2-135M-Instruct float32 on the CPU, greedy,
 the n-gram drafter, default output limits. One worker per backend, the same requests in one
 batch each; per row: tokens/s (output tokens over the run's wall time), grammar ms per output
-token (matcher advance + tree fill, hidden + exposed: the mask work), outputs valid / completed
+token (the steps' matcher advance + tree fill, hidden + exposed: the mask work; and the exposed
+part alone), outputs valid / completed
 (the post-check, :mod:`spec_grammar.output_check`), and the post-check's own time against the
 run's wall time (each output checked again here, timed with ``perf_counter``). Every row's
 grammars are compiled before its clock starts (the CLI precompiles them too; auto's backends are
@@ -77,12 +78,17 @@ def main() -> None:
                 check_output(q.grammar, r.text)
         check_s = time.perf_counter() - t1
         tokens = sum(r.num_tokens for r in results)
-        grammar_ms = sum(r.grammar_ms_hidden + r.grammar_ms_exposed for r in results)
+        # the steps' grammar work (a request's own grammar_ms counts every step it was live
+        # in, so requests sharing a step share its fill: not additive across requests)
+        grammar_ms = sum(st.grammar_ms for st in worker.step_stats)
+        exposed_ms = sum(st.grammar_exposed_ms for st in worker.step_stats)
         rows[f"{run}:{name}"] = {
             "tokens": tokens,
             "wall_s": wall,
             "tokens_per_s": tokens / wall,
             "grammar_ms_per_token": grammar_ms / max(tokens, 1),
+            "grammar_exposed_ms_per_token": exposed_ms / max(tokens, 1),
+            "steps": len(worker.step_stats),
             "completed": sum(r.valid is not None for r in results),
             "valid": sum(r.valid is True for r in results),
             "errors": sum(r.finish_reason == "error" for r in results),

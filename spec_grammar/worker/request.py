@@ -292,7 +292,9 @@ class RequestResult(BaseModel):
     grammar_ms_hidden: float
     grammar_ms_exposed: float
     warnings: list[str] = []
-    """JSON-Schema keyword uses the grammar backend compiled but does not enforce."""
+    """About this request, one line each: JSON-Schema keyword uses (and output limits the
+    schema reaches) the grammar backend compiled but does not enforce; a ``max_new_tokens``
+    clamped to the model's context."""
     valid: bool | None = None
     """Whether the output is valid under its request as written (the user's schema, tool list
     or regex, checked by :func:`~spec_grammar.output_check.check_output`, not by the grammar
