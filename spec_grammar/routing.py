@@ -310,6 +310,11 @@ class AutoBackend(GrammarBackend):
             raise TypeError(
                 f"compile() takes a grammar spec (JsonSchema, Regex, ...), got {type(spec).__name__}"
             )
+        # cached as a backend's compiles are (one result per spec, errors too): a precompile
+        # before the model loads is the worker's own compile, not a second routing
+        return self._cache.get_or_compile(spec.cache_key(), lambda: self._route(spec))
+
+    def _route(self, spec: GrammarSpec) -> CompiledGrammar:
         routes = rank(spec, self._classes)
         if not routes:
             raise UnsupportedGrammarError(
