@@ -5,6 +5,8 @@ name reaches every door through the registry."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -94,3 +96,17 @@ def test_auto_fails_once_for_what_every_backend_refuses(tok):
     assert not auto._children  # refused before any backend was built
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert auto.compile(ToolCalls(tools, strict=True)).spec.strict
+
+
+def test_auto_passes_the_conformance_properties_it_routes_through(capsys):
+    """auto is a backend like the others: the toy-tokenizer tree, rollback/fork and mask
+    properties pass through its routing (the whole quick suite passes: ``spec-grammar
+    conformance --backend auto --quick``)."""
+    from spec_grammar.cli import main
+
+    props = ["toy_random_tree_rows", "toy_T1_rollback_fork_roundtrip", "toy_T3_tree_rows"]
+    argv = ["conformance", "--backend", "auto", "--quick", "--json"]
+    rc = main(argv + [a for p in props for a in ("--property", p)])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["passed"], report
+    assert sorted(r["name"] for r in report["results"] if r["status"] == "PASS") == sorted(props)
