@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.check import check_json_schema, has_finite_document
-from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects
+from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects, limit_applies
 from .json_schema.strict import unenforced_keywords
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -52,6 +52,8 @@ class CompiledGrammar:
         warnings: one line per JSON-Schema keyword the backend compiled but does not enforce
             (see :mod:`spec_grammar.json_schema.strict`); empty when the grammar is enforced in
             full.
+        route: with the ``auto`` backend (:mod:`spec_grammar.routing`), ``"<backend>:
+            <why>"``; None otherwise.
     """
 
     spec: GrammarSpec
@@ -60,6 +62,7 @@ class CompiledGrammar:
     compile_time_s: float
     backend_id: int = 0
     warnings: tuple[str, ...] = ()
+    route: str | None = None
 
 
 class CompileCache:
@@ -262,6 +265,8 @@ def _with_limits(
         if name in backend.output_limits and name not in skipped:
             continue
         if name == "max_whitespace" and spec.whitespace != "flexible":
+            continue
+        if not limit_applies(spec.json_schema, name, limits):  # nothing there it would bound
             continue
         notes.append(f"{name} at /: the {backend.name} backend does not enforce this output limit")
     return spec, notes

@@ -26,7 +26,7 @@ from .capabilities import Capabilities
 from .compile import CompileCache, CompiledGrammar, compile_spec
 from .errors import BitmaskError, GrammarStateError, InvalidTokenError
 from .json_schema.strict import KeywordSupport
-from .specs import GrammarSpec, ToolCalls
+from .specs import GrammarSpec
 from .tokenizer_info import TokenizerInfo
 from .traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
 from .tree import DraftTree
@@ -457,23 +457,13 @@ class GrammarBackend(ABC):
         return compile_spec(self, spec)
 
     def matcher(self, compiled: CompiledGrammar) -> SpecGrammar:
-        """A fresh matcher at the grammar's start state (for tagged tool calls, a
-        :class:`~spec_grammar.tool_calls.TaggedToolCalls` over this backend's matchers of one
-        call). Raises :class:`GrammarStateError` for a grammar another backend instance
-        compiled."""
+        """A fresh matcher at the grammar's start state: of the grammar compiled, so for a
+        tagged :class:`~spec_grammar.specs.ToolCalls` grammar the matcher of one call (the
+        request's composite is :func:`spec_grammar.compose.matcher`'s work). Raises
+        :class:`GrammarStateError` for a grammar another backend instance compiled."""
         if not isinstance(compiled, CompiledGrammar) or compiled.backend_id != id(self):
             raise GrammarStateError(
                 "this CompiledGrammar was not compiled by this backend instance"
-            )
-        spec = compiled.spec
-        if isinstance(spec, ToolCalls) and spec.call_format == "tagged":
-            from .tool_calls import TaggedToolCalls  # it builds on this module
-
-            return TaggedToolCalls(
-                lambda: self._checked_matcher(compiled),
-                spec,
-                self.tokenizer_info,
-                max_rollback_tokens=self.max_rollback_tokens,
             )
         return self._checked_matcher(compiled)
 

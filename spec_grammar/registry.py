@@ -9,17 +9,31 @@ from __future__ import annotations
 import importlib
 import re
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from .capabilities import Capabilities
 from .errors import BackendNotFoundError
-from .protocol import Capabilities, GrammarBackend
+
+if TYPE_CHECKING:  # the protocol imports torch: a name check needs neither
+    from .protocol import GrammarBackend
 
 ENTRY_POINT_GROUP = "spec_grammar.backends"
+AUTO = "auto"
+"""The routing backend's name (:class:`~spec_grammar.routing.AutoBackend`): per request, the
+registered backend that enforces the most of the spec, then the fastest."""
 _BUILT_IN = ("xgrammar", "llguidance", "outlines")
 
-__all__ = ["get_backend", "load_backend_class", "list_backends", "BackendInfo", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "get_backend",
+    "load_backend_class",
+    "check_backend_name",
+    "list_backends",
+    "BackendInfo",
+    "ENTRY_POINT_GROUP",
+    "AUTO",
+]
 
 
 class BackendInfo(BaseModel):
@@ -36,6 +50,18 @@ def _entry_points() -> dict[str, Any]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
+def check_backend_name(name: str) -> None:
+    """Raise :class:`BackendNotFoundError` when ``name`` is neither ``auto``, a registered
+    entry point nor of the ``module:Class`` form: the check a command makes first, reading
+    package metadata only (no backend, library or torch import: well under a second)."""
+    if not isinstance(name, str) or not name:
+        raise BackendNotFoundError(f"a backend name must be a non-empty string, got {name!r}")
+    eps = _entry_points()
+    if name != AUTO and name not in eps and ":" not in name:
+        known = ", ".join([AUTO, *sorted(eps)])
+        raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
+
+
 def load_backend_class(name: str) -> type[GrammarBackend]:
     """The backend class for a registered ``name`` or a ``module:Class`` path.
 
@@ -45,6 +71,10 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
     """
     if not isinstance(name, str) or not name:
         raise BackendNotFoundError(f"a backend name must be a non-empty string, got {name!r}")
+    if name == AUTO:  # routing over the registered backends: built in, not an entry point
+        from .routing import AutoBackend
+
+        return AutoBackend
     eps = _entry_points()
     if name in eps:
         try:
@@ -68,8 +98,10 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
         except (ImportError, AttributeError) as e:
             raise BackendNotFoundError(f"cannot load backend class {name!r}: {e}") from e
     else:
-        known = ", ".join(sorted(eps)) or "none"
+        known = ", ".join([AUTO, *sorted(eps)])
         raise BackendNotFoundError(f"unknown grammar backend {name!r}; registered: {known}")
+    from .protocol import GrammarBackend
+
     if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
         raise BackendNotFoundError(
             f"{name!r} does not name a GrammarBackend subclass (got {cls!r})"
@@ -122,7 +154,8 @@ def get_backend(
 
 def list_backends() -> list[BackendInfo]:
     """Every registered backend with its library version and capabilities; a backend whose
-    library is missing is listed with ``error`` set."""
+    library is missing is listed with ``error`` set. ``auto`` (:data:`AUTO`) is not listed: it
+    routes over these."""
     out = []
     for name, ep in sorted(_entry_points().items()):
         try:

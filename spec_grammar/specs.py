@@ -191,6 +191,10 @@ class ToolCalls(GrammarSpec):
     format: ToolCallFormat | None = None
     call_open: str = Field("<tool_call>", min_length=1)
     call_close: str = Field("</tool_call>", min_length=1)
+    strict: bool = Field(False, strict=True)
+    """As :attr:`JsonSchema.strict`: a backend refuses the tool list when it would leave a
+    keyword of a function's parameters unenforced (not OpenAI's per-function ``strict``, which
+    changes the schema: :func:`openai_strict`)."""
 
     def __init__(self, tools: Any = None, /, **data: Any):
         if tools is not None:
@@ -314,7 +318,9 @@ class ToolCalls(GrammarSpec):
                 schema["maxItems"] = self.max_calls
         if defs:
             schema["$defs"] = defs
-        return JsonSchema(schema, whitespace=self.whitespace, limits=self.limits)
+        return JsonSchema(
+            schema, whitespace=self.whitespace, limits=self.limits, strict=self.strict
+        )
 
 
 def openai_strict(schema: Any) -> Any:
@@ -357,6 +363,15 @@ def with_limits(spec: GrammarSpec | None, limits: OutputLimits | None) -> Gramma
     are set (``OutputLimits()`` = explicitly none), and ``limits=None`` give ``spec`` back."""
     if limits is not None and isinstance(spec, (JsonSchema, ToolCalls)) and spec.limits is None:
         return spec.model_copy(update={"limits": limits})
+    return spec
+
+
+def with_strict(spec: GrammarSpec | None, strict: bool) -> GrammarSpec | None:
+    """``spec`` in strict mode when ``strict`` and it has one (:class:`JsonSchema`,
+    :class:`ToolCalls`); any other spec, and ``strict=False``, give ``spec`` back (a spec's own
+    ``strict=True`` is kept)."""
+    if strict and isinstance(spec, (JsonSchema, ToolCalls)) and not spec.strict:
+        return spec.model_copy(update={"strict": True})
     return spec
 
 

@@ -522,16 +522,18 @@ class LLGuidanceBackend(GrammarBackend):
                 # classes (what jsonschema checks) and anchors the whole alternation
                 digits = limits.max_digits if limits is not None else None
                 fraction = None if digits is None else min(digits, _MAX_FRACTION_DIGITS)
+                dropped = ref_siblings_dropped(spec.json_schema)
+                bounded = bound_numbers(dropped, digits, fraction=fraction)
                 rewritten, notes = rewrite_patterns(
-                    bound_numbers(
-                        ref_siblings_dropped(spec.json_schema), digits, fraction=fraction
-                    ),
-                    "value",
-                    anchor=True,
-                    why=_PATTERN_WHY,
-                    property_patterns=True,
+                    bounded, "value", anchor=True, why=_PATTERN_WHY, property_patterns=True
                 )
-                if digits is not None and digits > _MAX_FRACTION_DIGITS:
+                # said only where the schema has a number the fraction bound reaches (it
+                # warned on every schema, a string-only one too)
+                if (
+                    digits is not None
+                    and digits > _MAX_FRACTION_DIGITS
+                    and bounded != bound_numbers(dropped, digits)
+                ):
                     notes.append(
                         f"max_digits:refuses at /: llguidance 1.9 takes multipleOf down to 1e-10, so "
                         f"a fraction gets at most {_MAX_FRACTION_DIGITS} digits (max_digits={digits})"

@@ -32,5 +32,12 @@ def run(args) -> int:
             continue
         grammars = [k for k, v in i.capabilities.model_dump().items() if v]
         table.add_row(i.name, i.target, i.version or "?", ", ".join(grammars))
+    # auto is no entry point: it routes over the rows above (docs/routing.md)
+    table.add_row(
+        "auto",
+        "spec_grammar.routing:AutoBackend",
+        "-",
+        "per request: the backend above that enforces the most of it, then the fastest",
+    )
     Console().print(table)
     return 0

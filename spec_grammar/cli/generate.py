@@ -6,8 +6,8 @@ grammar field ``json_schema`` (object or file path), ``regex``, ``ebnf``, ``lark
 (file paths relative to the batch file), and optional sampling fields such as
 ``max_new_tokens`` / ``temperature`` / ``seed`` / ``stop``: any
 :class:`~spec_grammar.worker.sampling_params.SamplingParams` field; ``limits``: an object of output
-limits over the flags' ones, or null for none). JSON-schema and tool-call grammars get the
-output limits of the flags (``--max-digits`` ..., default
+limits over the flags' ones, or null for none; ``strict``: true / false over ``--strict``).
+JSON-schema and tool-call grammars get the output limits of the flags (``--max-digits`` ..., default
 :data:`~spec_grammar.json_schema.limits.DEFAULT_OUTPUT_LIMITS`). A line with an unknown key,
 one that cannot be turned into a request, or whose grammar fails to compile, is reported as
 failed; the other requests complete. One request's text streams to stdout as each draft path
@@ -15,8 +15,11 @@ is accepted; ``--json`` prints one final record instead.
 
 Exit code 0 when every request succeeded, 1 when some failed, 2 on bad arguments (missing
 files, unknown backend, unreadable schema, bad sampling flags, a CLI grammar that fails to
-compile), reported in one line before the model loads, and 3 (:data:`CUT_EXIT_CODE`) when a
-grammar-constrained output ended at its token limit (one stderr line names each such request).
+compile), reported in one line before the model loads, 4 (:data:`INVALID_EXIT_CODE`) when a
+completed output breaks its request as written (``valid: false``: a keyword the backend does
+not enforce, a stop string cutting a document; one stderr line names each such request and its
+first violations), and 3 (:data:`CUT_EXIT_CODE`) when a grammar-constrained output ended at its
+token limit (one stderr line names each such request). Where several apply: 1, then 4, then 3.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ _REASONING_FIELDS = ("reasoning_end", "max_reasoning_tokens")
 
 CUT_EXIT_CODE = 3
 """Exit code when every request ran but a grammar-constrained output ended at
-``--max-new-tokens`` (incomplete: it does not parse); 1 (some request failed) wins over it."""
+``--max-new-tokens`` (incomplete: it does not parse); 1 (some request failed) and
+:data:`INVALID_EXIT_CODE` win over it."""
+
+INVALID_EXIT_CODE = 4
+"""Exit code when a completed output is invalid under its request as written
+(``RequestResult.valid`` is False: :mod:`spec_grammar.output_check`); 1 (some request failed)
+wins over it."""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -54,7 +63,8 @@ def register(sub) -> None:
         description="Generate with a real model under a grammar (JSON schema, regex, EBNF, Lark, "
         "tool calls), verifying draft trees against the grammar's tree bitmask. The text streams "
         "to stdout as each draft path is accepted; the stats line goes to stderr. Exit code: 0 "
-        f"done, 1 a request failed, 2 bad arguments, {CUT_EXIT_CODE} a grammar-constrained "
+        f"done, 1 a request failed, 2 bad arguments, {INVALID_EXIT_CODE} an output breaks its "
+        f"request as written (valid: false), {CUT_EXIT_CODE} a grammar-constrained "
         "output was cut at --max-new-tokens (incomplete).",
         formatter_class=_HelpFormatter,
     )
@@ -100,8 +110,16 @@ def register(sub) -> None:
         "--grammar-backend",
         "--backend",
         dest="grammar_backend",
-        default="xgrammar",
-        help="xgrammar, outlines, llguidance, an entry point or module:Class",
+        default="auto",
+        help="auto (per request, the backend that enforces the most of its grammar, then the "
+        "fastest: docs/routing.md), xgrammar, outlines, llguidance, an entry point or "
+        "module:Class",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a JSON schema or tool list of which the backend would leave a keyword "
+        "unenforced (with auto: when no backend enforces all of it), before the model loads",
     )
     g.add_argument(
         "--no-schema-in-prompt",
@@ -555,6 +573,7 @@ def _check_line_keys(rec: dict[str, Any]) -> None:
         *_GRAMMAR_FIELDS,
         "tool_choice",
         "limits",
+        "strict",
         *_REASONING_FIELDS,
         *SamplingParams.model_fields,
     )
@@ -588,12 +607,15 @@ def run(args) -> int:
     if args.prompt is None and not args.batch_file:
         raise ValueError("give a PROMPT or --batch-file")
     # file and grammar-flag errors before torch is imported (a second or more)
-    from ..specs import with_limits
+    from ..specs import with_limits, with_strict
 
     if args.max_reasoning_tokens is not None and args.reasoning_end is None:
         raise ValueError("--max-reasoning-tokens needs --reasoning-end")
+    from ..registry import check_backend_name
+
+    check_backend_name(args.grammar_backend)  # a misspelt backend is told before any import
     limits = _output_limits(args)
-    global_spec = with_limits(_cli_spec(args), limits)
+    global_spec = with_strict(with_limits(_cli_spec(args), limits), args.strict)
     batch_text = _read_text(args.batch_file, "batch") if args.batch_file else None
     base_sampling = _sampling(args, {})
 
@@ -604,7 +626,16 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
     from ..registry import load_backend_class
-    from ..worker.api import build_prompt, build_worker, precompile, resolve_device, summarize
+    from ..worker.api import _tokenizer as load_tokenizer
+    from ..worker.api import (
+        build_prompt,
+        build_worker,
+        model_context_length,
+        precompile,
+        precompile_all,
+        resolve_device,
+        summarize,
+    )
     from ..worker.api import with_schema as schema_turns
     from ..worker.request import Request, RequestResult
 
@@ -641,12 +672,17 @@ def run(args) -> int:
                 turns = _line_turns(rec, args.system)
                 _check_line_keys(rec)
                 line_limits = _line_limits(rec["limits"], limits) if "limits" in rec else limits
+                strict = rec.get("strict", args.strict)
+                if not isinstance(strict, bool):
+                    raise ValueError(f"strict must be true or false, got {_json_type(strict)}")
                 if any(k in rec for k in _GRAMMAR_FIELDS):
                     spec = with_limits(_spec_from_fields(rec, base), line_limits)
-                elif "limits" in rec:  # the CLI's grammar with this line's limits
+                elif "limits" in rec or "strict" in rec:  # the CLI's grammar, this line's options
                     spec = with_limits(_cli_spec(args), line_limits)
                 else:
                     spec = global_spec
+                if hasattr(spec, "strict"):  # the line's own strict wins over --strict
+                    spec = spec.model_copy(update={"strict": strict})
                 items.append((f"line-{n}", turns, spec, _sampling(args, rec)))
                 reasoning[f"line-{n}"] = tuple(  # type: ignore[assignment]
                     rec.get(k, v) for k, v in zip(_REASONING_FIELDS, cli_reasoning)
@@ -655,8 +691,35 @@ def run(args) -> int:
                 items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
         if not items or (args.prompt is not None and len(items) == 1):
             raise ValueError(f"batch file {args.batch_file} has no requests")
-    if global_spec is not None:
+    if global_spec is not None:  # the flags' grammar: a bad one is a bad argument (exit 2)
         precompile(global_spec, model=args.model, grammar_backend=args.grammar_backend)
+    # every batch line's grammar too, before the weights: a refused line fails in seconds
+    live = [i for i in items if len(i) == 4]
+    refused = precompile_all(
+        [i[2] for i in live], model=args.model, grammar_backend=args.grammar_backend
+    )
+    why_refused = {i[0]: why for i, why in zip(live, refused) if why}
+    # the prompts from the tokenizer alone too: one past the model's context is told now,
+    # not after the load (a 9k-token prompt on an 8k model ran for minutes)
+    tokenizer = load_tokenizer(args.model)
+    context = model_context_length(args.model)
+    prompts: dict[str, list[int]] = {}
+    for rid, turns, spec, _ in (i for i in live if i[0] not in why_refused):
+        if spec is not None and not args.no_schema_in_prompt:
+            turns = schema_turns(turns, spec)
+        prompts[rid] = build_prompt(tokenizer, turns)
+        if context is not None and len(prompts[rid]) + config.num_draft_tokens >= context:
+            why_refused[rid] = (
+                f"the prompt is {len(prompts[rid])} tokens; the model's context is {context} "
+                f"tokens ({config.num_draft_tokens} kept for a draft tree): shorten the prompt"
+            )
+    items = [(i[0], f"{i[0]}: {why_refused[i[0]]}") if i[0] in why_refused else i for i in items]
+    if all(len(i) == 2 for i in items):  # nothing left to generate: no model load
+        for _rid, why in items:
+            print(f"error: {why}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"results": [_failed(rid, why).model_dump() for rid, why in items]}))
+        return 1
 
     worker = build_worker(
         model=args.model,
@@ -669,11 +732,9 @@ def run(args) -> int:
         if len(item) == 2:
             slots.append(item)
             continue
-        rid, turns, spec, sampling = item
-        if spec is not None and not args.no_schema_in_prompt:
-            turns = schema_turns(turns, spec)
+        rid, _turns, spec, sampling = item
         req = Request(
-            prompt=build_prompt(worker.tokenizer, turns),
+            prompt=prompts[rid],
             grammar=spec,
             sampling=sampling,
             rid=rid,
@@ -694,34 +755,12 @@ def run(args) -> int:
     final: list[RequestResult] = []
     for slot in slots:
         if isinstance(slot, tuple):
-            final.append(
-                RequestResult(
-                    rid=slot[0],
-                    text="",
-                    token_ids=[],
-                    prompt_tokens=0,
-                    finish_reason="error",
-                    finish_detail="error",
-                    error=slot[1],
-                    num_tokens=0,
-                    steps=0,
-                    accept_length=0.0,
-                    tokens_per_s=0.0,
-                    grammar_ms_hidden=0.0,
-                    grammar_ms_exposed=0.0,
-                )
-            )
+            final.append(_failed(*slot))
         else:
             final.append(results[slot])
     summary = summarize(final, worker.step_stats, wall)
-    shown: set[tuple[str, ...]] = set()
-    for r in final:  # one line per distinct warning set (a shared grammar warns once)
-        if r.warnings and tuple(r.warnings) not in shown:
-            shown.add(tuple(r.warnings))
-            print(
-                f"warning: {r.rid}: the grammar backend does not enforce: {'; '.join(r.warnings)}",
-                file=sys.stderr,
-            )
+    for line in _warning_lines(final):
+        print(line, file=sys.stderr)
     cut = [
         r
         for r, req in zip(final, [requests[s] if isinstance(s, int) else None for s in slots])
@@ -762,7 +801,8 @@ def run(args) -> int:
                     print(f"error: {r.error}", file=sys.stderr)
                 break
             if len(final) > 1:
-                print(f"--- {r.rid} [{r.finish_reason}]")
+                mark = ", invalid" if r.valid is False else ""
+                print(f"--- {r.rid} [{r.finish_reason}{mark}]")
             if r.error:
                 print(f"error: {r.error}", file=sys.stderr if len(final) == 1 else sys.stdout)
             else:
@@ -780,9 +820,56 @@ def run(args) -> int:
             "tokens) before its grammar completed: incomplete; raise --max-new-tokens",
             file=sys.stderr,
         )
+    invalid = [r for r in final if r.valid is False]
+    for r in invalid:
+        shown_v = "; ".join(f"{v.path or '/'}: {v.message}" for v in r.violations[:3])
+        more = f" (+{len(r.violations) - 3} more)" if len(r.violations) > 3 else ""
+        print(
+            f"spec-grammar generate: {r.rid}: output invalid under its request as written "
+            f"(backend {r.backend}): {shown_v}{more}",
+            file=sys.stderr,
+        )
     if summary.errors:
         return 1
+    if invalid:
+        return INVALID_EXIT_CODE
     return CUT_EXIT_CODE if cut else 0
+
+
+def _warning_lines(results) -> list[str]:
+    """One stderr line per distinct warning (a cause shared by many requests, a grammar
+    compiled once, is said once), naming the requests and the backend that served them:
+    ``warning: line-1, line-3 (xgrammar): uniqueItems at /: ...``."""
+    by_cause: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        for w in dict.fromkeys(r.warnings):
+            by_cause.setdefault((w, r.backend or ""), []).append(r.rid)
+    out = []
+    for (w, backend), rids in by_cause.items():
+        who = ", ".join(rids[:5]) + (f" (+{len(rids) - 5} more)" if len(rids) > 5 else "")
+        out.append(f"warning: {who}{f' ({backend})' if backend else ''}: {w}")
+    return out
+
+
+def _failed(rid: str, why: str):
+    """The result of a request that failed before the model ran (a bad line, a refused grammar)."""
+    from ..worker.request import RequestResult
+
+    return RequestResult(
+        rid=rid,
+        text="",
+        token_ids=[],
+        prompt_tokens=0,
+        finish_reason="error",
+        finish_detail="error",
+        error=why,
+        num_tokens=0,
+        steps=0,
+        accept_length=0.0,
+        tokens_per_s=0.0,
+        grammar_ms_hidden=0.0,
+        grammar_ms_exposed=0.0,
+    )
 
 
 def _stdout_stream(tokenizer):

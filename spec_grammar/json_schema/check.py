@@ -94,15 +94,20 @@ def has_finite_document(schema: Any) -> bool:
             return True
         return any(_type_ok(node, t, ev, depth) for t in types) if isinstance(types, list) else True
 
-    ev(schema)
-    while True:  # each pass marks a target or finds one; both are finite
+    # Each pass evaluates the root (which registers the references it meets) and marks the
+    # targets found productive. An evaluation stops at the first unproductive reference of an
+    # `allOf` / `required` list, so a reference after it is only met once the earlier one is
+    # marked: the loop ends when a pass neither marks a target nor meets a new one (both are
+    # finite), not before (the required $refs to two definitions were refused).
+    while True:
         known = len(targets)
+        result = ev(schema)
         changed = False
         for ref, target in list(targets.items()):
             if not memo.get(ref) and ev(target):
                 memo[ref] = changed = True
         if not changed and len(targets) == known:
-            return ev(schema)
+            return result
 
 
 def _type_ok(node: dict[str, Any], t: str, ev: Any, depth: int) -> bool:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .rewrite import map_subschemas
 
 __all__ = [
+    "limit_applies",
     "OutputLimits",
     "DEFAULT_OUTPUT_LIMITS",
     "LIMIT_FIELDS",
@@ -273,3 +274,21 @@ def bound_numbers(schema: Any, max_digits: int | None, *, fraction: int | None =
         return n if out == n else out
 
     return map_subschemas(schema, node)
+
+
+def limit_applies(schema: Any, name: str, limits: OutputLimits) -> bool:
+    """Whether the output limit ``name`` of ``limits`` reaches anything in ``schema``: a string
+    or array it would cap (:func:`cap_lengths`), an object it would close
+    (:func:`close_objects`), a number it would bound (:func:`bound_numbers`);
+    ``max_whitespace`` always (whitespace may go between any two tokens). A warning that a
+    backend does not enforce a limit is said only where it applies."""
+    if name == "max_whitespace":
+        return True
+    if name in ("max_string_length", "max_items"):
+        only = OutputLimits(**{name: getattr(limits, name)})
+        return cap_lengths(schema, only) is not schema
+    if name == "closed_objects":
+        return close_objects(schema) is not schema
+    if name == "max_digits":
+        return bound_numbers(schema, limits.max_digits) is not schema
+    return True

@@ -33,6 +33,7 @@ from ..specs import (
     ToolCalls,
     as_grammar_spec,
     with_limits,
+    with_strict,
 )
 from .config import WorkerConfig, worker_config
 from .engine import SpecWorker
@@ -48,6 +49,8 @@ __all__ = [
     "schema_prompt",
     "resolve_device",
     "precompile",
+    "precompile_all",
+    "model_context_length",
     "summarize",
     "RunSummary",
 ]
@@ -116,21 +119,74 @@ def _config_vocab_size(model: str) -> int | None:
     return int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
 
 
-def precompile(
-    spec: GrammarSpec, *, model: str = "smollm2", grammar_backend: str = "xgrammar"
-) -> Any:
+def precompile(spec: GrammarSpec, *, model: str = "smollm2", grammar_backend: str = "auto") -> Any:
     """Compile ``spec`` for ``model`` from its tokenizer alone, before the weights load, so a
     bad grammar fails early; the backend is the cached one :func:`build_worker` then uses, so
     the worker's compile is a cache hit. Returns the
     :class:`~spec_grammar.protocol.CompiledGrammar`; raises
-    :class:`~spec_grammar.errors.GrammarCompileError` naming the problem."""
-    from ..registry import get_backend
+    :class:`~spec_grammar.errors.GrammarCompileError` naming the problem, and for an
+    :class:`~spec_grammar.errors.UnsupportedGrammarError` (a kind the backend lacks, a strict
+    refusal) which registered backends would take the grammar
+    (:func:`~spec_grammar.routing.backends_taking`)."""
+    from ..errors import UnsupportedGrammarError
+    from ..registry import get_backend, load_backend_class
+    from ..routing import backends_taking
 
+    cls = load_backend_class(grammar_backend)
+    if not getattr(cls.capabilities, spec.kind, False):  # told without building the backend
+        raise UnsupportedGrammarError(
+            f"[{cls.name}] {spec.kind} grammars are not supported; {backends_taking(spec)}"
+        )
     tokenizer = _tokenizer(model)
     vocab = _config_vocab_size(model)
-    if vocab is None:  # width unknown until the model loads: check only (compiled again later)
-        return get_backend(grammar_backend, tokenizer).compile(spec)
-    return _backend(grammar_backend, model, tokenizer, vocab).compile(spec)
+    try:
+        if vocab is None:  # width unknown until the model loads: check only (compiled again later)
+            return get_backend(grammar_backend, tokenizer).compile(spec)
+        return _backend(grammar_backend, model, tokenizer, vocab).compile(spec)
+    except UnsupportedGrammarError as e:
+        told = type(e)(f"{e}; {backends_taking(spec)}")
+        told.backend, told.reason = e.backend, e.reason
+        raise told from None
+
+
+def precompile_all(
+    specs: Sequence[GrammarSpec | None], *, model: str = "smollm2", grammar_backend: str = "auto"
+) -> list[str | None]:
+    """:func:`precompile` of every spec (each distinct one once; None = no grammar): per spec,
+    None when it compiles, else the error's message. Every grammar of a command is checked
+    this way before the model loads, so a bad one is told in seconds."""
+    from ..errors import SpecGrammarError
+
+    seen: dict[str, str | None] = {}
+    out: list[str | None] = []
+    for spec in specs:
+        if spec is None:
+            out.append(None)
+            continue
+        key = spec.cache_key()
+        if key not in seen:
+            try:
+                precompile(spec, model=model, grammar_backend=grammar_backend)
+                seen[key] = None
+            except SpecGrammarError as e:
+                seen[key] = str(e)
+        out.append(seen[key])
+    return out
+
+
+def model_context_length(model: str) -> int | None:
+    """``model``'s context length from its saved config (no weights loaded); None when no
+    config is on disk yet or it declares none."""
+    from transformers import AutoConfig
+
+    from ..models import _resolve
+    from .engine import context_length
+
+    src, _, cached = _resolve(model)
+    model_dir = cached / "model" if cached is not None else src
+    if not (model_dir / "config.json").is_file():
+        return None
+    return context_length(AutoConfig.from_pretrained(str(model_dir)))
 
 
 ROLES = ("system", "user", "assistant")
@@ -226,7 +282,7 @@ def schema_prompt(grammar: Any, task: str | None = None) -> str:
 def build_worker(
     *,
     model: str = "smollm2",
-    grammar_backend: str | None = "xgrammar",
+    grammar_backend: str | None = "auto",
     device: str | torch.device | None = "auto",
     dtype: Any = None,
     threads: int | None = None,
@@ -238,7 +294,9 @@ def build_worker(
 
     Args:
         model: ``smollm2``, ``gemma3``, a model directory or a ``.gguf`` file.
-        grammar_backend: registered backend name or ``module:Class``; None gives a worker for
+        grammar_backend: ``auto`` (per request, the backend that enforces the most of its
+            grammar, then the fastest: :mod:`spec_grammar.routing`), a registered backend
+            name or ``module:Class``; None gives a worker for
             plain requests only.
         device: ``auto`` (CUDA when available) / ``cpu`` / ``cuda``.
         dtype: model dtype (default float32).
@@ -307,6 +365,7 @@ def generate(
     output_limits: OutputLimits | dict | None = DEFAULT_OUTPUT_LIMITS,
     reasoning_end: str | list[int] | None = None,
     max_reasoning_tokens: int | None = None,
+    strict: bool = False,
     **options: Any,
 ) -> list[RequestResult]:
     """Generate for a batch of prompts in one worker run.
@@ -336,6 +395,12 @@ def generate(
             ``"</think>"`` or token ids): free text up to it, the grammar after it
             (``docs/reasoning-and-tools.md``); ``max_reasoning_tokens``, its budget.
         config: the worker's options (:class:`~spec_grammar.worker.config.WorkerConfig`).
+        strict: refuse a JSON-schema or tool-call grammar of which the backend would leave a
+            keyword unenforced (:attr:`~spec_grammar.specs.JsonSchema.strict`; with the
+            default ``grammar_backend="auto"``, refused only when no registered backend
+            enforces all of it). Every grammar is compiled before the model loads
+            (:func:`precompile_all`): a refused one comes back as an error result, and when
+            every request is refused the model is not loaded at all.
         **options: by name, each where it is defined:
 
             - what to load, :func:`build_worker`'s ``model``, ``grammar_backend``, ``device``
@@ -387,9 +452,29 @@ def generate(
     if isinstance(output_limits, dict):
         output_limits = OutputLimits(**output_limits)
     # a grammar of the wrong type fails before the load
-    specs = [with_limits(as_grammar_spec(g), output_limits) for g in grammars]
+    specs = [with_strict(with_limits(as_grammar_spec(g), output_limits), strict) for g in grammars]
     load = {k: options.pop(k) for k in list(options) if k in _BUILD_OPTIONS}
-    worker = build_worker(config=worker_config(config, options, "generate"), **load)
+    cfg = worker_config(config, options, "generate")
+    backend_name = load.get("grammar_backend", "auto")
+    refused: list[str | None] = [None] * len(items)
+    if backend_name is not None:  # every grammar before the weights: a refusal in seconds
+        from ..registry import load_backend_class
+
+        load_backend_class(backend_name)
+        refused = precompile_all(
+            [
+                _spec_or_none(i.grammar) if isinstance(i, Request) else s
+                for i, s in zip(items, specs)
+            ],
+            model=load.get("model", "smollm2"),
+            grammar_backend=backend_name,
+        )
+        if all(refused):
+            return [
+                _refused_result(i.rid if isinstance(i, Request) else Request(prompt="").rid, why)
+                for i, why in zip(items, refused)
+            ]
+    worker = build_worker(config=cfg, **load)
     requests = []
     for item, spec in zip(items, specs):
         if isinstance(item, Request):
@@ -417,6 +502,34 @@ def generate(
     if text_stream is not None:
         text_stream.close(results)
     return results
+
+
+def _spec_or_none(grammar: Any) -> GrammarSpec | None:
+    """A :class:`Request`'s grammar as a spec; None when it is none (the worker then ends the
+    request with the type error, as for any bad field)."""
+    try:
+        return as_grammar_spec(grammar)
+    except (TypeError, ValueError):
+        return None
+
+
+def _refused_result(rid: Any, why: str) -> RequestResult:
+    """The result of a request whose grammar failed before any model work."""
+    return RequestResult(
+        rid=rid if isinstance(rid, str) else repr(rid),
+        text="",
+        token_ids=[],
+        prompt_tokens=0,
+        finish_reason="error",
+        finish_detail="error",
+        error=why,
+        num_tokens=0,
+        steps=0,
+        accept_length=0.0,
+        tokens_per_s=0.0,
+        grammar_ms_hidden=0.0,
+        grammar_ms_exposed=0.0,
+    )
 
 
 def stream(

@@ -57,9 +57,11 @@ from typing import Any
 
 import torch
 
+from .. import compose
 from ..errors import DraftTreeError, SpecGrammarError
+from ..output_check import check_output
 from ..protocol import GrammarBackend
-from ..reasoning import ReasoningGrammar, reasoning_token_count, resolve_marker
+from ..reasoning import reasoning_token_count, resolve_marker
 from ..specs import ToolCalls
 from ..tokenizer_info import TokenizerInfo
 from ..tool_calls import parse_tool_calls
@@ -85,6 +87,7 @@ from .grammar_work import (
 from .host_bitmask import HostBitmaskRing
 from .placement import EarlyMask, GrammarPlacement, LazyGrammar
 from .request import (
+    COMPLETED_DETAILS,
     Request,
     RequestError,
     RequestResult,
@@ -98,7 +101,17 @@ from .sampling import SamplingParams, make_generator, process_tree_logits
 from .streaming import committed_text
 from .verify import verify
 
-__all__ = ["SpecWorker", "cut_tree_depth", "split_balanced"]
+__all__ = ["SpecWorker", "cut_tree_depth", "split_balanced", "context_length"]
+
+
+def context_length(model: Any) -> int | None:
+    """The most positions ``model`` (a Hugging Face causal LM or its config) takes:
+    ``max_position_embeddings`` of its config (the text config of a multimodal one); None when
+    it declares none."""
+    config = getattr(model, "config", model)
+    config = getattr(config, "text_config", None) or config
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def cut_tree_depth(tree: DraftTree, max_depth: int) -> DraftTree:
@@ -409,6 +422,23 @@ class SpecWorker:
         if not ids:
             st.finish("error", now, "the prompt is empty")
             return st
+        ctx = context_length(self.runner.model)
+        if ctx is not None:
+            room = ctx - len(ids) - self.config.num_draft_tokens  # the last tree's positions too
+            if room < 1:
+                st.finish(
+                    "error",
+                    now,
+                    f"the prompt is {len(ids)} tokens; the model's context is {ctx} tokens "
+                    f"({self.config.num_draft_tokens} kept for a draft tree): shorten the prompt",
+                )
+                return st
+            if params.max_new_tokens > room:  # as vLLM does: clamp and say it
+                st.warnings += (
+                    f"max_new_tokens={params.max_new_tokens} is past the model's context "
+                    f"({ctx} tokens, prompt {len(ids)}): clamped to {room}",
+                )
+                st.sampling = params = params.model_copy(update={"max_new_tokens": room})
         if req.grammar is not None:
             if self.backend is None:
                 st.finish(
@@ -417,12 +447,15 @@ class SpecWorker:
                 return st
             try:
                 compiled = self.backend.compile(req.grammar)
-                st.matcher = self.backend.matcher(compiled)
-                if req.reasoning_end is not None:
-                    st.matcher = ReasoningGrammar(
-                        st.matcher, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens
-                    )
-                st.warnings = compiled.warnings
+                st.matcher = compose.matcher(
+                    self.backend,
+                    compiled,
+                    reasoning_end=req.reasoning_end,
+                    max_reasoning_tokens=req.max_reasoning_tokens,
+                )
+                st.warnings += compiled.warnings
+                st.backend_name = compiled.backend_name
+                st.backend_reason = compiled.route
             except SpecGrammarError as e:
                 st.finish("error", now, str(e))
                 return st
@@ -1086,6 +1119,10 @@ class SpecWorker:
         content, calls = self._tool_calls(st, text)
         n = len(st.output_ids)
         wall = max(st.end_s - st.start_s, 1e-9)
+        detail = st.finish_reason or "error"
+        valid, violations = None, []
+        if detail in COMPLETED_DETAILS and st.request.grammar is not None:
+            valid, violations = check_output(st.request.grammar, text)
         return RequestResult(
             rid=st.rid if isinstance(st.rid, str) else repr(st.rid),  # a bad id ended the request
             text=text,
@@ -1094,8 +1131,8 @@ class SpecWorker:
             reasoning_text=reasoning,
             content=content,
             tool_calls=calls,
-            finish_reason=finish_reason_of(st.finish_reason or "error", st.request.grammar, text),
-            finish_detail=st.finish_reason or "error",
+            finish_reason=finish_reason_of(detail, st.request.grammar, text),
+            finish_detail="violation" if valid is False else detail,
             error=st.error,
             num_tokens=n,
             steps=st.steps,
@@ -1104,4 +1141,8 @@ class SpecWorker:
             grammar_ms_hidden=st.grammar_ms - st.grammar_exposed_ms,
             grammar_ms_exposed=st.grammar_exposed_ms,
             warnings=list(st.warnings),
+            valid=valid,
+            violations=violations,
+            backend=st.backend_name,
+            backend_reason=st.backend_reason,
         )

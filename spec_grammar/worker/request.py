@@ -16,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from ..errors import SpecGrammarError
+from ..output_check import Violation
 from ..specs import GrammarSpec, ToolCalls, as_grammar_spec
 from .sampling import SamplingParams
 
@@ -26,6 +27,8 @@ __all__ = [
     "StepStats",
     "FinishReason",
     "FinishDetail",
+    "COMPLETED_DETAILS",
+    "Violation",
     "finish_reason_of",
     "RequestError",
     "check_request",
@@ -39,11 +42,21 @@ grammar's document complete, or EOS without a grammar) or a stop string; ``lengt
 have: ``error`` (the request failed: see ``error``) and ``cancelled``
 (:meth:`SpecWorker.cancel`). The finer reason is :data:`FinishDetail`."""
 
-FinishDetail = Literal["eos", "stop_string", "grammar", "length", "error", "cancelled"]
+FinishDetail = Literal["eos", "stop_string", "grammar", "violation", "length", "error", "cancelled"]
 """The worker's own reason a request ended: ``eos`` = a stop token without grammar;
 ``stop_string`` = a stop string; ``grammar`` = the grammar accepted a stop token (the document
-is complete); ``length`` = ``max_new_tokens``; ``error`` = the grammar failed to compile or a
-matcher refused a committed token; ``cancelled`` = :meth:`SpecWorker.cancel` was called."""
+is complete); ``violation`` = the output ended (as ``grammar``, ``eos`` or ``stop_string``)
+but breaks its request as written (:attr:`RequestResult.violations`: a keyword the backend
+does not enforce, a stop string cutting a document); ``length`` = ``max_new_tokens``;
+``error`` = the grammar failed to compile or a matcher refused a committed token;
+``cancelled`` = :meth:`SpecWorker.cancel` was called."""
+
+COMPLETED_DETAILS = frozenset({"eos", "stop_string", "grammar"})
+"""The finish details whose output is *completed*, and so post-checked
+(:mod:`spec_grammar.output_check`): the output ended by itself or at a stop string. An output
+cut at ``max_new_tokens`` (``length``) is unfinished: its ``valid`` is None and
+``finish_reason="length"`` says it (the CLI exits with its own code); one that errored or was
+cancelled has no output to check."""
 
 
 def finish_reason_of(
@@ -54,7 +67,7 @@ def finish_reason_of(
     tagged-format output without any call is a text answer: ``stop``)."""
     if detail in ("eos", "stop_string"):
         return "stop"
-    if detail == "grammar":
+    if detail in ("grammar", "violation"):
         if isinstance(grammar, ToolCalls) and (
             grammar.call_format == "json_array" or grammar.call_open in text
         ):
@@ -197,6 +210,8 @@ class RequestState:
     grammar_ms: float = 0.0
     grammar_exposed_ms: float = 0.0
     warnings: tuple[str, ...] = ()
+    backend_name: str | None = None
+    backend_reason: str | None = None
     _context: Any = field(
         default=None, init=False, repr=False
     )  # committed ids, int64, grown in place
@@ -277,7 +292,22 @@ class RequestResult(BaseModel):
     grammar_ms_hidden: float
     grammar_ms_exposed: float
     warnings: list[str] = []
-    """JSON-Schema keyword uses the grammar backend compiled but does not enforce."""
+    """About this request, one line each: JSON-Schema keyword uses (and output limits the
+    schema reaches) the grammar backend compiled but does not enforce; a ``max_new_tokens``
+    clamped to the model's context."""
+    valid: bool | None = None
+    """Whether the output is valid under its request as written (the user's schema, tool list
+    or regex, checked by :func:`~spec_grammar.output_check.check_output`, not by the grammar
+    that produced it). None where no check applies: no grammar, EBNF / Lark (no oracle but
+    the grammar itself), an output not completed (:data:`COMPLETED_DETAILS`: cut at
+    ``max_new_tokens``, an error, cancelled)."""
+    violations: list[Violation] = []
+    """With ``valid=False``: where and how the output breaks its request (JSON pointers into
+    the output, ``jsonschema``'s messages)."""
+    backend: str | None = None
+    """The grammar backend that served the request (with ``auto``, the one it chose)."""
+    backend_reason: str | None = None
+    """With ``auto``: why that backend (:mod:`spec_grammar.routing`)."""
 
     def message(self) -> dict[str, Any]:
         """The output as an OpenAI chat-completion message: ``{"role": "assistant",

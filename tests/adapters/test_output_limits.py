@@ -220,7 +220,14 @@ def test_tool_calls_get_the_item_cap(backend, tok):
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     spec = ToolCalls(tools, limits=OutputLimits(max_items=1))
     if "max_items" not in backend.schema_caps:
-        assert _declared(backend.compile(spec), "max_items")
+        # the calls array carries maxItems already (max_calls): the limit bounds nothing
+        # there, so it is not declared; an open array in the arguments is
+        assert not _declared(backend.compile(spec), "max_items")
+        listed = {**params, "properties": {"xs": {"type": "array", "items": {"type": "null"}}}}
+        tools = [{"type": "function", "function": {"name": "f", "parameters": listed}}]
+        assert _declared(
+            backend.compile(ToolCalls(tools, limits=OutputLimits(max_items=1))), "max_items"
+        )
         return
     m = _after(backend, tok, spec, '[{"name": "f", "arguments": {}}')
     assert not _takes(m, tok, ",") and _takes(m, tok, "]")

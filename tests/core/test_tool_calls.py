@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from oracles import check_tree_against_replay, row_of
 
 from spec_grammar import ToolCalls, get_backend
+from spec_grammar.compose import matcher as compose_matcher
 from spec_grammar.errors import GrammarSpecError
 from spec_grammar.reasoning import ReasoningGrammar
 from spec_grammar.specs import openai_strict
@@ -54,7 +55,7 @@ def backend(request, tok):
 
 
 def matcher(backend, **spec):
-    return backend.matcher(backend.compile(ToolCalls(TOOLS, **spec)))
+    return compose_matcher(backend, backend.compile(ToolCalls(TOOLS, **spec)))
 
 
 def accepts_all(m, text, tok, *, end: bool = True) -> bool:
@@ -149,7 +150,7 @@ def test_auto_allows_text_calls_and_ends_anywhere(backend, tok):
         ["<tool_call>\n", CALL_ADD, "</tool_call>"],
         ["<tool_call>", "\n", CALL_ADD, "\n", "</tool_call>", "\n"],
     ]:
-        m = backend.matcher(backend.compile(spec))
+        m = compose_matcher(backend, backend.compile(spec))
         assert isinstance(m, TaggedToolCalls)
         assert accepts_all(m, pieces, tok), pieces
         content, calls = parse_tool_calls("".join(pieces), spec)
@@ -157,9 +158,9 @@ def test_auto_allows_text_calls_and_ends_anywhere(backend, tok):
         for call in calls:
             jsonschema.validate(call["arguments"], tool_schema(call["name"]))
     # after the tag, only a valid call; an unclosed call cannot end
-    m = backend.matcher(backend.compile(spec))
+    m = compose_matcher(backend, backend.compile(spec))
     assert not accepts_all(m, "<tool_call>hello", tok)
-    m = backend.matcher(backend.compile(spec))
+    m = compose_matcher(backend, backend.compile(spec))
     assert not accepts_all(m, '<tool_call>{"name": "add"', tok)
 
 
@@ -167,7 +168,7 @@ def test_tag_split_over_any_tokens_is_found(backend, tok):
     """The opening tag written byte by byte (one token per byte), and a tag ending inside a
     token with more text after it: the first is a call, the second is refused in free text."""
     spec = ToolCalls(TOOLS, tool_choice="auto")
-    m = backend.matcher(backend.compile(spec))
+    m = compose_matcher(backend, backend.compile(spec))
     info = m.info
     byte_ids = {b: i for i, b in enumerate(info.token_bytes) if len(b) == 1}
     assert m.accept_tokens(encode_ids(tok, "ok "))
@@ -175,7 +176,7 @@ def test_tag_split_over_any_tokens_is_found(backend, tok):
     assert not m.accept_tokens(encode_ids(tok, "hello"))  # inside a call now
     assert accepts_all(m, [CALL_ADD, "</tool_call>"], tok)
 
-    m = backend.matcher(backend.compile(spec))
+    m = compose_matcher(backend, backend.compile(spec))
     assert m.accept_tokens(encode_ids(tok, "<tool_call"))
     joined = next(i for i, b in enumerate(info.token_bytes) if b.startswith(b">") and b[1:].strip())
     assert not m.accept_token(joined)
@@ -193,12 +194,12 @@ def test_rollback_across_calls_equals_replay(backend, tok):
         "</tool_call>",
     ]
     seq = [t for p in pieces for t in encode_ids(tok, p)]
-    m = backend.matcher(backend.compile(spec))
+    m = compose_matcher(backend, backend.compile(spec))
     assert m.accept_tokens(seq) == len(seq)
     for k in range(1, len(seq) + 1):
         f = m.fork()
         f.rollback(k)
-        fresh = backend.matcher(backend.compile(spec))
+        fresh = compose_matcher(backend, backend.compile(spec))
         assert fresh.accept_tokens(seq[: len(seq) - k]) == len(seq) - k
         assert (row_of(f) == row_of(fresh)).all(), k
         assert f.forced_tokens() == fresh.forced_tokens()
@@ -214,7 +215,7 @@ def test_required_tagged_forces_the_tag(backend, tok):
 
 def test_reasoning_then_auto_tool_calls(backend, tok):
     spec = ToolCalls(TOOLS, tool_choice="auto")
-    m = ReasoningGrammar(backend.matcher(backend.compile(spec)), "</think>")
+    m = ReasoningGrammar(compose_matcher(backend, backend.compile(spec)), "</think>")
     text = [
         f"I should call add. <tool_call>{CALL_WEATHER}</tool_call></think>",
         "Result: <tool_call>",
@@ -243,7 +244,7 @@ def test_tree_rows_around_tags_equal_replay(backend, tok, data):
         [-1] + list(range(chain)) + [data.draw(st.integers(0, i - 1)) for i in range(chain + 1, n)]
     )
     tokens = [0] + rest[:chain] + [data.draw(st.sampled_from(pool)) for _ in range(chain + 1, n)]
-    check_tree_against_replay(lambda: backend.matcher(compiled), prefix, tokens, parents)
+    check_tree_against_replay(lambda: compose_matcher(backend, compiled), prefix, tokens, parents)
 
 
 def test_parse_tool_calls_reads_both_formats():
@@ -264,7 +265,7 @@ def test_bad_tags_and_choices_are_typed_errors(backend, tok):
         dict(call_open=eos),
     ):
         with pytest.raises(GrammarSpecError):
-            backend.matcher(backend.compile(ToolCalls(TOOLS, tool_choice="auto", **tags)))
+            compose_matcher(backend, backend.compile(ToolCalls(TOOLS, tool_choice="auto", **tags)))
     named = [{"type": "function", "function": {"name": "auto"}}, ADD]
     with pytest.raises(GrammarSpecError, match="cannot be chosen by name"):
         ToolCalls(named, tool_choice={"type": "function", "function": {"name": "auto"}})
@@ -276,13 +277,13 @@ def test_bad_tags_and_choices_are_typed_errors(backend, tok):
 def test_tag_ending_in_whitespace_opens_a_call(backend, tok):
     """Hermes writes ``<tool_call>\\n``: a tag with its own trailing newline is still a tag."""
     spec = ToolCalls(TOOLS, tool_choice="auto", call_open="<tool_call>\n")
-    m = backend.matcher(backend.compile(spec))
+    m = compose_matcher(backend, backend.compile(spec))
     assert m.accept_tokens(encode_ids(tok, "hi <tool_call>\n")) and m.accept_tokens(
         encode_ids(tok, CALL_ADD)
     )
     assert m.accept_tokens(encode_ids(tok, "</tool_call>")) and m.num_calls == 1
     assert not accepts_all(
-        backend.matcher(backend.compile(spec)), ["<tool_call>\n", "not json"], tok
+        compose_matcher(backend, backend.compile(spec)), ["<tool_call>\n", "not json"], tok
     )
 
 
@@ -291,7 +292,7 @@ def test_free_text_never_hides_a_tag_inside_a_token(tok, tag):
     """Every token holding the tag with more than whitespace after it is banned from free text
     (the whole vocabulary checked, a tag anywhere inside a token included)."""
     b = get_backend("xgrammar", tok)
-    m = b.matcher(b.compile(ToolCalls(TOOLS, tool_choice="auto", call_open=tag)))
+    m = compose_matcher(b, b.compile(ToolCalls(TOOLS, tool_choice="auto", call_open=tag)))
     row = row_of(m)
     raw = tag.encode()
     for t, piece in enumerate(m.info.token_bytes):
@@ -304,7 +305,7 @@ def test_parse_reads_calls_as_the_grammar_does(backend, tok):
     spec = ToolCalls(TOOLS, tool_choice="auto")
     call = '{"name": "get_weather", "arguments": {"city": "</tool_call>"}}'
     assert accepts_all(
-        backend.matcher(backend.compile(spec)), ["<tool_call>", call, "</tool_call>"], tok
+        compose_matcher(backend, backend.compile(spec)), ["<tool_call>", call, "</tool_call>"], tok
     )
     assert parse_tool_calls(f"<tool_call>{call}</tool_call>", spec)[1] == [json.loads(call)]
     with pytest.raises(ValueError, match="not closed"):
@@ -317,7 +318,7 @@ def test_deep_trees_past_the_kept_state_are_a_typed_error(tok):
     from spec_grammar import DraftTree, GrammarStateError, allocate_token_bitmask
 
     b = get_backend("xgrammar", tok, max_rollback_tokens=8)
-    m = b.matcher(b.compile(ToolCalls(TOOLS, tool_choice="auto")))
+    m = compose_matcher(b, b.compile(ToolCalls(TOOLS, tool_choice="auto")))
     word = encode_ids(tok, " a")[0]
     n = m.max_rollback_tokens + 100
     tree = DraftTree.from_parents([0] + [word] * (n - 1), [-1] + list(range(n - 1)))

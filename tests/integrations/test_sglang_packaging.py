@@ -35,10 +35,13 @@ def test_extra_pins_the_tested_sglang():
 def test_backend_names_cover_every_registered_backend():
     names = plugin.backend_names()
     registered = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    assert names == sorted(plugin.PREFIX + n for n in registered)
-    assert {"spec-grammar:xgrammar", "spec-grammar:llguidance", "spec-grammar:outlines"} <= set(
-        names
-    )
+    assert names == sorted(plugin.PREFIX + n for n in registered | {"auto"})  # routing, built in
+    assert {
+        "spec-grammar:auto",
+        "spec-grammar:xgrammar",
+        "spec-grammar:llguidance",
+        "spec-grammar:outlines",
+    } <= set(names)
 
 
 def test_importing_the_plugin_does_not_import_sglang():

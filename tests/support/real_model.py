@@ -48,8 +48,10 @@ def backend(name: str):
 def replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
     """Oracle: a fresh matcher of backend ``name`` accepts the output (and the stop token when
     the grammar finished)."""
+    from spec_grammar.compose import matcher
+
     b = backend(name)
-    m = b.matcher(b.compile(spec))
+    m = matcher(b, b.compile(spec))
     ids = token_ids + ([b.tokenizer_info.stop_token_ids[0]] if finished else [])
     return m.accept_tokens(ids) == len(ids) and (m.is_terminated() or not finished)
 

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from spec_grammar.compose import matcher as compose_matcher
 from spec_grammar.datasets import bfcl_cases
 from spec_grammar.reasoning import ReasoningGrammar
 from spec_grammar.specs import JsonSchema, ToolCalls
@@ -84,7 +85,7 @@ def test_reasoning_and_tool_calls_on_cuda(setup):
         ], (overlap, graphs, lazy)
     for req, res in zip(_requests(), want):
         assert res.finish_detail in ("grammar", "length"), res.error
-        m = backend.matcher(backend.compile(req.grammar))
+        m = compose_matcher(backend, backend.compile(req.grammar))
         if req.reasoning_end is not None:
             m = ReasoningGrammar(
                 m, req.reasoning_end, max_reasoning_tokens=req.max_reasoning_tokens

@@ -23,7 +23,7 @@ import logging
 import os
 from importlib.metadata import entry_points
 
-from ...registry import ENTRY_POINT_GROUP
+from ...registry import AUTO, ENTRY_POINT_GROUP
 
 PREFIX = "spec-grammar:"
 """Prefix of the ``--grammar-backend`` names this plugin adds."""
@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 
 def backend_names() -> list[str]:
     """The ``--grammar-backend`` names: ``spec-grammar:<name>`` for every registered
-    spec-grammar backend, sorted."""
-    return sorted(PREFIX + ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    spec-grammar backend and ``spec-grammar:auto`` (per request, the routing of
+    :mod:`spec_grammar.routing`), sorted."""
+    names = {AUTO, *(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}
+    return sorted(PREFIX + n for n in names)
 
 
 def register() -> None:

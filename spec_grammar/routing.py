@@ -1,0 +1,394 @@
+"""Per-request backend routing: the ``auto`` backend.
+
+The built-in libraries differ in what they enforce (each adapter declares it:
+:attr:`~spec_grammar.protocol.GrammarBackend.json_schema_support`,
+:attr:`~spec_grammar.protocol.GrammarBackend.output_limits`,
+:attr:`~spec_grammar.protocol.GrammarBackend.schema_caps`, the
+:class:`~spec_grammar.capabilities.Capabilities`), and which one enforces a given spec is
+knowable before compiling. :func:`rank` orders the registered backends for one spec by:
+
+1. the grammar kind: a backend whose capabilities do not claim it is out;
+2. what it would leave unenforced of the user's spec
+   (:func:`~spec_grammar.json_schema.strict.unenforced_keywords` on the schema as written, the
+   tool list's call schema for :class:`~spec_grammar.specs.ToolCalls`), fewest first;
+3. the output limits the spec sets that the backend does not enforce (ours, not the user's:
+   they weigh after every keyword of the user's);
+4. the measured cost, :data:`MEASURED_COST` (compile ms + mask us per token x
+   :data:`TOKENS_PER_REQUEST`), cheapest first; a backend without a measurement (a third-party
+   adapter) after every measured one, by name.
+
+:class:`AutoBackend` (registered as ``auto``, so every door takes it: ``get_backend("auto",
+tokenizer)``, ``--grammar-backend auto``, SGLang's ``spec-grammar:auto``, the vLLM plugin's
+backend variable) compiles each spec on the first backend of its ranking that compiles it, and
+says which and why in :attr:`CompiledGrammar.route <spec_grammar.compile.CompiledGrammar.route>`.
+Third-party adapters of the entry-point group ``spec_grammar.backends`` take part through
+their declarations. How :data:`MEASURED_COST` was measured: ``docs/routing.md``
+(``benchmarks/bench_routing.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .capabilities import Capabilities
+from .compile import CompiledGrammar
+from .errors import BackendNotFoundError, SpecGrammarError, UnsupportedGrammarError
+from .json_schema.strict import unenforced_keywords
+from .protocol import GrammarBackend, SpecGrammar
+from .specs import GrammarSpec, JsonSchema, ToolCalls
+from .tree import DraftTree
+
+__all__ = [
+    "AutoBackend",
+    "Route",
+    "rank",
+    "user_unenforced",
+    "unenforced_limits",
+    "backends_taking",
+    "MEASURED_COST",
+    "TOKENS_PER_REQUEST",
+]
+
+AUTO = "auto"
+
+MEASURED_COST: dict[str, dict[str, tuple[float, float]]] = {
+    "xgrammar": {"json_schema": (2.0, 5.1), "tool_calls": (2.8, 5.1)},
+    "llguidance": {"json_schema": (1.5, 23.1), "tool_calls": (2.4, 23.1)},
+    "outlines": {"json_schema": (57.0, 2.5), "tool_calls": (92.3, 2.5)},
+}
+"""backend -> grammar kind -> (median compile ms, mask us per visited tree node), SmolLM2's
+tokenizer, on the bundled corpora: the JSONSchemaBench sample for ``json_schema``, the BFCL
+tool lists for ``tool_calls`` (``docs/benchmarks.md``, "Compile time" and "Tree fill" at
+N=16, from ``benchmarks/results/masks/masks.json``; ``docs/routing.md`` says how and adds a
+second run). Other kinds (regex, EBNF, Lark) use the ``json_schema`` entry."""
+
+TOKENS_PER_REQUEST = 200
+"""Tokens a request is taken to run for when compile and mask costs are added: the CLI's
+``--max-new-tokens`` order of magnitude (256), where a compile of a few ms equals a few
+hundred masks."""
+
+
+def _call_schema(spec: ToolCalls) -> Any:
+    """What the user's tool list asks of one output, as a schema (the calls without limits)."""
+    return spec.model_copy(update={"limits": None}).to_json_schema().json_schema
+
+
+def user_unenforced(backend: type[GrammarBackend], spec: GrammarSpec) -> list[str]:
+    """Lines of what ``backend`` (a class) would leave unenforced of ``spec`` as written, by
+    its declarations (empty for kinds without keyword declarations: regex, EBNF, Lark)."""
+    if isinstance(spec, JsonSchema):
+        return unenforced_keywords(spec.json_schema, backend.json_schema_support)
+    if isinstance(spec, ToolCalls):
+        return unenforced_keywords(_call_schema(spec), backend.json_schema_support)
+    return []
+
+
+def unenforced_limits(backend: type[GrammarBackend], spec: GrammarSpec) -> list[str]:
+    """The output limits ``spec`` sets that ``backend`` enforces neither itself
+    (``output_limits``) nor by a schema rewrite (``schema_caps``)."""
+    limits = getattr(spec, "limits", None)
+    if limits is None:
+        return []
+    out = []
+    for name, value in limits.model_dump().items():
+        if value in (None, False) or name in backend.output_limits or name in backend.schema_caps:
+            continue
+        if name == "max_whitespace" and getattr(spec, "whitespace", None) != "flexible":
+            continue
+        out.append(name)
+    return out
+
+
+def _claims(cls: type[GrammarBackend], spec: GrammarSpec) -> bool:
+    caps: Capabilities = cls.capabilities
+    if isinstance(spec, ToolCalls) and not caps.json_schema:
+        return False
+    return bool(getattr(caps, spec.kind, False))
+
+
+def _cost(name: str, kind: str) -> float:
+    table = MEASURED_COST.get(name)
+    if table is None:
+        return float("inf")
+    compile_ms, mask_us = table.get(kind) or table["json_schema"]
+    return compile_ms + mask_us * TOKENS_PER_REQUEST / 1000
+
+
+@dataclass(frozen=True)
+class Route:
+    """One backend's place in a spec's ranking: ``unenforced`` (lines, the user's spec) and
+    ``limits`` (output limits not enforced) by its declarations, ``cost_ms`` by
+    :data:`MEASURED_COST` (inf: not measured)."""
+
+    name: str
+    unenforced: tuple[str, ...]
+    limits: tuple[str, ...]
+    cost_ms: float
+
+    def reason(self, others: Sequence[Route]) -> str:
+        """Why this route: one line for results and ``--json``."""
+        cost = "not measured" if self.cost_ms == float("inf") else f"~{self.cost_ms:.1f} ms"
+        if not self.unenforced:
+            rivals = [r.name for r in others if not r.unenforced and r.name != self.name]
+            why = "enforces every keyword of the spec"
+            why += (
+                f"; fastest of {', '.join([self.name, *rivals])} ({cost})"
+                if rivals
+                else f" ({cost})"
+            )
+        else:
+            best = min((len(r.unenforced) for r in others), default=len(self.unenforced))
+            why = (
+                f"no backend enforces every keyword; this one leaves the fewest "
+                f"({len(self.unenforced)}, best {best}): {'; '.join(self.unenforced[:3])}"
+            )
+        if self.limits:
+            why += f"; output limits not enforced: {', '.join(self.limits)}"
+        return why
+
+
+def _registered() -> dict[str, type[GrammarBackend] | BackendNotFoundError]:
+    from .registry import _entry_points, load_backend_class
+
+    out: dict[str, Any] = {}
+    for name in sorted(_entry_points()):
+        if name == AUTO:
+            continue
+        try:
+            out[name] = load_backend_class(name)
+        except BackendNotFoundError as e:
+            out[name] = e
+    return out
+
+
+def rank(spec: GrammarSpec, backends: dict[str, type[GrammarBackend]] | None = None) -> list[Route]:
+    """The backends (default: every registered one that loads) that claim ``spec``'s kind,
+    best first (module docstring). Empty when none claims it."""
+    classes = (
+        backends
+        if backends is not None
+        else {n: c for n, c in _registered().items() if isinstance(c, type)}
+    )
+    routes = [
+        Route(
+            name,
+            tuple(user_unenforced(cls, spec)),
+            tuple(unenforced_limits(cls, spec)),
+            _cost(name, spec.kind),
+        )
+        for name, cls in classes.items()
+        if _claims(cls, spec)
+    ]
+    return sorted(routes, key=lambda r: (len(r.unenforced), len(r.limits), r.cost_ms, r.name))
+
+
+def backends_taking(spec: GrammarSpec) -> str:
+    """One phrase for an error message: the registered backends that would take ``spec``
+    (claim its kind and, for a strict spec, enforce all of it by their declarations)."""
+    routes = rank(spec)
+    if getattr(spec, "strict", False):
+        routes = [r for r in routes if not r.unenforced]
+    names = [r.name for r in routes]
+    return f"backends that would take it: {', '.join(names) if names else 'none registered'}"
+
+
+def _same_everywhere(spec: GrammarSpec, best: Route) -> None:
+    """Raise what every backend would raise, before any is tried (or built): the schema
+    checks of :func:`~spec_grammar.compile.compile_spec` (an invalid schema, no finite
+    document) and a strict refusal by the best route (every other leaves as much or more
+    unenforced)."""
+    target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
+    if not isinstance(target, JsonSchema):
+        return
+    from .errors import GrammarCompileError
+    from .json_schema.check import check_json_schema, has_finite_document
+
+    try:
+        check_json_schema(target.json_schema)
+    except GrammarCompileError as e:
+        raise GrammarCompileError(str(e), backend=AUTO, reason=e.reason) from None
+    if target.json_schema is False or not has_finite_document(target.json_schema):
+        raise GrammarCompileError(
+            "the schema accepts no finite document (a required property or item refers back "
+            "to its own schema, or meets `false` / `enum: []`)",
+            backend=AUTO,
+        )
+    if target.strict and best.unenforced:
+        raise UnsupportedGrammarError(
+            f"strict mode: no registered backend enforces every keyword; the best, {best.name}, "
+            f"leaves {len(best.unenforced)} unenforced: " + "; ".join(best.unenforced[:5]),
+            backend=AUTO,
+        )
+
+
+class AutoBackend(GrammarBackend):
+    """The ``auto`` backend: per spec, the registered backend :func:`rank` puts first that
+    compiles it (a library refusal moves on to the next; the error of the first is raised when
+    none does). Each chosen backend is made once, for the same tokenizer and options; options
+    a backend does not take leave it out of the routing (said in :attr:`excluded`).
+
+    :meth:`compile` returns the chosen backend's :class:`CompiledGrammar` with ``route`` set
+    (``"<name>: <reason>"``); :meth:`matcher` and :meth:`fill_tree_bitmasks` go to the backend
+    that compiled it. Raises what :class:`GrammarBackend` raises for bad options."""
+
+    name = AUTO
+    capabilities = Capabilities(json_schema=True, regex=True, ebnf=True, lark=True, tool_calls=True)
+
+    def __init__(self, tokenizer: Any, **options: Any):
+        base = {
+            k: options[k]
+            for k in (
+                "vocab_size",
+                "stop_token_ids",
+                "max_rollback_tokens",
+                "compile_cache_size",
+                "compile_timeout_s",
+                "max_grammar_bytes",
+                "max_forced_tokens",
+            )
+            if k in options
+        }
+        super().__init__(tokenizer, **base)
+        self._tokenizer = tokenizer
+        self._options = options
+        self._lock = threading.Lock()
+        self._children: dict[str, GrammarBackend] = {}
+        self._by_id: dict[int, GrammarBackend] = {}
+        self._owner: weakref.WeakKeyDictionary[SpecGrammar, GrammarBackend] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._threads: int | None = None
+        self.excluded: dict[str, str] = {}
+        """backend name -> why it takes no part (its library missing, an option refused)."""
+        self._classes: dict[str, type[GrammarBackend]] = {}
+        for name, cls in _registered().items():
+            if isinstance(cls, type):
+                self._classes[name] = cls
+            else:
+                self.excluded[name] = str(cls)
+
+    @classmethod
+    def library_version(cls) -> str:
+        return "routing"
+
+    @property
+    def num_threads(self) -> int | None:
+        """Tree-fill threads given to every backend that has them (SGLang's plugin sets it:
+        ``SPEC_GRAMMAR_SGLANG_THREADS``); None until set, each backend's default then."""
+        return self._threads
+
+    @num_threads.setter
+    def num_threads(self, value: int) -> None:
+        self._threads = value
+        for b in self._children.values():
+            if hasattr(b, "num_threads"):
+                b.num_threads = value
+
+    def child(self, name: str) -> GrammarBackend:
+        """The backend ``name``, made on first use for this tokenizer and options."""
+        with self._lock:
+            b = self._children.get(name)
+            if b is None:
+                b = self._classes[name](self._tokenizer, **self._options)
+                if self._threads is not None and hasattr(b, "num_threads"):
+                    b.num_threads = self._threads
+                self._children[name] = b
+                self._by_id[id(b)] = b
+            return b
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """``spec`` compiled on the backend :func:`rank` chooses (class docstring). Raises
+        ``TypeError`` for a non-spec, :class:`UnsupportedGrammarError` when no registered
+        backend claims the kind, else the first candidate's error when every one fails."""
+        if not isinstance(spec, GrammarSpec):
+            raise TypeError(
+                f"compile() takes a grammar spec (JsonSchema, Regex, ...), got {type(spec).__name__}"
+            )
+        # cached as a backend's compiles are (one result per spec, errors too): a precompile
+        # before the model loads is the worker's own compile, not a second routing
+        return self._cache.get_or_compile(spec.cache_key(), lambda: self._route(spec))
+
+    def _route(self, spec: GrammarSpec) -> CompiledGrammar:
+        routes = rank(spec, self._classes)
+        if not routes:
+            raise UnsupportedGrammarError(
+                f"{spec.kind} grammars are not supported by any registered backend "
+                f"({', '.join(self._classes) or 'none'})",
+                backend=self.name,
+            )
+        _same_everywhere(spec, routes[0])
+        first: SpecGrammarError | None = None
+        for route in routes:
+            try:
+                child = self.child(route.name)
+            except (TypeError, ValueError) as e:  # an option this backend does not take
+                self.excluded.setdefault(route.name, f"{type(e).__name__}: {e}")
+                continue
+            try:
+                compiled = child.compile(spec)
+            except SpecGrammarError as e:
+                first = first or e
+                continue
+            why = route.reason(routes)
+            if first is not None:
+                why += f"; {first.backend or 'a backend'} failed first: {str(first)[:120]}"
+            return replace(compiled, route=f"{route.name}: {why}")
+        if first is None:
+            raise UnsupportedGrammarError(
+                f"no backend could be made: {self.excluded}", backend=self.name
+            )
+        raise first
+
+    def _backend_of(self, compiled: CompiledGrammar) -> GrammarBackend:
+        b = self._by_id.get(compiled.backend_id)
+        if b is None:
+            from .errors import GrammarStateError
+
+            raise GrammarStateError(
+                "this CompiledGrammar was not compiled by this backend instance"
+            )
+        return b
+
+    def matcher(self, compiled: CompiledGrammar) -> SpecGrammar:
+        """A fresh matcher of the backend that compiled ``compiled``."""
+        b = self._backend_of(compiled)
+        m = b.matcher(compiled)
+        self._owner[m] = b
+        return m
+
+    def fill_tree_bitmasks(
+        self,
+        jobs: Sequence[tuple[SpecGrammar, DraftTree, int]],
+        bitmask: torch.Tensor,
+        *,
+        zero_dead_rows: bool = True,
+    ) -> list[torch.Tensor]:
+        """Each backend fills its own requests' rows (its parallel path); other matchers (forks,
+        wrappers) go through the owner of nothing: the generic per-job fill."""
+        groups: dict[int, list[int]] = {}
+        for i, (m, _, _) in enumerate(jobs):
+            owner = self._owner.get(m)
+            groups.setdefault(id(owner) if owner is not None else 0, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        for key, idx in groups.items():
+            sub = [jobs[i] for i in idx]
+            owner = self._by_id.get(key)
+            if owner is None:
+                res = super().fill_tree_bitmasks(sub, bitmask, zero_dead_rows=zero_dead_rows)
+            else:
+                res = owner.fill_tree_bitmasks(sub, bitmask, zero_dead_rows=zero_dead_rows)
+            for i, r in zip(idx, res):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+    def _compile(self, spec: GrammarSpec) -> Any:  # compile() routes; never reached
+        raise NotImplementedError
+
+    def _matcher(self, compiled: CompiledGrammar) -> SpecGrammar:  # matcher() routes
+        raise NotImplementedError
