@@ -90,11 +90,14 @@ class GrammarDrafts:
         """Grammar drafts for ``rows``: ``drafts`` (``(num_reqs, K)`` int64, vLLM's n-gram
         drafts, rows in ``req_ids`` order) with row ``rows[j]`` replaced by the grammar draft
         after the committed output ``outputs[j]`` (``(n,)`` int, ``n >= 1``), ``-1`` padded;
-        at most ``k`` (default :attr:`k`) tokens. Returns a new array."""
+        at most ``k`` (default :attr:`k`) tokens. A request that failed before keeps its
+        n-gram row. Returns a new array."""
         out = drafts.copy()
         k = self.k if k is None else min(k, self.k)
         for row, output in zip(rows, outputs):
             req_id = req_ids[row]
+            if req_id in self._failed:
+                continue
             try:
                 matcher = self._matcher(req_id, output)
                 draft = grammar_draft(matcher, int(output[-1]), out[row, :k].tolist(), k)

