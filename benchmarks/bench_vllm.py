@@ -13,10 +13,11 @@ skipped (one refused schema aborts vLLM's whole generate call) and listed.
 (``--no-schema-in-prompt``, the prompt already holding the schema) with its default n-gram
 tree drafter and ``--json`` stats, when ``--spec-grammar CMD`` names its executable.
 
-``--whitespace`` compares JSON whitespace rules instead, without speculation: vLLM's own
-xgrammar backend, ours under vLLM's rule (the default: any JSON whitespace, as vLLM's), ours with
-``SPEC_GRAMMAR_VLLM_WHITESPACE=spaced``; the ``valid`` column is the share of complete
-(finish reason ``stop``) and valid outputs.
+``--whitespace`` compares JSON rules instead, without speculation: vLLM's own xgrammar backend,
+ours under vLLM's rule (the default: any JSON whitespace and objects closed, as vLLM's xgrammar
+writes JSON), ours with objects open (``SPEC_GRAMMAR_VLLM_OBJECTS=open``) and with our
+``spaced`` whitespace too; the ``valid`` column is the share of complete (finish reason
+``stop``) and valid outputs.
 
 ``--drafter`` compares drafters instead, all on our backend (``--backend``, default xgrammar):
 no speculation, vLLM's n-gram drafter, and our grammar-aware drafter
@@ -60,7 +61,7 @@ OURS = {
     "num_speculative_tokens": 4,
 }
 # (row label, vLLM backend name, our backend or None for vLLM's own, speculative_config,
-# $SPEC_GRAMMAR_VLLM_WHITESPACE or None for vLLM's rule)
+# environment of our JSON rule: None = vLLM's rule)
 CONFIGS = [
     ("vLLM xgrammar + n-gram", "xgrammar", None, NGRAM, None),
     ("vLLM + ours (xgrammar) + n-gram", "guidance", "xgrammar", NGRAM, None),
@@ -68,9 +69,22 @@ CONFIGS = [
 ]
 WHITESPACE_CONFIGS = [
     ("vLLM xgrammar", "xgrammar", None, None, None),
-    ("vLLM + ours (xgrammar), vLLM's whitespace", "guidance", "xgrammar", None, None),
-    ("vLLM + ours (llguidance), vLLM's whitespace", "guidance", "llguidance", None, None),
-    ("vLLM + ours (xgrammar), spaced", "guidance", "xgrammar", None, "spaced"),
+    ("vLLM + ours (xgrammar), vLLM's rule", "guidance", "xgrammar", None, None),
+    ("vLLM + ours (llguidance), vLLM's rule", "guidance", "llguidance", None, None),
+    (
+        "vLLM + ours (xgrammar), vLLM's whitespace, objects open",
+        "guidance",
+        "xgrammar",
+        None,
+        {"SPEC_GRAMMAR_VLLM_OBJECTS": "open"},
+    ),
+    (
+        "vLLM + ours (xgrammar), spaced, objects open",
+        "guidance",
+        "xgrammar",
+        None,
+        {"SPEC_GRAMMAR_VLLM_WHITESPACE": "spaced", "SPEC_GRAMMAR_VLLM_OBJECTS": "open"},
+    ),
 ]
 
 
@@ -97,15 +111,18 @@ def run_vllm(
     ours: str | None,
     speculative: dict | None,
     requests: list[dict],
-    whitespace: str | None = None,
+    rule: dict[str, str] | None = None,
 ) -> dict:
     env = dict(os.environ)
-    env.pop("SPEC_GRAMMAR_VLLM_BACKEND", None)
-    env.pop("SPEC_GRAMMAR_VLLM_WHITESPACE", None)
+    for var in (
+        "SPEC_GRAMMAR_VLLM_BACKEND",
+        "SPEC_GRAMMAR_VLLM_WHITESPACE",
+        "SPEC_GRAMMAR_VLLM_OBJECTS",
+    ):
+        env.pop(var, None)
     if ours:
         env["SPEC_GRAMMAR_VLLM_BACKEND"] = ours
-    if whitespace:
-        env["SPEC_GRAMMAR_VLLM_WHITESPACE"] = whitespace
+    env.update(rule or {})
     job = {"model": model, "structured_backend": backend, "speculative": speculative}
     job["requests"] = requests
     proc = subprocess.run(
@@ -204,8 +221,8 @@ def main() -> None:
     )
     rows = []
     for rep in range(args.repeats):  # configurations interleaved: load drifts hit all alike
-        for i, (label, backend, ours, speculative, whitespace) in enumerate(configs):
-            r = run_vllm(model, backend, ours, speculative, requests, whitespace)
+        for i, (label, backend, ours, speculative, rule) in enumerate(configs):
+            r = run_vllm(model, backend, ours, speculative, requests, rule)
             outs = r["outputs"]
             if rep:  # a repeat only adds a time; greedy outputs and counters do not change
                 rows[i]["seconds_all"].append(r["seconds"])

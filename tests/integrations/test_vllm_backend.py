@@ -79,6 +79,7 @@ def test_json_whitespace_follows_vllms_rule_unless_chosen(tok, monkeypatch, env,
         VllmConfig(structured_outputs_config=cfg), tokenizer=tok, vocab_size=len(tok)
     )
     assert be.whitespace == want
+    assert be.closed_objects  # vLLM's xgrammar rule for objects, by default
     g = be.compile_grammar(Opt.JSON, json.dumps(PERSON), {tok.eos_token_id})
     accepts = {}
     for text in [

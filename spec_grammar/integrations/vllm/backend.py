@@ -39,6 +39,7 @@ from spec_grammar.protocol import DEFAULT_MAX_ROLLBACK_TOKENS, GrammarBackend, S
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 
 from . import selected_backend, selected_whitespace
+from .objects import close_objects, objects_closed
 from .shared import forget_backends, note_grammar, shared_backend
 from .structural_tag import structural_tag_to_tool_calls
 
@@ -55,11 +56,17 @@ def _regex_literal(text: str) -> str:
 
 
 def to_spec(
-    request_type: StructuredOutputOptions, grammar_spec: str, *, whitespace: str = "flexible"
+    request_type: StructuredOutputOptions,
+    grammar_spec: str,
+    *,
+    whitespace: str = "flexible",
+    closed_objects: bool = False,
 ) -> GrammarSpec:
     """Our spec for one vLLM structured-output request.
 
-    JSON / JSON_OBJECT -> :class:`JsonSchema` (``whitespace`` as given); REGEX -> :class:`Regex`;
+    JSON / JSON_OBJECT -> :class:`JsonSchema` (``whitespace`` as given; ``closed_objects``:
+    objects closed as vLLM's xgrammar closes them, :func:`.objects.close_objects`); REGEX ->
+    :class:`Regex`;
     GRAMMAR -> :class:`Lark` when vLLM's own ``grammar_is_likely_lark`` says so, else
     :class:`Ebnf` (GBNF); CHOICE (a JSON list of strings) -> a :class:`Regex` matching exactly one
     of them; STRUCTURAL_TAG (tool calls) -> a tagged :class:`~spec_grammar.specs.ToolCalls`
@@ -67,7 +74,12 @@ def to_spec(
     :class:`UnsupportedGrammarError` for a structural tag of another shape.
     """
     if request_type is StructuredOutputOptions.JSON:
-        return JsonSchema(grammar_spec, whitespace=whitespace)
+        spec = JsonSchema(grammar_spec, whitespace=whitespace)
+        if closed_objects:
+            closed = close_objects(spec.json_schema)
+            if closed is not spec.json_schema:
+                spec = JsonSchema(closed, whitespace=whitespace)
+        return spec
     if request_type is StructuredOutputOptions.JSON_OBJECT:
         return JsonSchema({"type": "object"}, whitespace=whitespace)
     if request_type is StructuredOutputOptions.REGEX:
@@ -118,7 +130,8 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
     compile per spec for both). Matchers roll back at least as far as vLLM's
     ``num_speculative_tokens``. JSON whitespace: :func:`~spec_grammar.integrations.vllm
     .selected_whitespace` (vLLM's own rule unless ``$SPEC_GRAMMAR_VLLM_WHITESPACE`` says
-    otherwise; an unknown value stops the engine at start).
+    otherwise; an unknown value stops the engine at start); objects closed as vLLM's xgrammar
+    closes them unless ``$SPEC_GRAMMAR_VLLM_OBJECTS=open`` (:mod:`.objects`).
     """
 
     backend_name: str = field(init=False, default="xgrammar")
@@ -127,6 +140,7 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         self.backend_name = selected_backend() or "xgrammar"
         cfg = self.vllm_config.structured_outputs_config
         self.whitespace = selected_whitespace(bool(cfg.disable_any_whitespace))
+        self.closed_objects = objects_closed()
         spec_cfg = self.vllm_config.speculative_config
         num_spec = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
         self.max_rollback_tokens = max(DEFAULT_MAX_ROLLBACK_TOKENS, (num_spec or 0) + 1)
@@ -156,7 +170,12 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         :class:`~spec_grammar.errors.GrammarSpecError`), which vLLM turns into that request's
         failure. Keywords the backend compiles but does not enforce are logged as warnings."""
         backend = self._backend_for(stop_token_ids)
-        spec = to_spec(request_type, grammar_spec, whitespace=self.whitespace)
+        spec = to_spec(
+            request_type,
+            grammar_spec,
+            whitespace=self.whitespace,
+            closed_objects=self.closed_objects,
+        )
         compiled = backend.compile(spec)
         for w in compiled.warnings:
             logger.warning("spec-grammar %s does not enforce %s", self.backend_name, w)
