@@ -13,6 +13,12 @@ skipped (one refused schema aborts vLLM's whole generate call) and listed.
 (``--no-schema-in-prompt``, the prompt already holding the schema) with its default n-gram
 tree drafter and ``--json`` stats, when ``--spec-grammar CMD`` names its executable.
 
+``--whitespace`` compares JSON rules instead, without speculation: vLLM's own xgrammar backend,
+ours under vLLM's rule (the default: any JSON whitespace and objects closed, as vLLM's xgrammar
+writes JSON), ours with objects open (``SPEC_GRAMMAR_VLLM_OBJECTS=open``) and with our
+``spaced`` whitespace too; the ``valid`` column is the share of complete (finish reason
+``stop``) and valid outputs.
+
 ``--drafter`` compares drafters instead, all on our backend (``--backend``, default xgrammar):
 no speculation, vLLM's n-gram drafter, and our grammar-aware drafter
 (:class:`spec_grammar.integrations.vllm.drafter.GrammarNgramProposer`: the n-gram draft cut to
@@ -54,20 +60,40 @@ OURS = {
     "model": "spec_grammar.integrations.vllm.drafter.GrammarNgramProposer",
     "num_speculative_tokens": 4,
 }
-# (row label, vLLM backend name, our backend or None for vLLM's own, speculative_config)
+# (row label, vLLM backend name, our backend or None for vLLM's own, speculative_config,
+# environment of our JSON rule: None = vLLM's rule)
 CONFIGS = [
-    ("vLLM xgrammar + n-gram", "xgrammar", None, NGRAM),
-    ("vLLM + ours (xgrammar) + n-gram", "guidance", "xgrammar", NGRAM),
-    ("vLLM + ours (llguidance) + n-gram", "guidance", "llguidance", NGRAM),
+    ("vLLM xgrammar + n-gram", "xgrammar", None, NGRAM, None),
+    ("vLLM + ours (xgrammar) + n-gram", "guidance", "xgrammar", NGRAM, None),
+    ("vLLM + ours (llguidance) + n-gram", "guidance", "llguidance", NGRAM, None),
+]
+WHITESPACE_CONFIGS = [
+    ("vLLM xgrammar", "xgrammar", None, None, None),
+    ("vLLM + ours (xgrammar), vLLM's rule", "guidance", "xgrammar", None, None),
+    ("vLLM + ours (llguidance), vLLM's rule", "guidance", "llguidance", None, None),
+    (
+        "vLLM + ours (xgrammar), vLLM's whitespace, objects open",
+        "guidance",
+        "xgrammar",
+        None,
+        {"SPEC_GRAMMAR_VLLM_OBJECTS": "open"},
+    ),
+    (
+        "vLLM + ours (xgrammar), spaced, objects open",
+        "guidance",
+        "xgrammar",
+        None,
+        {"SPEC_GRAMMAR_VLLM_WHITESPACE": "spaced", "SPEC_GRAMMAR_VLLM_OBJECTS": "open"},
+    ),
 ]
 
 
-def drafter_configs(backend: str) -> list[tuple[str, str, str, dict | None]]:
+def drafter_configs(backend: str) -> list[tuple[str, str, str, dict | None, None]]:
     """``--drafter``: no speculation (the token-identity oracle), vLLM's n-gram, ours."""
     return [
-        (f"vLLM + ours ({backend}), no speculation", "guidance", backend, None),
-        (f"vLLM + ours ({backend}) + vLLM n-gram", "guidance", backend, NGRAM),
-        (f"vLLM + ours ({backend}) + our grammar drafter", "guidance", backend, OURS),
+        (f"vLLM + ours ({backend}), no speculation", "guidance", backend, None, None),
+        (f"vLLM + ours ({backend}) + vLLM n-gram", "guidance", backend, NGRAM, None),
+        (f"vLLM + ours ({backend}) + our grammar drafter", "guidance", backend, OURS, None),
     ]
 
 
@@ -80,12 +106,23 @@ def valid(text: str, schema: dict) -> bool:
 
 
 def run_vllm(
-    model: str, backend: str, ours: str | None, speculative: dict | None, requests: list[dict]
+    model: str,
+    backend: str,
+    ours: str | None,
+    speculative: dict | None,
+    requests: list[dict],
+    rule: dict[str, str] | None = None,
 ) -> dict:
     env = dict(os.environ)
-    env.pop("SPEC_GRAMMAR_VLLM_BACKEND", None)
+    for var in (
+        "SPEC_GRAMMAR_VLLM_BACKEND",
+        "SPEC_GRAMMAR_VLLM_WHITESPACE",
+        "SPEC_GRAMMAR_VLLM_OBJECTS",
+    ):
+        env.pop(var, None)
     if ours:
         env["SPEC_GRAMMAR_VLLM_BACKEND"] = ours
+    env.update(rule or {})
     job = {"model": model, "structured_backend": backend, "speculative": speculative}
     job["requests"] = requests
     proc = subprocess.run(
@@ -159,6 +196,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--spec-grammar", help="the spec-grammar executable (its own venv)")
     ap.add_argument("--drafter", action="store_true", help="compare drafters (see above)")
+    ap.add_argument("--whitespace", action="store_true", help="compare JSON whitespace rules")
     ap.add_argument("--backend", default="xgrammar", help="our backend, with --drafter")
     ap.add_argument("--repeats", type=int, default=1, help="runs per config (median time)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "vllm-cpu.json")
@@ -174,11 +212,17 @@ def main() -> None:
         {"prompt": p, "max_tokens": args.max_tokens, "structured": {"json": s}}
         for p, s in zip(prompts, schemas)
     ]
-    configs = drafter_configs(args.backend) if args.drafter else CONFIGS
+    configs = (
+        drafter_configs(args.backend)
+        if args.drafter
+        else WHITESPACE_CONFIGS
+        if args.whitespace
+        else CONFIGS
+    )
     rows = []
     for rep in range(args.repeats):  # configurations interleaved: load drifts hit all alike
-        for i, (label, backend, ours, speculative) in enumerate(configs):
-            r = run_vllm(model, backend, ours, speculative, requests)
+        for i, (label, backend, ours, speculative, rule) in enumerate(configs):
+            r = run_vllm(model, backend, ours, speculative, requests, rule)
             outs = r["outputs"]
             if rep:  # a repeat only adds a time; greedy outputs and counters do not change
                 rows[i]["seconds_all"].append(r["seconds"])
@@ -202,6 +246,7 @@ def main() -> None:
                     "accept_length": 1 + accepted / drafts if drafts else None,
                     # target steps summed over requests: each gives one token + accepted drafts
                     "tokens_per_step": tokens / (tokens - accepted),
+                    "complete": sum(o["finish_reason"] == "stop" for o in outs),
                     "valid": sum(
                         o["finish_reason"] == "stop" and valid(o["text"], s)
                         for o, s in zip(outs, schemas)
@@ -213,7 +258,7 @@ def main() -> None:
     for row in rows:
         row["seconds"] = statistics.median(row["seconds_all"])
         row["tok_s"] = row["tokens"] / row["seconds"]
-    if args.spec_grammar and not args.drafter:
+    if args.spec_grammar and not (args.drafter or args.whitespace):
         r = run_ours(args.spec_grammar, prompts, schemas, args.max_tokens)["out"]
         summary = r["summary"]
         rows.append(

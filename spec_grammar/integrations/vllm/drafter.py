@@ -19,7 +19,9 @@ that runner on its caller's stack. At each step row ``i`` is request
 ``runner.input_batch.req_ids[i]``, whose ``runner.requests[req_id].sampling_params
 .structured_outputs`` is the constraint; this proposer compiles it with the same class the
 engine runs for our backend (:class:`~.backend.SpecGrammarVllmBackend`, backend named by
-``$SPEC_GRAMMAR_VLLM_BACKEND``, default xgrammar; compiled grammars are cached per spec) and
+``$SPEC_GRAMMAR_VLLM_BACKEND``, default xgrammar), whose backends are shared in the process
+with the engine's (:mod:`.shared`: with the scheduler and the runner in one engine process, as
+vLLM runs one device, a spec is compiled once for both), and
 keeps one matcher per request holding exactly the committed output tokens
 (``token_ids_cpu[i, num_prompt_tokens:num_tokens_no_spec[i]]``, replayed since the last step;
 rejected drafts never enter it, and a history that no longer extends the replayed one is
@@ -35,8 +37,7 @@ Enable::
 vLLM sets ``prompt_lookup_min/max`` to 0 for ``custom_class``, so the n-gram sizes come from
 ``$SPEC_GRAMMAR_VLLM_NGRAM`` (``MIN:MAX``, default ``4:4``, vLLM's ``prompt_lookup_max=4``).
 Under vLLM's own grammar backends the drafts follow our grammar for the same spec (for JSON,
-our ``spaced`` whitespace, a subset of what vLLM's allow): still legal drafts, though a draft
-vLLM's grammar would accept may be cut. A failure for one request (its spec does not compile
+the same whitespace rule as vLLM's by default): still legal drafts. A failure for one request (its spec does not compile
 here, a committed token our matcher refuses) is logged once and that request falls back to
 plain n-gram drafts; the engine never fails because of this proposer. With a reasoning parser
 configured (the engine's grammar starts after the reasoning, which this proposer does not
@@ -49,7 +50,6 @@ import copy
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -57,8 +57,8 @@ from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.structured_output.request import get_structured_output_key
 
 from spec_grammar.protocol import SpecGrammar
-from spec_grammar.tree import DraftTree
-from spec_grammar.worker.drafters.forced import extend_with_forced, walk_tree
+
+from .drafting import RequestGrammar, grammar_draft
 
 __all__ = ["NGRAM_ENV", "GrammarNgramProposer", "RequestGrammar", "find_model_runner"]
 
@@ -99,32 +99,6 @@ def _ngram_sizes() -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise ValueError(f"{NGRAM_ENV}={raw!r}: need 1 <= MIN <= MAX")
     return lo, hi
-
-
-@dataclass
-class RequestGrammar:
-    """One request's grammar state in the proposer: ``matcher`` has accepted exactly
-    ``committed`` (the request's output tokens so far, committed by the verifier)."""
-
-    key: tuple[Any, str]
-    matcher: SpecGrammar
-    committed: list[int]
-
-    def advance(self, output: np.ndarray) -> bool:
-        """Bring the matcher to the committed ``output`` (``(n,)`` int token ids): accept the
-        tokens after the replayed prefix. Returns False when ``output`` does not extend the
-        replayed prefix (the caller rebuilds) or the matcher refuses a committed token (after
-        termination, tokens are ignored as the engine does)."""
-        n = len(self.committed)
-        if len(output) < n or output[:n].tolist() != self.committed:
-            return False
-        new = output[n:].tolist()
-        if new and not self.matcher.is_terminated():
-            ok = self.matcher.accept_tokens(new)
-            if ok != len(new) and not self.matcher.is_terminated():
-                return False
-        self.committed.extend(new)
-        return True
 
 
 class GrammarNgramProposer:
@@ -210,22 +184,6 @@ class GrammarNgramProposer:
             self._states[req_id] = state
         return state.matcher
 
-    def grammar_draft(self, matcher: SpecGrammar, last: int, ngram: list[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens after the committed tokens (the last one ``last``): the
-        longest prefix of ``ngram`` that ``matcher`` accepts, then the grammar-forced tokens
-        after it. ``matcher`` is left as it was."""
-        if matcher.is_terminated() or k <= 0:
-            return []
-        draft = walk_tree(matcher, DraftTree.chain(last, ngram[:k]), k, fill_rows=False)
-
-        def leaf_matcher(node: int) -> SpecGrammar:
-            m = matcher.fork()
-            m.accept_tokens(draft.path(node))
-            return m
-
-        extend_with_forced(draft, leaf_matcher, k)
-        return draft.tokens[1:]  # a chain: node order is path order
-
     # -- vLLM's interface ------------------------------------------------------------------
     def propose(
         self,
@@ -271,7 +229,7 @@ class GrammarNgramProposer:
                 output = token_ids_cpu[row, int(batch.num_prompt_tokens[row]) : total]
                 matcher = self._matcher_for(req_id, output)
                 if matcher is not None:
-                    drafts[row] = self.grammar_draft(matcher, int(output[-1]), drafts[row], k)
+                    drafts[row] = grammar_draft(matcher, int(output[-1]), drafts[row], k)
             except Exception:
                 # one request's failure: plain n-gram for it from now on, logged once
                 self._failed.add(req_id)
