@@ -24,9 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from spec_grammar.bitmask import bitmask_width
+from spec_grammar.bitmask import (
+    bitmask_width,
+    check_bitmask,
+    check_bitmask_rows,
+)
 from spec_grammar.compile import LibraryResult
-from spec_grammar.errors import UnsupportedGrammarError
+from spec_grammar.errors import GrammarStateError, SpecGrammarError, UnsupportedGrammarError
 from spec_grammar.json_schema.limits import bound_numbers, types_of
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
@@ -52,6 +56,7 @@ from spec_grammar.shared_native import PathNode, SharedNative
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
 from spec_grammar.tree import DraftTree
+from spec_grammar.tree_batch import TreeBatch
 from spec_grammar.vocab import is_rust_tokenizer
 
 try:
@@ -684,47 +689,155 @@ class XGrammarBackend(GrammarBackend):
         rows and the returned ``(N,)`` bool ``valid`` tensors are exactly those of
         :meth:`SpecGrammar.fill_tree_bitmask` per job (``zero_dead_rows`` as there).
 
-        With ``num_threads > 1`` the jobs are spread over a pool of that many threads, each
-        job's fill whole in one thread. Jobs whose matchers share a library matcher (forks of
-        one request) stay in one thread, in order, as do matchers of other backends. Raises
-        what :meth:`SpecGrammar.fill_tree_bitmask` raises (the first failing job's error, once
-        every job has run)."""
-        if self.num_threads <= 1 or len(jobs) < 2:
-            return super().fill_tree_bitmasks(jobs, bitmask, zero_dead_rows=zero_dead_rows)
-        groups: dict[int, list[int]] = {}
-        for i, (m, _, _) in enumerate(jobs):
-            key = id(m._shared) if isinstance(m, XGrammarMatcher) else 0
-            groups.setdefault(key, []).append(i)
-        if len(groups) < 2:
-            return super().fill_tree_bitmasks(jobs, bitmask, zero_dead_rows=zero_dead_rows)
-        # about equal numbers of nodes per thread, largest groups first
-        sized = sorted(
-            ((sum(jobs[i][1].num_nodes for i in g), g) for g in groups.values()),
-            key=lambda x: -x[0],
-        )
-        shares: list[list[int]] = [[] for _ in range(min(self.num_threads, len(sized)))]
-        load = [0] * len(shares)
-        for nodes, g in sized:
-            k = load.index(min(load))
-            shares[k].extend(g)
-            load[k] += nodes
+        One batched pass: every job's library matcher is moved to its state and the links of
+        all trees built as one array (:class:`~spec_grammar.tree_batch.TreeBatch`) on the
+        calling thread; then only xgrammar's own walks run, one per tree, spread over
+        ``num_threads`` threads by node count (each releases the GIL for its whole walk);
+        then the validity of every node and the dead rows of the batch are settled in a few
+        vectorized passes. Jobs this pass cannot take (another backend's matcher, a second view
+        of one library matcher, ids outside the tokenizer) are filled one by one afterwards.
+        Raises what :meth:`SpecGrammar.fill_tree_bitmask` raises (the first failing job's
+        error, once every other job is filled)."""
+        check_bitmask(bitmask, self.vocab_size)
         results: list[torch.Tensor | None] = [None] * len(jobs)
-
-        def fill(share: list[int]) -> None:
-            for i in share:
-                m, tree, off = jobs[i]
+        batch: list[int] = []
+        rest: list[int] = []
+        errors: dict[int, BaseException] = {}
+        seen: set[int] = set()
+        n_tok = self.tokenizer_info.tokenizer_vocab_size
+        for i, (m, tree, off) in enumerate(jobs):
+            fits = (
+                isinstance(m, XGrammarMatcher)
+                and m._backend is self
+                and isinstance(tree, DraftTree)
+                and id(m._shared) not in seen
+                and isinstance(off, int)
+                and not isinstance(off, bool)
+            )
+            if fits and tree.num_nodes > 1:
+                tokens = tree.token_list
+                fits = 0 <= min(tokens[1:]) and max(tokens[1:]) < n_tok
+            if not fits:
+                rest.append(i)
+                continue
+            try:
+                check_bitmask_rows(bitmask, off, tree.num_nodes)
+                if m.is_terminated():
+                    raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
+            except SpecGrammarError as e:
+                errors[i] = e
+                continue
+            seen.add(id(m._shared))
+            batch.append(i)
+        if batch:
+            try:
+                valids = self._fill_batch([jobs[i] for i in batch], bitmask, zero_dead_rows)
+            except Exception:  # noqa: BLE001  (a library matcher failed to move: find which)
+                rest = sorted(batch + rest)
+            else:
+                for i, valid in zip(batch, valids):
+                    results[i] = valid
+        for i in rest:
+            m, tree, off = jobs[i]
+            try:
                 results[i] = m.fill_tree_bitmask(tree, bitmask, off, zero_dead_rows=zero_dead_rows)
+            except Exception as e:  # noqa: BLE001  (re-raised once every job is filled)
+                errors[i] = e
+        if errors:
+            raise errors[min(errors)]
+        return results  # type: ignore[return-value]
+
+    def _fill_batch(
+        self,
+        jobs: list[tuple[XGrammarMatcher, DraftTree, int]],
+        bitmask: torch.Tensor,
+        zero_dead: bool,
+    ) -> list[torch.Tensor]:
+        """:meth:`fill_tree_bitmasks` for jobs of distinct library matchers of this backend,
+        every tree's ids inside the tokenizer."""
+        trees = [t for _, t, _ in jobs]
+        tb = TreeBatch(trees, [off for _, _, off in jobs])
+        words = bitmask.numpy()
+        total = int(tb.starts[-1])
+        # xgrammar writes tokenizer-wide rows: into the bitmask itself, or, under a wider model
+        # head, into a scratch in node order that is copied into the bitmask's rows after
+        scratch = self._narrow_rows(total)
+        out = words if scratch is None else scratch.numpy()
+        links = tb.links
+        with contextlib.ExitStack() as locks:
+            for m, _, _ in sorted(jobs, key=lambda job: id(job[0]._shared)):
+                locks.enter_context(m._shared.lock)
+            calls = []
+            for j, (m, _, off) in enumerate(jobs):
+                a, b = int(tb.starts[j]), int(tb.starts[j + 1])
+                dest = out[off : off + b - a] if scratch is None else out[a:b]
+                # the library call without its Python wrapper: no work between native calls
+                calls.append(
+                    (
+                        m._enter()._handle.traverse_draft_tree,
+                        links[0, a:b],
+                        links[1, a:b],
+                        links[2, a:b],
+                        dest,
+                        b - a,
+                    )
+                )
+            self._run_walks(calls)
+        rows = None if scratch is None else np.arange(total)
+        valid, dead = tb.settle(out, self._stop_set, rows=rows)
+        if zero_dead:
+            out[tb.rows[dead] if scratch is None else dead] = 0
+        # the bitmask's rows of these jobs: one slice when they follow each other (the worker's
+        # and SGLang's layout), else every node's row
+        lo = jobs[0][2]
+        at = (
+            slice(lo, lo + total)
+            if all(off == lo + int(tb.starts[j]) for j, (_, _, off) in enumerate(jobs))
+            else tb.rows
+        )
+        if scratch is not None:
+            words[at, : out.shape[1]] = out
+        word, bit = divmod(self.tokenizer_info.tokenizer_vocab_size, 32)
+        if word < words.shape[1]:  # ids past the tokenizer are never allowed
+            if bit:
+                words[at, word] &= (1 << bit) - 1
+                word += 1
+            words[at, word:] = 0
+        return list(torch.from_numpy(valid).split([t.num_nodes for t in trees]))
+
+    def _run_walks(self, calls: list[tuple]) -> None:
+        """Run xgrammar's tree walks (``(fn, first_child, next_sibling, tokens, rows, nodes)``
+        each), spread over ``num_threads`` threads with about equal node counts per thread,
+        the caller's thread taking one share; raises the first walk's error once all ran."""
+        threads = min(self.num_threads, len(calls))
+        if threads <= 1:
+            for fn, fc, ns, tk, dest, _ in calls:
+                fn(fc, ns, tk, dest, -1.0, None)
+            return
+        # largest trees first onto the least loaded share (LPT)
+        shares: list[list[tuple]] = [[] for _ in range(threads)]
+        load = [0] * threads
+        for call in sorted(calls, key=lambda c: -c[5]):
+            k = load.index(min(load))
+            shares[k].append(call)
+            load[k] += call[5]
+
+        def walk(share: list[tuple]) -> None:
+            for fn, fc, ns, tk, dest, _ in share:
+                fn(fc, ns, tk, dest, -1.0, None)
 
         with self._pool_lock:
-            if self._fill_pool is None:
+            if self._fill_pool is None or self._fill_pool._max_workers < threads - 1:
+                if self._fill_pool is not None:
+                    self._fill_pool.shutdown(wait=False)
                 self._fill_pool = concurrent.futures.ThreadPoolExecutor(
                     self.num_threads - 1, thread_name_prefix="spec-grammar-xgrammar-fill"
                 )
-        # the caller's thread takes the first share: one hand-off fewer per call
-        futures = [self._fill_pool.submit(fill, share) for share in shares[1:]]
+            pool = self._fill_pool
+        futures = [pool.submit(walk, share) for share in shares[1:]]
         error: BaseException | None = None
         try:
-            fill(shares[0])
+            walk(shares[0])
         except BaseException as e:  # noqa: BLE001  (re-raised once the pool's shares are done)
             error = e
         for f in futures:
@@ -733,7 +846,6 @@ class XGrammarBackend(GrammarBackend):
                 error = e
         if error is not None:
             raise error
-        return results  # type: ignore[return-value]
 
     @classmethod
     def library_version(cls) -> str:
