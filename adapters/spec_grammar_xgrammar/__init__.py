@@ -8,6 +8,7 @@ since xgrammar 0.2.9 has no non-mutating validate.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import importlib.metadata
@@ -18,7 +19,7 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -508,6 +509,21 @@ class XGrammarMatcher(SpecGrammar):
         return valid
 
 
+def _balanced_cuts(starts: list[int], parts: int) -> list[int]:
+    """Job indices cutting jobs ``0..J-1`` (job ``j`` holds nodes ``starts[j]..starts[j+1]``)
+    into at most ``parts`` contiguous, non-empty shares of about equal node counts: cut ``k``
+    at the first job whose nodes begin at or past ``k / parts`` of the total. Returns
+    ``[0, ..., J]``."""
+    jobs, total = len(starts) - 1, starts[-1]
+    cuts = [0]
+    for k in range(1, parts):
+        j = bisect.bisect_left(starts, total * k / parts, lo=cuts[-1] + 1, hi=jobs)
+        if j < jobs and j > cuts[-1]:
+            cuts.append(j)
+    cuts.append(jobs)
+    return cuts
+
+
 class XGrammarBackend(GrammarBackend):
     """xgrammar (https://github.com/mlc-ai/xgrammar) behind the spec-grammar protocol.
 
@@ -754,90 +770,82 @@ class XGrammarBackend(GrammarBackend):
         zero_dead: bool,
     ) -> list[torch.Tensor]:
         """:meth:`fill_tree_bitmasks` for jobs of distinct library matchers of this backend,
-        every tree's ids inside the tokenizer."""
+        every tree's ids inside the tokenizer.
+
+        The jobs are cut into ``num_threads`` contiguous shares of about equal node counts;
+        each share's thread runs xgrammar's walks and then puts its rows in place (under a
+        model head wider than the tokenizer, xgrammar writes a tokenizer-wide scratch, which
+        the share copies into the bitmask) and clears their padding ids, with torch copies
+        that release the GIL: the rows' memory traffic (~50 MB at 128 x 64 nodes over a 128k
+        head) is spread over the threads too, not left to the caller."""
         trees = [t for _, t, _ in jobs]
         tb = TreeBatch(trees, [off for _, _, off in jobs])
-        words = bitmask.numpy()
         total = int(tb.starts[-1])
-        # xgrammar writes tokenizer-wide rows: into the bitmask itself, or, under a wider model
-        # head, into a scratch in node order that is copied into the bitmask's rows after
+        starts = tb.starts.tolist()
+        offs = [off for _, _, off in jobs]
         scratch = self._narrow_rows(total)
-        out = words if scratch is None else scratch.numpy()
+        dest = bitmask if scratch is None else scratch
+        width = dest.shape[1]
+        word, bit = divmod(self.tokenizer_info.tokenizer_vocab_size, 32)
         links = tb.links
+        threads = max(1, min(self.num_threads, len(jobs)))
+        cuts = _balanced_cuts(starts, threads)
+
+        def place(a: int, b: int, lo: int) -> None:
+            """Nodes ``[a, b)`` (flat) into bitmask rows ``[lo, lo + b - a)``."""
+            rows = bitmask[lo : lo + b - a]
+            if scratch is not None:
+                rows[:, :width].copy_(scratch[a:b])
+            if word < rows.shape[1]:  # ids past the tokenizer are never allowed
+                if bit:
+                    rows[:, word].bitwise_and_((1 << bit) - 1)
+                rows[:, word + (1 if bit else 0) :].zero_()
+
         with contextlib.ExitStack() as locks:
             for m, _, _ in sorted(jobs, key=lambda job: id(job[0]._shared)):
                 locks.enter_context(m._shared.lock)
-            calls = []
-            for j, (m, _, off) in enumerate(jobs):
-                a, b = int(tb.starts[j]), int(tb.starts[j + 1])
-                dest = out[off : off + b - a] if scratch is None else out[a:b]
-                # the library call without its Python wrapper: no work between native calls
-                calls.append(
-                    (
-                        m._enter()._handle.traverse_draft_tree,
-                        links[0, a:b],
-                        links[1, a:b],
-                        links[2, a:b],
-                        dest,
-                        b - a,
-                    )
-                )
-            self._run_walks(calls)
-        rows = None if scratch is None else np.arange(total)
-        valid, dead = tb.settle(out, self._stop_set, rows=rows)
-        if zero_dead:
-            out[tb.rows[dead] if scratch is None else dead] = 0
-        # the bitmask's rows of these jobs: one slice when they follow each other (the worker's
-        # and SGLang's layout), else every node's row
-        lo = jobs[0][2]
-        at = (
-            slice(lo, lo + total)
-            if all(off == lo + int(tb.starts[j]) for j, (_, _, off) in enumerate(jobs))
-            else tb.rows
-        )
-        if scratch is not None:
-            words[at, : out.shape[1]] = out
-        word, bit = divmod(self.tokenizer_info.tokenizer_vocab_size, 32)
-        if word < words.shape[1]:  # ids past the tokenizer are never allowed
-            if bit:
-                words[at, word] &= (1 << bit) - 1
-                word += 1
-            words[at, word:] = 0
+            # the library calls without their Python wrapper: no work between native calls
+            fns = [m._enter()._handle.traverse_draft_tree for m, _, _ in jobs]
+
+            def share(k: int) -> None:
+                first, last = cuts[k], cuts[k + 1]
+                for j in range(first, last):
+                    a, b = starts[j], starts[j + 1]
+                    out = dest[offs[j] : offs[j] + b - a] if scratch is None else dest[a:b]
+                    fns[j](links[0, a:b], links[1, a:b], links[2, a:b], out, -1.0, None)
+                a, b = starts[first], starts[last]
+                if all(offs[j] == offs[first] + starts[j] - a for j in range(first, last)):
+                    place(a, b, offs[first])
+                else:
+                    for j in range(first, last):
+                        place(starts[j], starts[j + 1], offs[j])
+
+            self._run_shares(share, len(cuts) - 1)
+        words = bitmask.numpy()
+        valid, dead = tb.settle(words, self._stop_set)
+        if zero_dead and dead.any():
+            words[tb.rows[dead]] = 0
         return list(torch.from_numpy(valid).split([t.num_nodes for t in trees]))
 
-    def _run_walks(self, calls: list[tuple]) -> None:
-        """Run xgrammar's tree walks (``(fn, first_child, next_sibling, tokens, rows, nodes)``
-        each), spread over ``num_threads`` threads with about equal node counts per thread,
-        the caller's thread taking one share; raises the first walk's error once all ran."""
-        threads = min(self.num_threads, len(calls))
-        if threads <= 1:
-            for fn, fc, ns, tk, dest, _ in calls:
-                fn(fc, ns, tk, dest, -1.0, None)
+    def _run_shares(self, share: Callable[[int], None], count: int) -> None:
+        """``share(k)`` for ``k < count``: the caller's thread takes share 0, the fill pool's
+        threads the others; raises the first share's error once all ran."""
+        if count <= 1:
+            share(0)
             return
-        # largest trees first onto the least loaded share (LPT)
-        shares: list[list[tuple]] = [[] for _ in range(threads)]
-        load = [0] * threads
-        for call in sorted(calls, key=lambda c: -c[5]):
-            k = load.index(min(load))
-            shares[k].append(call)
-            load[k] += call[5]
-
-        def walk(share: list[tuple]) -> None:
-            for fn, fc, ns, tk, dest, _ in share:
-                fn(fc, ns, tk, dest, -1.0, None)
-
         with self._pool_lock:
-            if self._fill_pool is None or self._fill_pool._max_workers < threads - 1:
+            if self._fill_pool is None or self._fill_pool._max_workers < count - 1:
                 if self._fill_pool is not None:
                     self._fill_pool.shutdown(wait=False)
                 self._fill_pool = concurrent.futures.ThreadPoolExecutor(
-                    self.num_threads - 1, thread_name_prefix="spec-grammar-xgrammar-fill"
+                    max(count, self.num_threads) - 1,
+                    thread_name_prefix="spec-grammar-xgrammar-fill",
                 )
             pool = self._fill_pool
-        futures = [pool.submit(walk, share) for share in shares[1:]]
+        futures = [pool.submit(share, k) for k in range(1, count)]
         error: BaseException | None = None
         try:
-            walk(shares[0])
+            share(0)
         except BaseException as e:  # noqa: BLE001  (re-raised once the pool's shares are done)
             error = e
         for f in futures:
