@@ -66,6 +66,7 @@ from typing import Annotated, Any
 import pydantic
 import torch
 
+from spec_grammar.errors import SpecGrammarError
 from spec_grammar.testing.model_shapes import MODEL_SHAPES, build_model
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.drafters import Drafter
@@ -487,7 +488,10 @@ def _documents(cfg: GpuBenchConfig, tokenizer: Any, backend: Any, stop: int) -> 
         ids = list(tokenizer.encode(text, add_special_tokens=False)) + [stop]
         if not cfg.min_doc_tokens <= len(ids) <= cfg.max_doc_tokens:
             continue
-        m = backend.matcher(backend.compile(case.spec))
+        try:
+            m = backend.matcher(backend.compile(case.spec))
+        except SpecGrammarError:  # a schema the backend refuses is left out
+            continue
         if m.accept_tokens(ids) == len(ids) and m.is_terminated():
             out.append(dict(name=case.name, spec=case.spec, ids=ids))
     return out
