@@ -66,6 +66,7 @@ from typing import Annotated, Any
 import pydantic
 import torch
 
+from spec_grammar.errors import SpecGrammarError
 from spec_grammar.testing.model_shapes import MODEL_SHAPES, build_model
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker.drafters import Drafter
@@ -102,7 +103,8 @@ class GpuBenchConfig(pydantic.BaseModel):
     where no graphs are captured); ``fused_forward``: the runner's decoder (None = our fused
     decoder where the runner supports it, else Hugging Face's; the batch-1 forward table also
     times HF's forward under graphs when the fused one runs); ``grammar_threads``: the
-    worker's setting (None = its default); ``lazy_grammar``: the overlapped modes' lazy
+    worker's setting (None = its default); ``fill_threads``: the backend's ``num_threads``
+    (threads of one batched tree fill; None = the backend's default); ``lazy_grammar``: the overlapped modes' lazy
     verification (None = the worker's measured choice, True / False = always / never: fill
     and lazy side by side); ``prefill_tokens``: the runners' :class:`ModelRunner` setting (None =
     its default; ``64`` = one request per prefill forward, as before batched prefill);
@@ -115,7 +117,9 @@ class GpuBenchConfig(pydantic.BaseModel):
     64 nodes ran its forwards in 45 ms after an idle gap and in 50-55 ms right after another
     mode's run, so a mode that ran second lost 2-4% to the one before it; 0 = no pause);
     ``budget_s``: wall seconds after which no new configuration starts (the
-    finished ones are written).
+    finished ones are written); ``distinct``: every request of a batch writes its own document
+    (request ``i`` of round ``c`` takes valid document ``c + i`` of those found, up to the
+    largest batch, cycled where fewer exist; ``cases`` rounds), instead of all writing one.
 
     Every field is checked here, before anything loads: ``pydantic.ValidationError`` names the
     field (non-empty ``models`` / ``tokenizers`` / ``batches`` / ``nodes``, sizes and counts
@@ -141,6 +145,7 @@ class GpuBenchConfig(pydantic.BaseModel):
     cuda_graphs: bool | None = None
     fused_forward: bool | None = None
     grammar_threads: _Positive | None = None
+    fill_threads: _Positive | None = None
     lazy_grammar: bool | None = None
     prefill_tokens: _Positive | None = None
     eager_batches: list[_Positive] = [1]
@@ -151,6 +156,7 @@ class GpuBenchConfig(pydantic.BaseModel):
         420.0, ge=0.0, allow_inf_nan=False
     )  # finite: the report is JSON
     seed: int = 0
+    distinct: bool = False
 
     @pydantic.field_validator("models")
     @classmethod
@@ -241,16 +247,39 @@ class _ReplayRunner(ModelRunner):
 
     _TABLE_SIZE = 1 << 15  # positions; longer contexts are left as the model writes them
 
+    _DOC_POSITIONS = 1 << 10  # per-request documents: positions of each one's table row
+    _MAX_DOCS = 1 << 10  # per-request documents at most (one more row: requests without one)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._table = torch.full((self._TABLE_SIZE,), -1, dtype=torch.long, device=self.device)
         self._editing = False
+        # per-request documents (agree_with(..., per_request=...)): one table row each, the
+        # rows of a forward's requests in a persistent slot vector (graphs read it by address)
+        self._docs: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._slot_of: dict[str, int] = {}
 
-    def agree_with(self, prompt_len: int | None, document: Sequence[int] = ()) -> None:
+    def agree_with(
+        self,
+        prompt_len: int | None,
+        document: Sequence[int] = (),
+        *,
+        per_request: dict[str, Sequence[int]] | None = None,
+    ) -> None:
         """Favour ``document`` after a ``prompt_len``-token prompt from now on; None: stop.
-        Raises ``ValueError`` for a prompt length below 1, a token outside ``[0, vocab_size)``
-        or a prompt + document longer than the table (checked before anything changes: an
-        index error inside a CUDA graph would be a device-side assert)."""
+        ``per_request`` (request id -> document) gives each of those requests its own
+        document instead (other requests are not edited; at most ``_MAX_DOCS`` of them, each
+        prompt + document within ``_DOC_POSITIONS``). Raises ``ValueError`` for a prompt
+        length below 1, a token outside ``[0, vocab_size)`` or a prompt + document longer than
+        the table (checked before anything changes: an index error inside a CUDA graph would
+        be a device-side assert)."""
+        if per_request is not None:
+            self._agree_per_request(prompt_len, per_request)
+            return
+        if self._slot_of:
+            self._slot_of = {}
+            self.clear_graphs()  # graphs captured reading the per-request table
         table = torch.full((self._TABLE_SIZE,), -1, dtype=torch.long)
         if prompt_len is not None:
             if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
@@ -267,6 +296,41 @@ class _ReplayRunner(ModelRunner):
         if self._editing != (prompt_len is not None):
             self._editing = prompt_len is not None
             self.clear_graphs()  # graphs captured with (without) the edit must not replay now
+
+    def _agree_per_request(self, prompt_len: int | None, docs: dict[str, Sequence[int]]) -> None:
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+            raise ValueError(f"prompt_len must be an int >= 1, got {prompt_len!r}")
+        if len(docs) > self._MAX_DOCS:
+            raise ValueError(f"{len(docs)} per-request documents, at most {self._MAX_DOCS}")
+        table = torch.full((self._MAX_DOCS + 1, self._DOC_POSITIONS), -1, dtype=torch.long)
+        for k, doc in enumerate(docs.values()):
+            bad = [t for t in doc if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"document tokens {bad[:8]} are outside [0, {self.vocab_size})")
+            if prompt_len + len(doc) > self._DOC_POSITIONS:
+                raise ValueError(f"prompt + document exceed {self._DOC_POSITIONS} positions")
+            table[k, prompt_len - 1 : prompt_len - 1 + len(doc)] = torch.tensor(
+                [int(t) for t in doc]
+            )
+        if self._docs is None:
+            self._docs = table.to(self.device)
+            self._slots = torch.full(
+                (self._MAX_DOCS,), self._MAX_DOCS, dtype=torch.long, device=self.device
+            )
+        else:
+            self._docs.copy_(table)
+        self._slot_of = {rid: k for k, rid in enumerate(docs)}
+        self._editing = True
+        self.clear_graphs()  # graphs captured with the shared table (or none) must not replay
+
+    def forward_trees(self, rids: Sequence[str], trees: Sequence[DraftTree], **kwargs: Any):
+        if self._slot_of and self._slots is not None:
+            # each row's document row, written before the forward (or its graph) reads it; the
+            # forward runs the requests in the order of their cache rows
+            ordered = sorted(rids, key=self._row_of)
+            slots = [self._slot_of.get(r, self._MAX_DOCS) for r in ordered]
+            self._slots[: len(slots)].copy_(torch.tensor(slots, dtype=torch.long))
+        return super().forward_trees(rids, trees, **kwargs)
 
     def _device_forward(
         self, tokens, parents, lens, row_idx, *, rows, kv_len, logits_to_keep, valid=None
@@ -285,7 +349,11 @@ class _ReplayRunner(ModelRunner):
             return logits
         pos = lens[:, None] + ancestors(parents)[1]
         with torch.inference_mode():  # the runner's logits are inference tensors
-            target = self._table[pos.clamp(0, self._TABLE_SIZE - 1)]
+            if self._slot_of:
+                slots = self._slots[: tokens.shape[0], None]
+                target = self._docs[slots, pos.clamp(0, self._DOC_POSITIONS - 1)]
+            else:
+                target = self._table[pos.clamp(0, self._TABLE_SIZE - 1)]
             bonus = torch.where(target >= 0, _AGREE_LOGIT, 0.0).to(logits.dtype)
             logits.scatter_add_(2, target.clamp(min=0)[..., None], bonus[..., None])
         return logits
@@ -359,6 +427,20 @@ class ReplayDrafter(Drafter):
         return DraftTree(tokens, parents)
 
 
+class PerRequestReplay(Drafter):
+    """A :class:`ReplayDrafter` per request: request ``rid`` gets the trees of its own document
+    (``drafters[rid]``), so a batch of distinct documents drafts as a batch of one does."""
+
+    name = "replay"
+
+    def __init__(self, drafters: dict[str, ReplayDrafter], *, num_draft_tokens: int):
+        super().__init__(num_draft_tokens=num_draft_tokens)
+        self.drafters = drafters
+
+    def propose(self, batch) -> list[DraftTree]:
+        return [self.drafters[s.rid]._tree(s.root_token, len(s.output_ids)) for s in batch]
+
+
 def _wrong_tokens(document: Sequence[int], stops: frozenset[int]) -> Callable[[int, int], int]:
     """Wrong drafts are document tokens from elsewhere (plausible text, often grammar-valid),
     never the document's own token at that position."""
@@ -390,22 +472,29 @@ def _load_tokenizer(spec: str) -> tuple[str, Any]:
 
 
 def _documents(cfg: GpuBenchConfig, tokenizer: Any, backend: Any, stop: int) -> list[dict]:
-    """Up to ``cfg.cases`` (spec, name, token ids) of ``cfg.min_doc_tokens`` to
-    ``cfg.max_doc_tokens`` tokens whose ids a fresh matcher accepts in full, ending with
-    ``stop`` (the oracle for "valid document")."""
+    """Up to ``cfg.cases`` (with ``cfg.distinct``: the largest batch, if more) (spec, name,
+    token ids) of ``cfg.min_doc_tokens`` to ``cfg.max_doc_tokens`` tokens whose ids a fresh
+    matcher accepts in full, ending with ``stop`` (the oracle for "valid document")."""
     from .inputs import load_cases, sample_instance
 
+    want = max(cfg.cases, *cfg.batches) if cfg.distinct else cfg.cases
     out = []
-    for case in load_cases(max_per_source=max(4, cfg.cases * 3)):
-        if len(out) == cfg.cases:
+    for case in load_cases(max_per_source=max(4, want * 3)):
+        if len(out) == want:
             break
-        text = case.instance or sample_instance(backend, case, seed=cfg.seed)
+        try:
+            text = case.instance or sample_instance(backend, case, seed=cfg.seed)
+        except SpecGrammarError:  # a schema the backend refuses is left out
+            continue
         if text is None:
             continue
         ids = list(tokenizer.encode(text, add_special_tokens=False)) + [stop]
         if not cfg.min_doc_tokens <= len(ids) <= cfg.max_doc_tokens:
             continue
-        m = backend.matcher(backend.compile(case.spec))
+        try:
+            m = backend.matcher(backend.compile(case.spec))
+        except SpecGrammarError:  # a schema the backend refuses is left out
+            continue
         if m.accept_tokens(ids) == len(ids) and m.is_terminated():
             out.append(dict(name=case.name, spec=case.spec, ids=ids))
     return out
@@ -472,17 +561,29 @@ def _mean(values: list[float]) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def _run_mode(worker: Any, doc: dict, batch: int, prompt: list[int]) -> tuple[list, list[str]]:
-    """One run of ``worker`` over ``batch`` requests writing ``doc`` (constrained when the
-    worker has a backend): its step stats and the ids of the requests whose output is not the
-    document."""
+def _run_mode(
+    worker: Any, doc: dict | Sequence[dict], batch: int, prompt: list[int]
+) -> tuple[list, list[str]]:
+    """One run of ``worker`` over ``batch`` requests writing ``doc`` (or, given one per
+    request, request ``r{i}`` writing ``doc[i]``; constrained by its spec when the worker has a
+    backend): its step stats and the ids of the requests whose output is not their document."""
     from spec_grammar.worker.request import Request
     from spec_grammar.worker.sampling import SamplingParams
 
-    params = SamplingParams(max_new_tokens=len(doc["ids"]) + 8)
-    spec = doc["spec"] if worker.backend is not None else None
-    results = worker.run([Request(list(prompt), spec, params, rid=f"r{i}") for i in range(batch)])
-    return list(worker.step_stats), [r.rid for r in results if r.token_ids != doc["ids"][:-1]]
+    docs = [doc] * batch if isinstance(doc, dict) else list(doc)
+    grammar = worker.backend is not None
+    requests = [
+        Request(
+            list(prompt),
+            d["spec"] if grammar else None,
+            SamplingParams(max_new_tokens=len(d["ids"]) + 8),
+            rid=f"r{i}",
+        )
+        for i, d in enumerate(docs)
+    ]
+    results = worker.run(requests)
+    wrong = [r.rid for r in results if r.token_ids != docs[int(r.rid[1:])]["ids"][:-1]]
+    return list(worker.step_stats), wrong
 
 
 def _tokens_per_s(stats: list) -> float:
@@ -560,7 +661,10 @@ class _Setup:
             if self.runner.uses_fused_forward
             else None
         )
-        self.backend = get_backend(cfg.backend, tokenizer, vocab_size=self.runner.vocab_size)
+        threads = {} if cfg.fill_threads is None else {"num_threads": cfg.fill_threads}
+        self.backend = get_backend(
+            cfg.backend, tokenizer, vocab_size=self.runner.vocab_size, **threads
+        )
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.forward: dict[tuple[str, int, int], float] = {}
 
@@ -663,6 +767,9 @@ def run_gpu_bench(
     tokenizers = [_load_tokenizer(t) for t in cfg.tokenizers]
     setups = _build_setups(cfg, device, dtype, tokenizers, res, progress)
     res["env"]["grammar_threads"] = cfg.grammar_threads or 1
+    res["env"]["fill_threads"] = {
+        s.tok_name: getattr(s.backend, "num_threads", None) for s in setups
+    }
     for s in setups:  # batch 1 vs the weight-read time: as configured, HF's forward, eager
         for variant, runner in s.variants().items():
             for n in (1, *cfg.nodes):
@@ -696,28 +803,32 @@ def run_gpu_bench(
         live = [s for s in setups if c < len(docs[s.tok_name])]
         for s in live:
             for runner in (s.runner, s.eager):
-                if runner is not None:
+                if runner is not None and not cfg.distinct:
                     runner.agree_with(cfg.prompt_tokens, docs[s.tok_name][c]["ids"])
         try:
             for batch in cfg.batches:
                 for n in cfg.nodes:
                     for s in live:
-                        doc = docs[s.tok_name][c]
+                        pool = docs[s.tok_name]
+                        # distinct: request i writes document c + i of the pool (cycled)
+                        doc = (
+                            [pool[(c + i) % len(pool)] for i in range(batch)]
+                            if cfg.distinct
+                            else pool[c]
+                        )
                         key = dict(
                             model=s.name,
                             tokenizer=s.tok_name,
-                            case=doc["name"],
+                            case=_case_name(doc),
                             batch=batch,
                             nodes=n,
                         )
                         if time.perf_counter() - t_start > cfg.budget_s:
                             res["skipped"].append(key)
                             continue
-                        wrong = _wrong_tokens(
-                            doc["ids"], frozenset(s.backend.tokenizer_info.stop_token_ids)
-                        )
-                        row = _run_config(cfg, s, doc, batch, n, prompt, wrong, res["problems"])
-                        res["rows"].append({**key, "doc_tokens": len(doc["ids"]), **row})
+                        row = _run_config(cfg, s, doc, batch, n, prompt, res["problems"])
+                        lens = [len(d["ids"]) for d in (doc if cfg.distinct else [doc])]
+                        res["rows"].append({**key, "doc_tokens": statistics.mean(lens), **row})
                         progress(_row_line(res["rows"][-1]))
                         if on_partial is not None:
                             on_partial(res)
@@ -730,14 +841,40 @@ def run_gpu_bench(
     return res
 
 
+def _case_name(doc: dict | Sequence[dict]) -> str:
+    """A row's case: the document's name, or for one document per request how many distinct
+    schemas the batch holds."""
+    if isinstance(doc, dict):
+        return doc["name"]
+    return f"{len({d['name'] for d in doc})} distinct schemas"
+
+
+def _drafter(cfg: GpuBenchConfig, s: _Setup, doc: dict | Sequence[dict], n: int) -> Drafter:
+    """The replay drafter of a configuration: of the one document, or of each request's."""
+    stops = frozenset(s.backend.tokenizer_info.stop_token_ids)
+
+    def one(d: dict) -> ReplayDrafter:
+        return ReplayDrafter(
+            d["ids"],
+            num_draft_tokens=n,
+            chain_depth=cfg.chain_depth,
+            accept_rate=cfg.accept_rate,
+            wrong_token=_wrong_tokens(d["ids"], stops),
+            seed=cfg.seed,
+        )
+
+    if isinstance(doc, dict):
+        return one(doc)
+    return PerRequestReplay({f"r{i}": one(d) for i, d in enumerate(doc)}, num_draft_tokens=n)
+
+
 def _run_config(
     cfg: GpuBenchConfig,
     s: _Setup,
-    doc: dict,
+    doc: dict | Sequence[dict],
     batch: int,
     n: int,
     prompt: list[int],
-    wrong: Callable[[int, int], int],
     problems: list[str],
 ) -> dict:
     """Every mode of one configuration. Each mode keeps one worker for all its runs, as a server
@@ -749,14 +886,12 @@ def _run_config(
     plan = [(m, s.runner, m == "overlap", m != "plain") for m in MODES]
     if batch in cfg.eager_batches and s.eager is not None:
         plan.append(("eager", s.eager, True, True))
-    drafter = ReplayDrafter(
-        doc["ids"],
-        num_draft_tokens=n,
-        chain_depth=cfg.chain_depth,
-        accept_rate=cfg.accept_rate,
-        wrong_token=wrong,
-        seed=cfg.seed,
-    )
+    drafter = _drafter(cfg, s, doc, n)
+    if not isinstance(doc, dict):  # each request's own document
+        for runner in (s.runner, s.eager):
+            if runner is not None:
+                per = {f"r{i}": d["ids"] for i, d in enumerate(doc)}
+                runner.agree_with(cfg.prompt_tokens, per_request=per)
     workers = {
         mode: SpecWorker(
             runner,
@@ -799,7 +934,7 @@ def _run_config(
         row[mode] = _summary(runs[mode], batch)
         if row[mode].pop("mismatched"):
             problems.append(
-                f"{s.name}/{s.tok_name} {doc['name']} B={batch} N={n} {mode}: output != document"
+                f"{s.name}/{s.tok_name} {_case_name(doc)} B={batch} N={n} {mode}: output != document"
             )
     forward = s.forward_ms(cfg, "main", batch, n)
     ratio = (

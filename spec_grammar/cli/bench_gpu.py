@@ -88,6 +88,20 @@ def register_gpu(sub) -> None:
         "--grammar-threads", type=int, default=None, help="the worker's grammar threads (default 1)"
     )
     p.add_argument(
+        "--fill-threads",
+        type=int,
+        default=None,
+        help="the grammar backend's num_threads: threads of one batched tree fill (default: the "
+        "backend's)",
+    )
+    p.add_argument(
+        "--distinct",
+        action="store_const",
+        const=True,
+        default=None,
+        help="every request of a batch writes its own schema's document (default: all one)",
+    )
+    p.add_argument(
         "--lazy-grammar",
         type=_on_off,
         default=None,
@@ -149,6 +163,8 @@ def _config(args):
         cuda_graphs=args.cuda_graphs,
         fused_forward=args.fused_forward,
         grammar_threads=args.grammar_threads,
+        fill_threads=args.fill_threads,
+        distinct=args.distinct,
         lazy_grammar=args.lazy_grammar,
         prefill_tokens=args.prefill_tokens,
         eager_batches=args.eager_batches,
