@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .protocol import (
         Capabilities,
         CompiledGrammar,
+        ConformanceCase,
         GrammarBackend,
         SpecGrammar,
         TokenizerInfo,
@@ -37,7 +38,14 @@ _LAZY = {
         ("allocate_token_bitmask", "apply_token_bitmask_inplace", "unpack_bitmask"), "bitmask"
     ),
     **dict.fromkeys(
-        ("Capabilities", "CompiledGrammar", "GrammarBackend", "SpecGrammar", "TokenizerInfo"),
+        (
+            "Capabilities",
+            "CompiledGrammar",
+            "ConformanceCase",
+            "GrammarBackend",
+            "SpecGrammar",
+            "TokenizerInfo",
+        ),
         "protocol",
     ),
     **dict.fromkeys(("get_backend", "list_backends"), "registry"),
@@ -71,6 +79,7 @@ __all__ = [
     "UnsupportedGrammarError",
     "Capabilities",
     "CompiledGrammar",
+    "ConformanceCase",
     "GrammarBackend",
     "SpecGrammar",
     "TokenizerInfo",

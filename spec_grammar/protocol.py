@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from .bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
-from .capabilities import Capabilities
+from .capabilities import Capabilities, ConformanceCase
 from .compile import CompileCache, CompiledGrammar, compile_spec
 from .errors import BitmaskError, GrammarStateError, InvalidTokenError
 from .json_schema.strict import KeywordSupport
@@ -34,6 +34,7 @@ from .tree import DraftTree
 __all__ = [
     "TokenizerInfo",
     "Capabilities",
+    "ConformanceCase",
     "CompiledGrammar",
     "SpecGrammar",
     "GrammarBackend",
@@ -430,6 +431,16 @@ class GrammarBackend(ABC):
     """The grammar library and the oldest release the adapter works with, as a pip requirement
     ``"name>=X.Y.Z"`` (None: not checked). :func:`~spec_grammar.registry.load_backend_class`
     refuses the backend when :meth:`library_version` is older."""
+
+    @classmethod
+    def conformance_cases(cls, fixture: str) -> Sequence[ConformanceCase]:
+        """Grammars (with complete documents) the conformance suite tests this backend on,
+        next to its own grammars of the kinds claimed in whole, on fixture tokenizer
+        ``fixture`` (``"toy"``: the suite's 20-token vocabulary; ``"smollm2"``). A backend
+        claiming a kind only in part (:attr:`Capabilities.subsets
+        <spec_grammar.capabilities.Capabilities.subsets>`) is tested on its kind through
+        these. Default: none."""
+        return ()
 
     @classmethod
     def library_version(cls) -> str:

@@ -7,19 +7,16 @@ can also be named directly as ``module:Class``.
 from __future__ import annotations
 
 import importlib
-import re
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
+from .backend_info import ENTRY_POINT_GROUP, BackendInfo, release
 from .capabilities import Capabilities
 from .errors import BackendNotFoundError
 
 if TYPE_CHECKING:  # the protocol imports torch: a name check needs neither
     from .protocol import GrammarBackend
 
-ENTRY_POINT_GROUP = "spec_grammar.backends"
 AUTO = "auto"
 """The routing backend's name (:class:`~spec_grammar.routing.AutoBackend`): per request, the
 registered backend that enforces the most of the spec, then the fastest."""
@@ -34,16 +31,6 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AUTO",
 ]
-
-
-class BackendInfo(BaseModel):
-    """One registered backend as :func:`list_backends` reports it."""
-
-    name: str
-    target: str
-    version: str | None = None
-    capabilities: Capabilities | None = None
-    error: str | None = None
 
 
 def _entry_points() -> dict[str, Any]:
@@ -123,19 +110,13 @@ def load_backend_class(name: str) -> type[GrammarBackend]:
     return cls
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """The release numbers of a version string (``"0.2.9.post1"`` -> ``(0, 2, 9)``)."""
-    m = re.match(r"\d+(?:\.\d+)*", version.strip())
-    return tuple(int(x) for x in m.group().split(".")) if m else ()
-
-
 def _check_library(name: str, cls: type[GrammarBackend], requirement: str) -> None:
     """Raise :class:`BackendNotFoundError` when ``cls``'s library is older than
     ``requirement`` (``"name>=X.Y.Z"``): an older release (an engine's pin) fails later with
     the library's own error, far from its cause."""
     library, _, minimum = requirement.partition(">=")
     found = cls.library_version()
-    if _release(found) and _release(found) < _release(minimum):
+    if release(found) and release(found) < release(minimum):
         raise BackendNotFoundError(
             f"backend {name!r} needs {requirement}, found {library} {found}; "
             f"install it with: pip install '{requirement}'"
@@ -153,9 +134,10 @@ def get_backend(
 
 
 def list_backends() -> list[BackendInfo]:
-    """Every registered backend with its library version and capabilities; a backend whose
-    library is missing is listed with ``error`` set. ``auto`` (:data:`AUTO`) is not listed: it
-    routes over these."""
+    """Every registered backend, imported and checked (:func:`load_backend_class`), with its
+    library version and capabilities; a backend that cannot be loaded is listed with
+    ``error`` set. :func:`~spec_grammar.backend_info.declared_backends` lists them without
+    importing any. ``auto`` (:data:`AUTO`) is not listed: it routes over these."""
     out = []
     for name, ep in sorted(_entry_points().items()):
         try:
@@ -166,8 +148,9 @@ def list_backends() -> list[BackendInfo]:
                     target=ep.value,
                     version=cls.library_version(),
                     capabilities=cls.capabilities,
+                    checked=True,
                 )
             )
         except BackendNotFoundError as e:
-            out.append(BackendInfo(name=name, target=ep.value, error=str(e)))
+            out.append(BackendInfo(name=name, target=ep.value, error=str(e), checked=True))
     return out

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import InterruptReported
+
 _GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "lark", "tools")
 _REASONING_FIELDS = ("reasoning_end", "max_reasoning_tokens")
 
@@ -748,7 +750,11 @@ def run(args) -> int:
     t0 = time.perf_counter()
     with worker, _progress(requests, show=not streaming or not sys.stdout.isatty()) as bar:
         text_stream = _stdout_stream(worker.tokenizer) if streaming else None
-        results = worker.run(requests, on_step=_both(bar, text_stream))
+        try:
+            results = worker.run(requests, on_step=_both(bar, text_stream))
+        except KeyboardInterrupt:
+            _report_interrupt(worker.step_stats, time.perf_counter() - t0, streaming)
+            raise InterruptReported from None
         if text_stream is not None:
             text_stream.close(results)
     wall = time.perf_counter() - t0
@@ -869,6 +875,23 @@ def _failed(rid: str, why: str):
         tokens_per_s=0.0,
         grammar_ms_hidden=0.0,
         grammar_ms_exposed=0.0,
+    )
+
+
+def _report_interrupt(steps, wall_s: float, streaming: bool) -> None:
+    """Say on stderr that Ctrl-C stopped the run, with the stats of the steps done so far
+    (``steps``: the worker's :class:`~spec_grammar.worker.request.StepStats` list)."""
+    if streaming:  # the streamed text has no newline yet
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    tokens = sum(s.committed_tokens for s in steps)
+    req_steps = sum(s.batch_size for s in steps)
+    grammar = sum(s.grammar_ms for s in steps) / max(len(steps), 1)
+    print(
+        f"spec-grammar generate: interrupted after {len(steps)} steps: {tokens} tokens in "
+        f"{wall_s:.2f} s ({tokens / wall_s if wall_s > 0 else 0.0:.1f} tok/s), accept length "
+        f"{tokens / req_steps if req_steps else 0.0:.2f}, grammar {grammar:.2f} ms/step",
+        file=sys.stderr,
     )
 
 

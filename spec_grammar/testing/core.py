@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..bitmask import allocate_token_bitmask
+from ..capabilities import ConformanceCase
 from ..errors import GrammarCompileError
 from ..protocol import GrammarBackend, SpecGrammar
 from ..specs import GrammarSpec
@@ -163,24 +164,36 @@ class Session:
         return self._backends[fixture]
 
     def supported(
-        self, fixture: str, specs: Iterable[GrammarSpec], *, must_compile: bool = True
+        self,
+        fixture: str,
+        specs: Iterable[GrammarSpec],
+        *,
+        must_compile: bool = True,
+        with_cases: bool = False,
     ) -> list[tuple[GrammarSpec, Any]]:
-        """``(spec, compiled)`` for each spec whose kind the backend's capabilities claim.
+        """``(spec, compiled)`` for each spec of a kind the backend's capabilities claim in
+        whole (a kind claimed only in part, :attr:`Capabilities.subsets
+        <spec_grammar.capabilities.Capabilities.subsets>`, runs none of the suite's grammars),
+        then with ``with_cases`` each of the backend's own :meth:`conformance_cases
+        <spec_grammar.protocol.GrammarBackend.conformance_cases>` on ``fixture``.
 
         With ``must_compile`` a claimed kind that fails to compile is a
         :class:`ConformanceFailure` (the suite's own grammars are plain); without it such specs
         are left out (real schemas may use keywords a backend refuses with a typed error).
-        Raises :class:`PropertySkipped` when nothing is left.
+        A backend's own case always must compile. Raises :class:`PropertySkipped` (not
+        applicable) when nothing is left.
         """
         backend = self.backend(fixture)
+        caps = backend.capabilities
+        todo = [(s, must_compile) for s in specs if caps.whole(s.kind)]
+        if with_cases:
+            todo += [(c.spec, True) for c in self.cases(fixture)]
         out = []
-        for spec in specs:
-            if not getattr(backend.capabilities, spec.kind, False):
-                continue
+        for spec, required in todo:
             try:
                 out.append((spec, backend.compile(spec)))
             except GrammarCompileError as e:
-                if must_compile:
+                if required:
                     raise ConformanceFailure(
                         "a grammar of a kind the capabilities claim compiles",
                         spec.cache_key()[:300],
@@ -188,10 +201,24 @@ class Session:
                         str(e),
                     ) from None
         if not out:
+            narrow = f"; in part only: {', '.join(caps.describe())}" if caps.subsets else ""
+            cases = " and none of its conformance_cases" if with_cases else ""
             raise PropertySkipped(
-                f"{backend.name} supports none of the grammars this property uses"
+                f"not applicable: {backend.name} claims none of the grammars this property "
+                f"uses{cases} on the {fixture} tokenizer{narrow}"
             )
         return out
+
+    def cases(self, fixture: str) -> list[ConformanceCase]:
+        """The backend's own :class:`~spec_grammar.capabilities.ConformanceCase` list on
+        ``fixture`` (``TypeError`` when it returns something else)."""
+        cases = list(self.backend(fixture).conformance_cases(fixture))
+        wrong = [c for c in cases if not isinstance(c, ConformanceCase)]
+        if wrong:
+            raise TypeError(
+                f"conformance_cases must return ConformanceCase items, got {wrong[0]!r}"
+            )
+        return cases
 
 
 def allowed_set(

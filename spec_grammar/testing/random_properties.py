@@ -26,6 +26,7 @@ from ..specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
 from ..tree import DraftTree
 from .core import (
     ConformanceFailure,
+    PropertySkipped,
     Session,
     allowed_set,
     check,
@@ -152,7 +153,9 @@ def _settings(session: Session, fixture: str) -> Callable:
 
 def _compiled_bank(session: Session, fixture: str) -> list[tuple[GrammarSpec, CompiledGrammar]]:
     # Real schemas may use keywords a backend refuses with a typed error: those are left out.
-    return session.supported(fixture, grammar_bank(fixture, session.slow), must_compile=False)
+    return session.supported(
+        fixture, grammar_bank(fixture, session.slow), must_compile=False, with_cases=True
+    )
 
 
 def _draw_token(data: Any, oracle: Oracle, allowed: frozenset[int], *, invalid_rate: int) -> int:
@@ -625,3 +628,109 @@ def _parses_as_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+@_register_for_both(
+    "case_documents",
+    "along the complete documents of the backend's own conformance cases: every token is "
+    "accepted, EOS is allowed exactly where the kind's oracle (re.fullmatch, json.loads + "
+    "jsonschema; other kinds: the end only) calls the prefix complete, and accepting EOS terminates",
+)
+def case_documents(session: Session, fixture: str) -> None:
+    cases = [c for c in session.cases(fixture) if c.documents]
+    if not cases:
+        raise PropertySkipped(
+            f"not applicable: {session.backend(fixture).name} gives no conformance case with "
+            f"documents on the {fixture} tokenizer"
+        )
+    backend = session.backend(fixture)
+    info = backend.tokenizer_info
+    stops = frozenset(info.stop_token_ids)
+    compiled = {s.cache_key(): c for s, c in session.supported(fixture, [], with_cases=True)}
+    for case in cases:
+        complete = _completeness_oracle(case.spec)
+        for text in case.documents:
+            ids = _spell(info, text)
+            check(
+                info.decode(ids) == text,
+                "a case document is spelled by the fixture tokenizer",
+                f"{case.spec.kind} document {text!r} on {fixture}",
+                text,
+                info.decode(ids),
+            )
+            m = backend.matcher(compiled[case.spec.cache_key()])
+            for i in range(len(ids) + 1):
+                prefix = info.decode(ids[:i])
+                where = f"{case.spec.kind} {case.spec.cache_key()[:80]} after {prefix!r}"
+                ends = bool(allowed_set(m) & stops)
+                if complete is not None or i == len(ids):
+                    can_end = complete(prefix) if complete is not None else True
+                    check(
+                        ends == can_end,
+                        "EOS allowed exactly where the document can end",
+                        where,
+                        can_end,
+                        ends,
+                    )
+                if i == len(ids):
+                    break
+                check(
+                    m.accept_token(ids[i]),
+                    "a valid document's tokens are accepted",
+                    where + f", token {ids[i]}",
+                    True,
+                    False,
+                )
+            check(
+                m.accept_token(min(stops)) and m.is_terminated(),
+                "accepting EOS terminates",
+                f"{case.spec.kind} after {text!r}",
+                True,
+                False,
+            )
+
+
+def _spell(info: Any, text: str) -> list[int]:
+    """``text`` as token ids: the tokenizer's own encoding when it decodes back to ``text``,
+    else the greedy longest match over the vocabulary's bytes (the toy tokenizer has no merges,
+    so its encoding drops what no single byte token spells)."""
+    ids = info.hf_tokenizer.encode(text, add_special_tokens=False)
+    if info.decode(ids) == text:
+        return ids
+    skip = set(info.special_token_ids) | set(info.stop_token_ids)
+    by_bytes = {b: t for t, b in enumerate(info.token_bytes) if b and t not in skip}
+    longest = max(map(len, by_bytes), default=0)
+    data, out, i = text.encode(), [], 0
+    while i < len(data):
+        k = next(
+            (k for k in range(min(longest, len(data) - i), 0, -1) if data[i : i + k] in by_bytes), 0
+        )
+        if not k:
+            break  # not spelled: the caller's check names the document
+        out.append(by_bytes[data[i : i + k]])
+        i += k
+    return out
+
+
+def _completeness_oracle(spec: GrammarSpec) -> Callable[[str], bool] | None:
+    """``text -> complete?`` from the kind's own library, or None where there is none here."""
+    import re
+
+    if isinstance(spec, Regex):
+        pattern = re.compile(spec.pattern)
+        return lambda text: pattern.fullmatch(text) is not None
+    if isinstance(spec, JsonSchema):
+        import jsonschema
+
+        schema = spec.json_schema
+        validator = jsonschema.validators.validator_for(schema)(schema)
+
+        def complete(text: str) -> bool:
+            try:
+                value = json.loads(text)
+            except ValueError:
+                return False
+            return validator.is_valid(value)
+
+        return complete
+    return None

@@ -165,6 +165,7 @@ class InteregularBackend(GrammarBackend):
     """
 
     name = "interegular"
+    library_requirement = "interegular>=0.3.3"  # the package's own pin
     capabilities = Capabilities(
         json_schema=False,
         regex=True,
