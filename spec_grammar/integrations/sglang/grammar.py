@@ -37,6 +37,8 @@ from sglang.srt.constrained.base_grammar_backend import (
     InvalidGrammarObject,
 )
 
+from spec_grammar.compose import matcher as compose_matcher
+
 from ...bitmask import bitmask_width
 from ...errors import GrammarCompileError, GrammarStateError, SpecGrammarError
 from ...kernels import apply_token_bitmask_inplace
@@ -103,7 +105,7 @@ class SGLangGrammar(BaseGrammarObject):
         logger.warning(
             "spec-grammar: %r: matcher failed, replaying %d tokens", self, len(self.path)
         )
-        m = self.backend.matcher(self.compiled)
+        m = compose_matcher(self.backend, self.compiled)
         try:
             done = m.accept_tokens(self.path.tolist())
         except GrammarStateError:
@@ -169,7 +171,7 @@ class SGLangGrammar(BaseGrammarObject):
             stats = dataclasses.replace(stats, is_cache_hit=True, tree_traversal_time=[])
         m = self.matcher
         if not self.path:
-            twin = self.backend.matcher(self.compiled)
+            twin = compose_matcher(self.backend, self.compiled)
         else:
             twin = m.fork()
         return SGLangGrammar(self.backend, twin, self.compiled, stats, array("i", self.path))
@@ -245,7 +247,7 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         try:
             spec: GrammarSpec = spec_fn()
             compiled = self.backend.compile(spec)
-            matcher = self.backend.matcher(compiled)
+            matcher = compose_matcher(self.backend, compiled)
             # a grammar whose start state allows no token (``root ::= root``) accepts no
             # document: xgrammar hands out an empty row, llguidance's matcher fails at the
             # first fill, which would raise inside SGLang's batch mask fill

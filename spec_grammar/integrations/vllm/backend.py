@@ -34,6 +34,7 @@ from vllm.v1.structured_output.request import get_structured_output_key
 from vllm.v1.structured_output.utils import grammar_is_likely_lark
 
 from spec_grammar.bitmask import allocate_token_bitmask
+from spec_grammar.compose import matcher as compose_matcher
 from spec_grammar.errors import GrammarSpecError, UnsupportedGrammarError
 from spec_grammar.protocol import DEFAULT_MAX_ROLLBACK_TOKENS, GrammarBackend, SpecGrammar
 from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
@@ -179,7 +180,7 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         compiled = backend.compile(spec)
         for w in compiled.warnings:
             logger.warning("spec-grammar %s does not enforce %s", self.backend_name, w)
-        return SpecGrammarVllmGrammar(backend, compiled, backend.matcher(compiled))
+        return SpecGrammarVllmGrammar(backend, compiled, compose_matcher(backend, compiled))
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         """int32 ``(max_num_seqs, ceil(vocab_size / 32))``, all tokens allowed."""
@@ -209,7 +210,7 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
     @property
     def compiled(self) -> Any:
         """The compiled grammar (shared with the drafter: fork matchers with
-        ``backend.matcher(compiled)``)."""
+        ``compose_matcher(backend, compiled)``)."""
         return self._compiled
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
@@ -263,4 +264,4 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
 
     def reset(self) -> None:
         self._probing = False
-        self.matcher = self._backend.matcher(self._compiled)
+        self.matcher = compose_matcher(self._backend, self._compiled)

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
+from spec_grammar.compose import matcher as compose_matcher
+
 from . import selected_backend
 from .drafting import RequestGrammar, grammar_draft
 from .shared import live_grammar
@@ -70,7 +72,9 @@ class GrammarDrafts:
         grammar = self._grammar_of(req_id)
         state = self._states.get(req_id)
         if state is None or state.key is not grammar.compiled or not state.advance(output):
-            state = RequestGrammar(grammar.compiled, grammar.backend.matcher(grammar.compiled), [])
+            state = RequestGrammar(
+                grammar.compiled, compose_matcher(grammar.backend, grammar.compiled), []
+            )
             if not state.advance(output):
                 raise ValueError(
                     f"our grammar refuses a token of the request's committed output "
