@@ -110,9 +110,10 @@ def test_every_bug_has_a_catching_property():
 
 def test_broken_adapter_without_bugs_passes_toy_suite():
     results = run_conformance(broken_adapter.BrokenBackend, fixtures=["toy"])
-    assert all(r.status == "PASS" for r in results), [
-        r.detail for r in results if r.status != "PASS"
-    ]
+    # the case-document property skips: this adapter supplies no cases of its own
+    assert all(
+        r.status == "PASS" or (r.status == "SKIP" and "case_documents" in r.name) for r in results
+    ), [r.detail for r in results if r.status != "PASS"]
 
 
 @pytest.mark.parametrize("bug", sorted(broken_adapter.BUGS))
@@ -147,7 +148,11 @@ def test_cli_passes_on_xgrammar_quick(capsys):
     args = ["conformance", "--backend", "xgrammar", "--quick", "--json"]
     assert main(args + [a for n in names for a in ("--property", n)]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["passed"] and {r["status"] for r in report["results"]} == {"PASS"}
+    # the case-document property skips: xgrammar supplies no cases of its own
+    assert report["passed"] and all(
+        r["status"] == "PASS" or (r["status"] == "SKIP" and "case_documents" in r["name"])
+        for r in report["results"]
+    )
     assert [r["name"] for r in report["results"]] == names
 
 
@@ -193,8 +198,9 @@ def test_pytest_plugin_generates_one_test_per_property(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:]
-    m = re.search(r"(\d+) failed, (\d+) passed", out)
-    assert m and int(m[1]) + int(m[2]) == len(select_properties(["toy"])), out[-3000:]
+    m = re.search(r"(\d+) failed, (\d+) passed(?:, (\d+) skipped)?", out)
+    total = int(m[1]) + int(m[2]) + int(m[3] or 0) if m else -1
+    assert total == len(select_properties(["toy"])), out[-3000:]
     assert (
         "FAILED ::spec-grammar-conformance[broken_adapter:ForkSharesState]::toy_fork_independent"
         in out
