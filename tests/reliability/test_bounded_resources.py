@@ -174,7 +174,7 @@ def test_max_forced_tokens_is_checked(tok):
 
 
 def test_outlines_refuses_an_index_estimated_too_large(tok):
-    """The README's schema (an array of <= 50 strings of <= 200 characters: 6.3 GB and 38 s
+    """The schema in docs/architecture.md (an array of <= 50 strings of <= 200 characters: 6.3 GB and 38 s
     to build) is refused at once with a typed error naming the limit; a smaller limit refuses
     a small schema the default lets through, which then compiles and works."""
     pytest.importorskip("outlines_core")
