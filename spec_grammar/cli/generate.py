@@ -720,7 +720,16 @@ def run(args) -> int:
         for _rid, why in items:
             print(f"error: {why}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"results": [_failed(rid, why).model_dump() for rid, why in items]}))
+            print(
+                json.dumps(
+                    {
+                        "results": [
+                            RequestResult.failed_before_run(rid, why).model_dump()
+                            for rid, why in items
+                        ]
+                    }
+                )
+            )
         return 1
 
     worker = build_worker(
@@ -761,7 +770,7 @@ def run(args) -> int:
     final: list[RequestResult] = []
     for slot in slots:
         if isinstance(slot, tuple):
-            final.append(_failed(*slot))
+            final.append(RequestResult.failed_before_run(*slot))
         else:
             final.append(results[slot])
     summary = summarize(final, worker.step_stats, wall)
@@ -855,27 +864,6 @@ def _warning_lines(results) -> list[str]:
         who = ", ".join(rids[:5]) + (f" (+{len(rids) - 5} more)" if len(rids) > 5 else "")
         out.append(f"warning: {who}{f' ({backend})' if backend else ''}: {w}")
     return out
-
-
-def _failed(rid: str, why: str):
-    """The result of a request that failed before the model ran (a bad line, a refused grammar)."""
-    from ..worker.request import RequestResult
-
-    return RequestResult(
-        rid=rid,
-        text="",
-        token_ids=[],
-        prompt_tokens=0,
-        finish_reason="error",
-        finish_detail="error",
-        error=why,
-        num_tokens=0,
-        steps=0,
-        accept_length=0.0,
-        tokens_per_s=0.0,
-        grammar_ms_hidden=0.0,
-        grammar_ms_exposed=0.0,
-    )
 
 
 def _report_interrupt(steps, wall_s: float, streaming: bool) -> None:

@@ -471,7 +471,9 @@ def generate(
         )
         if all(refused):
             return [
-                _refused_result(i.rid if isinstance(i, Request) else Request(prompt="").rid, why)
+                RequestResult.failed_before_run(
+                    i.rid if isinstance(i, Request) else Request(prompt="").rid, why
+                )
                 for i, why in zip(items, refused)
             ]
     worker = build_worker(config=cfg, **load)
@@ -511,25 +513,6 @@ def _spec_or_none(grammar: Any) -> GrammarSpec | None:
         return as_grammar_spec(grammar)
     except (TypeError, ValueError):
         return None
-
-
-def _refused_result(rid: Any, why: str) -> RequestResult:
-    """The result of a request whose grammar failed before any model work."""
-    return RequestResult(
-        rid=rid if isinstance(rid, str) else repr(rid),
-        text="",
-        token_ids=[],
-        prompt_tokens=0,
-        finish_reason="error",
-        finish_detail="error",
-        error=why,
-        num_tokens=0,
-        steps=0,
-        accept_length=0.0,
-        tokens_per_s=0.0,
-        grammar_ms_hidden=0.0,
-        grammar_ms_exposed=0.0,
-    )
 
 
 def stream(

@@ -309,6 +309,26 @@ class RequestResult(BaseModel):
     backend_reason: str | None = None
     """With ``auto``: why that backend (:mod:`spec_grammar.routing`)."""
 
+    @classmethod
+    def failed_before_run(cls, rid: Any, why: str) -> RequestResult:
+        """The result of a request that failed before any model work (a bad batch line, a
+        grammar refused at compile): ``finish_reason="error"``, no tokens, ``error=why``."""
+        return cls(
+            rid=rid if isinstance(rid, str) else repr(rid),
+            text="",
+            token_ids=[],
+            prompt_tokens=0,
+            finish_reason="error",
+            finish_detail="error",
+            error=why,
+            num_tokens=0,
+            steps=0,
+            accept_length=0.0,
+            tokens_per_s=0.0,
+            grammar_ms_hidden=0.0,
+            grammar_ms_exposed=0.0,
+        )
+
     def message(self) -> dict[str, Any]:
         """The output as an OpenAI chat-completion message: ``{"role": "assistant",
         "content": text}``; when a tool-call grammar completed with calls (``finish_reason ==
