@@ -8,7 +8,7 @@ so rebinding those two module attributes is enough; no vLLM source is patched.
 
 from __future__ import annotations
 
-__all__ = ["serve_guidance_name"]
+__all__ = ["serve_guidance_name", "backend_part"]
 
 
 def serve_guidance_name() -> str:
@@ -26,3 +26,17 @@ def serve_guidance_name() -> str:
     manager.GuidanceBackend = SpecGrammarVllmBackend
     guidance.validate_guidance_grammar = validate_request
     return "vLLM's backend name 'guidance' runs ours"
+
+
+def backend_part(backend_name: str | None, *, strict: bool) -> tuple[str, bool, str]:
+    """The start line's ``("backend", on?, detail)`` part, the same on every vLLM line: off
+    when ``SPEC_GRAMMAR_VLLM_BACKEND`` is unset, else :func:`serve_guidance_name` (its
+    ``ImportError`` / ``AttributeError`` raised when ``strict``, else reported off)."""
+    if backend_name is None:
+        return ("backend", False, "SPEC_GRAMMAR_VLLM_BACKEND is unset")
+    try:
+        return ("backend", True, f"{backend_name}: {serve_guidance_name()}")
+    except (ImportError, AttributeError) as e:
+        if strict:
+            raise
+        return ("backend", False, str(e))

