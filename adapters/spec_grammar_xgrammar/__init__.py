@@ -710,8 +710,9 @@ class XGrammarBackend(GrammarBackend):
         calling thread; then only xgrammar's own walks run, one per tree, spread over
         ``num_threads`` threads by node count (each releases the GIL for its whole walk);
         then the validity of every node and the dead rows of the batch are settled in a few
-        vectorized passes. Jobs this pass cannot take (another backend's matcher, a second view
-        of one library matcher, ids outside the tokenizer) are filled one by one afterwards.
+        vectorized passes. Jobs this pass cannot take (another backend's matcher, a subclass
+        with its own tree fill, a second view of one library matcher, ids outside the
+        tokenizer) are filled one by one afterwards.
         Raises what :meth:`SpecGrammar.fill_tree_bitmask` raises (the first failing job's
         error, once every other job is filled)."""
         check_bitmask(bitmask, self.vocab_size)
@@ -724,6 +725,8 @@ class XGrammarBackend(GrammarBackend):
         for i, (m, tree, off) in enumerate(jobs):
             fits = (
                 isinstance(m, XGrammarMatcher)
+                # a subclass with its own tree fill is filled by it, not by the library walk
+                and type(m)._fill_tree_bitmask is XGrammarMatcher._fill_tree_bitmask
                 and m._backend is self
                 and isinstance(tree, DraftTree)
                 and id(m._shared) not in seen

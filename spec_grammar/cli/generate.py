@@ -661,11 +661,13 @@ def run(args) -> int:
                 base_sampling,
             )
         )
+    where: dict[str, str] = {}  # request id -> batch file:line
     if batch_text is not None:
         base = Path(args.batch_file).parent
         for n, line in enumerate(_jsonl_lines(batch_text), 1):
             if not line.strip():
                 continue
+            where[f"line-{n}"] = f"{args.batch_file}:{n}"
             try:
                 try:
                     rec = json.loads(line)
@@ -690,7 +692,7 @@ def run(args) -> int:
                     rec.get(k, v) for k, v in zip(_REASONING_FIELDS, cli_reasoning)
                 )
             except (ValueError, FileNotFoundError) as e:
-                items.append((f"line-{n}", f"{args.batch_file}:{n}: {e}"))
+                items.append((f"line-{n}", f"{where[f'line-{n}']}: {e}"))
         if not items or (args.prompt is not None and len(items) == 1):
             raise ValueError(f"batch file {args.batch_file} has no requests")
     if global_spec is not None:  # the flags' grammar: a bad one is a bad argument (exit 2)
@@ -715,7 +717,11 @@ def run(args) -> int:
                 f"the prompt is {len(prompts[rid])} tokens; the model's context is {context} "
                 f"tokens ({config.num_draft_tokens} kept for a draft tree): shorten the prompt"
             )
-    items = [(i[0], f"{i[0]}: {why_refused[i[0]]}") if i[0] in why_refused else i for i in items]
+    # a refused line is told by its place in the batch file, as a line that does not parse is
+    items = [
+        (i[0], f"{where.get(i[0], i[0])}: {why_refused[i[0]]}") if i[0] in why_refused else i
+        for i in items
+    ]
     if all(len(i) == 2 for i in items):  # nothing left to generate: no model load
         for _rid, why in items:
             print(f"error: {why}", file=sys.stderr)

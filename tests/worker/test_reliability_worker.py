@@ -175,7 +175,7 @@ def test_cli_bad_input_is_one_line(capsys, tmp_path):
         (
             ["--json-schema", str(bad_schema), "hi"],
             2,
-            "spec-grammar generate: error: [xgrammar] invalid JSON Schema at type: 'strnig' is not valid",
+            "spec-grammar generate: error: [auto] invalid JSON Schema at type: 'strnig' is not valid",
         ),
         (
             ["--regex", "(unclosed", "hi"],
@@ -210,7 +210,7 @@ def test_cli_batch_file_marks_failed_lines(capsys, tmp_path):
     assert [x == "error" for x in reasons] == [False, True, True, False, True, True]
     assert results[1]["error"].startswith(f"{batch}:2: ")
     assert "invalid JSON Schema at properties/a/type" in results[2]["error"]
-    assert results[4]["error"].startswith("[xgrammar] regex failed to compile")
+    assert results[4]["error"].startswith(f"{batch}:5: [xgrammar] regex failed to compile")
     assert (
         results[5]["error"]
         == f"{batch}:6: each line needs a string field 'prompt' or a 'messages' list"
