@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -231,15 +232,23 @@ def _convert_gguf(src: Path, gguf: str, model_dir: Path) -> None:
     # What is written must be a complete Hugging Face model directory for any loader (vLLM, TGI,
     # llama.cpp's converter): without `architectures` vLLM builds a pooling model.
     config.architectures = [type(model).__name__]
-    tmp = model_dir.with_name(model_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # per process: two processes converting at once (two test lanes, a server and a CLI) each
+    # write their own copy, and the first rename wins
+    tmp = model_dir.with_name(f"{model_dir.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     save_file(_dedup_tied(model.state_dict()), str(tmp / "model.safetensors"), {"format": "pt"})
     config.save_pretrained(str(tmp))
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(tmp))
     # the tokenizer too, so the directory alone serves (vLLM's LLM(model_dir))
     AutoTokenizer.from_pretrained(str(src), gguf_file=gguf).save_pretrained(str(tmp))
-    tmp.rename(model_dir)
+    try:
+        tmp.rename(model_dir)
+    except OSError:  # another process finished first: its copy is the same conversion
+        if not (model_dir / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: Any = None, device: Any = "cpu") -> Any:
