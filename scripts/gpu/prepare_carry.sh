@@ -27,15 +27,12 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
   2> >(grep -v "is ignored: it is neither" >&2)
 python -m pip wheel -q --no-deps --no-build-isolation -w .gpu-a/whl .
 
-# tokenizers: the cached tokenizer.json of each (load_tokenizer fills the cache)
+# tokenizers: each one's files as a Hugging Face tokenizer directory
 python - <<'PY'
-import shutil
 from pathlib import Path
-from spec_grammar.models import cache_dir, load_tokenizer
+from spec_grammar.models import load_tokenizer
 for name in ("smollm2", "gemma3"):
-    load_tokenizer(name)
-    src, dst = cache_dir() / "models" / name / "tokenizer", Path(".gpu-a/tok") / name
-    shutil.copytree(src, dst)
+    load_tokenizer(name).save_pretrained(str(Path(".gpu-a/tok") / name))
 PY
 tar -czf .gpu-a/tok.tar.gz -C .gpu-a tok && rm -rf .gpu-a/tok
 
