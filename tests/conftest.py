@@ -4,8 +4,11 @@
 - ``tok`` / ``model``: the default model's tokenizer and float32 model, loaded once per session.
   Tests that need float64 outputs (spec vs no-spec greedy parity) use
   ``real_model.model_and_tokenizer()`` from ``tests/support/``.
-- Fast lane: ``pytest -m "not model"`` leaves out the tests that run the real model; a test
-  not marked ``model`` that loads it fails (:func:`pytest_configure`).
+- Lanes: ``pytest -m unit`` runs the tests marked none of ``model`` (loads the real model),
+  ``integration`` (a subprocess, a native build, a sweep over real inputs), ``slow``, ``gpu``,
+  ``vllm``: the lane a change is checked with first (``unit`` is set here, by
+  :func:`pytest_collection_modifyitems`). A test not marked ``model`` that loads the real model
+  fails (:func:`pytest_configure`).
 """
 
 from __future__ import annotations
@@ -26,10 +29,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+_NOT_UNIT = ("model", "integration", "slow", "gpu", "vllm")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     run_slow = config.getoption("--run-slow")
     cuda = None
     for item in items:
+        if not any(item.get_closest_marker(m) for m in _NOT_UNIT):
+            item.add_marker(pytest.mark.unit)
         # the markers, not item.keywords: those also hold every parametrize id, so a test
         # parametrized over ["masks", "gpu"] had its "gpu" case skipped on every machine
         if item.get_closest_marker("slow") is not None and not run_slow:

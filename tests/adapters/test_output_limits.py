@@ -176,6 +176,7 @@ def _json_runs_ok(text: str, limits: OutputLimits, fraction_digits: int) -> list
     return problems
 
 
+@pytest.mark.integration  # random walks over real schemas
 def test_random_walks_never_pass_the_limits(backend, tok):
     """Random walks over the grammar's rows (half the steps prefer tokens that extend a run:
     digits, spaces, letters, commas), each document replayed on a fresh matcher and checked:
@@ -270,6 +271,7 @@ def test_closed_objects(backend, tok):
         assert _takes(_after(backend, tok, JsonSchema(schema), '{"a": 1'), tok, ",")
 
 
+@pytest.mark.integration  # every real schema of the data set
 def test_default_limits_compile_on_real_schemas(backend):
     """Every backend compiles real schemas and tool lists under the defaults (llguidance 1.9
     refused multipleOf 1e-12: its fraction bound stops at 10 digits, declared)."""

@@ -24,6 +24,8 @@ from spec_grammar.cli import main
 from spec_grammar.testing.model_shapes import build_model
 from spec_grammar.tree import DraftTree
 
+pytestmark = pytest.mark.integration  # runs the bench CLI
+
 
 def test_quick_cli_run(tmp_path):
     argv = [

@@ -13,6 +13,8 @@ import pytest
 
 from spec_grammar.cli import main
 
+pytestmark = pytest.mark.integration  # runs the bench CLI
+
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "benchmarks" / "results" / "kernels-h200.json"
 

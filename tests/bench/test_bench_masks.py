@@ -11,6 +11,8 @@ import pytest
 
 from spec_grammar.cli import main
 
+pytestmark = pytest.mark.integration  # runs the bench CLI
+
 pytest.importorskip("xgrammar")
 pytest.importorskip("matplotlib")
 

@@ -110,6 +110,7 @@ def test_thread_policy_flag_then_env_then_default(monkeypatch):
     assert cpu_threads() == 2 and cpu_threads(3) == 3
 
 
+@pytest.mark.integration  # a fresh interpreter per case
 @pytest.mark.parametrize("env, want", [(None, DEFAULT_CPU_THREADS), ("2", 2)])
 def test_thread_policy_reaches_torch_in_a_fresh_process(env, want):
     """The policy is set before torch loads: torch's own count is the oracle."""

@@ -39,6 +39,9 @@ from spec_grammar.testing.json_suite import (
 )
 from spec_grammar.vocab import token_bytes_table
 
+# the whole suite over every backend and the real tokenizer, and pytester runs
+pytestmark = pytest.mark.integration
+
 SUPPORT = Path(__file__).parents[1] / "support"
 AVAILABLE = [b.name for b in list_backends() if b.error is None]
 UNAVAILABLE = [b for b in list_backends() if b.error is not None]

@@ -34,6 +34,7 @@ def test_the_folders_are_the_documented_ones():
     )
 
 
+@pytest.mark.integration  # a pytest subprocess per folder
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_each_folder_collects_alone(folder):
     run = pytest_in(TESTS.parent, f"tests/{folder}", "--collect-only", "-q")
@@ -84,6 +85,7 @@ def test_a_marked_test_reaches_the_loader(monkeypatch):
 """
 
 
+@pytest.mark.integration  # a pytest subprocess
 def test_markers_skip_what_they_name_and_guard_the_real_model(tmp_path):
     """``"gpu" in item.keywords`` also matched a parametrize id: a test parametrized over
     ``["masks", "gpu"]`` had its ``gpu`` case skipped ("gpu: no CUDA device") everywhere."""

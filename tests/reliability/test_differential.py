@@ -26,6 +26,8 @@ from spec_grammar.json_schema.pattern import UnsupportedPattern, translate
 from spec_grammar.testing import differential as d
 from spec_grammar.testing.fixtures import fixture_tokenizer
 
+pytestmark = pytest.mark.integration  # a sweep of real schemas over every backend
+
 BACKENDS = ("xgrammar", "llguidance", "outlines")
 LONG = bool(os.environ.get("SPEC_GRAMMAR_LONG"))
 

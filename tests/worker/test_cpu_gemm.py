@@ -13,6 +13,8 @@ import torch
 
 from spec_grammar.worker.decoder import cpu_gemm, ops
 
+pytestmark = pytest.mark.integration  # builds the C++ projection kernel
+
 needs_kernel = pytest.mark.skipif(
     not cpu_gemm.available(), reason="no AVX-512 CPU or no C++ compiler here"
 )
