@@ -39,10 +39,18 @@ def vocab_size() -> int:
 
 
 @functools.cache
+@functools.cache
 def backend(name: str):
+    """One backend per name for the session: its compile cache is shared by every test (a
+    fresh one per worker run and per replay recompiled the same schemas: outlines-core's
+    index builds were most of the model lane's time)."""
     from spec_grammar.models import load_tokenizer
 
-    return get_backend(name, load_tokenizer("smollm2"), vocab_size=vocab_size())
+    # no compile time limit: an outlines-core index build took 25 s on a loaded 2-core host, and
+    # a timed-out compile fails the request these tests compare (the limit has its own tests)
+    return get_backend(
+        name, load_tokenizer("smollm2"), vocab_size=vocab_size(), compile_timeout_s=None
+    )
 
 
 def replays(name: str, spec, token_ids: list[int], finished: bool) -> bool:
