@@ -62,6 +62,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the llguidance backend needs `pip install llguidance`") from e
 
+from .probe import ROW_LIMIT, first_rows_fault
 from .vocab import VocabIndex, llg_tokenizer
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
@@ -489,6 +490,7 @@ class LLGuidanceBackend(GrammarBackend):
             )
         self._llg_tokenizer = llg_tokenizer(info, None if slices is None else list(slices))
         self._vocab_index: VocabIndex | None = None
+        self._token_lengths: np.ndarray | None = None  # (V,) bytes per token, for the probe
         cpus = os.cpu_count() or 1
         self.num_threads = int(num_threads) if num_threads else max(1, min(32, cpus * 4 // 5))
         self._executor: Any = None
@@ -590,6 +592,7 @@ class LLGuidanceBackend(GrammarBackend):
                 )
             err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
             raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
+        self._probe_first_rows(spec, prototype)
         if isinstance(spec, JsonSchema):
             ignored = {
                 key
@@ -610,6 +613,33 @@ class LLGuidanceBackend(GrammarBackend):
             ]
         grammar = _Grammar(text, prototype)
         return LibraryResult(grammar, tuple(notes)) if notes else grammar
+
+    def _probe_first_rows(self, spec: GrammarSpec, prototype: Any) -> None:
+        """Raise :class:`GrammarLimitError` when a token the first rows allow is refused
+        (:func:`~.probe.first_rows_fault`: llguidance's row limit, which its compile does not
+        report), :class:`GrammarCompileError` for any other such refusal."""
+        if self._token_lengths is None:
+            lengths = np.zeros(self.vocab_size, dtype=np.int64)
+            table = self.tokenizer_info.token_bytes
+            lengths[: len(table)] = [len(b) for b in table]
+            self._token_lengths = lengths
+        stops = frozenset(self.tokenizer_info.stop_token_ids)
+        fault = first_rows_fault(prototype, self._token_lengths, stops)
+        if fault is None:
+            return
+        reason = _one_line(fault).split("<state>")[0].strip()
+        if ROW_LIMIT.search(reason):
+            raise GrammarLimitError(
+                f"{spec.kind}: llguidance compiled it, but its parser passes its row limit at the "
+                f"first tokens ({reason[:200]}): every request would fail there; raise the limit "
+                "with parser_limits={'max_items_in_row': N, 'step_max_items': M} or use fewer "
+                "optional properties per object",
+                reason=reason,
+            )
+        raise GrammarCompileError(
+            f"{spec.kind}: llguidance's first rows allow a token its parser refuses ({reason[:200]})",
+            reason=reason,
+        )
 
     def _matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, compiled.native.new_matcher())
