@@ -62,6 +62,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the llguidance backend needs `pip install llguidance`") from e
 
+from .lexer import greedy_lexer_conflicts
 from .probe import ROW_LIMIT, first_rows_fault
 from .vocab import VocabIndex, llg_tokenizer
 
@@ -158,6 +159,16 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     shorter = [t for t in vocab.proper_prefixes(forced) if accepts(t)]
     for t in shorter + vocab.extensions_accepted(forced, accepts):
         bits[t >> 5] |= np.uint32(1 << (t & 31))
+
+
+def _lexer_notes(lark: str) -> list[str]:
+    """Compile warnings for the literal pairs where llguidance's greedy lexer may refuse valid
+    text (:func:`~.lexer.greedy_lexer_conflicts`), one line each."""
+    return [
+        f"lexer:refuses at /: llguidance 1.9 lexes greedily and does not go back: {c}, so "
+        "text with the shorter literal followed by that terminal is refused"
+        for c in greedy_lexer_conflicts(lark)
+    ]
 
 
 @dataclass(eq=False)
@@ -566,8 +577,10 @@ class LLGuidanceBackend(GrammarBackend):
                 lark = gbnf_to_lark(text)
             except Exception as e:  # the converter raises bare Exception
                 raise GrammarCompileError(f"invalid GBNF grammar: {e}", reason=str(e)) from e
+            self._notes.notes += _lexer_notes(lark)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if isinstance(spec, Lark):
+            self._notes.notes += _lexer_notes(spec.text)
             return llguidance.LLMatcher.grammar_from_lark(spec.text)
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by llguidance")
 
