@@ -14,6 +14,7 @@ import random
 from collections.abc import Sequence
 
 from ..datasets import bfcl_cases, jsonschemabench_sample
+from ..errors import GrammarStateError
 from ..protocol import CompiledGrammar, GrammarBackend, SpecGrammar
 from ..specs import GrammarSpec, JsonSchema, ToolCalls
 from .core import ConformanceFailure, Session, allowed_set, conformance_property, describe_ids
@@ -151,10 +152,15 @@ def _check_state(
 
 
 def _accepts(m: SpecGrammar, t: int) -> bool:
-    """Whether ``m`` accepts ``t``, ``m`` left as it was."""
-    if m.max_rollback_tokens < 1:
-        return m.fork().accept_token(t)
-    if not m.accept_token(t):
+    """Whether ``m`` accepts ``t``, ``m`` left as it was. A :class:`GrammarStateError` from
+    ``accept_token`` (an adapter finding its library refused what its row allowed) counts as a
+    refusal, so the report names the token and the state."""
+    try:
+        if m.max_rollback_tokens < 1:
+            return m.fork().accept_token(t)
+        if not m.accept_token(t):
+            return False
+    except GrammarStateError:
         return False
     m.rollback(1)
     return True
