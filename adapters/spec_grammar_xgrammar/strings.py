@@ -8,7 +8,8 @@ repair: xgrammar misreads escapes inside a repeated part of a pattern, and a pat
 ``[^"\\\\\\x00-\\x1f]{0,100}`` took ~1 s to compile against ~20 ms (measured, SmolLM2
 tokenizer). So the converted grammar's text is patched instead: each such character rule
 becomes one JSON character, an unescaped non-control character or an escape sequence, so an
-escape counts as one character toward the bound as JSON Schema counts it.
+escape counts as one character toward the bound as JSON Schema counts it (a surrogate pair of
+escapes: one; a lone surrogate escape, which is no Unicode text, is refused).
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ _BOUNDED_CHARACTERS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]
 (``root_prop_0_characters ::= (([^\\"\\\\\\r\\n]))`` as ``str(Grammar)`` prints it)."""
 
 _ESCAPE_RULE = "spec_grammar_json_escape"
-_ESCAPE = rf'{_ESCAPE_RULE} ::= [\"\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]'
+_H = "[0-9A-Fa-f]"
+# one character: a short escape, a \\u escape outside the surrogates, or a surrogate pair
+# (two escapes, one code point, as json.loads and jsonschema count it); a lone surrogate is
+# refused, since a high one followed by a low one would otherwise count twice
+_ESCAPE = (
+    rf'{_ESCAPE_RULE} ::= [\"\\/bfnrt] | "u" [0-9A-Ca-cE-Fe-f] {_H} {_H} {_H} '
+    rf'| "u" [Dd] [0-7] {_H} {_H} | "u" [Dd] [89ABab] {_H} {_H} "\\u" [Dd] [C-Fc-f] {_H} {_H}'
+)
 
 
 def bounded_strings_fixed(grammar: xgr.Grammar) -> xgr.Grammar | None:
