@@ -63,7 +63,7 @@ except ImportError as e:  # pragma: no cover - exercised when the extra is missi
     raise ImportError("the llguidance backend needs `pip install llguidance`") from e
 
 from .lexer import greedy_lexer_conflicts
-from .probe import ROW_LIMIT, first_rows_fault
+from .probe import DEFAULT_MAX_ITEMS_IN_ROW, ROW_LIMIT, first_rows_fault, wide_object
 from .vocab import VocabIndex, llg_tokenizer
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
@@ -636,6 +636,18 @@ class LLGuidanceBackend(GrammarBackend):
             table = self.tokenizer_info.token_bytes
             lengths[: len(table)] = [len(b) for b in table]
             self._token_lengths = lengths
+        if isinstance(spec, JsonSchema):
+            limit = getattr(self._limits, "max_items_in_row", None) or DEFAULT_MAX_ITEMS_IN_ROW
+            wide = wide_object(spec.json_schema, limit)
+            if wide is not None:
+                raise GrammarLimitError(
+                    f"{spec.kind}: the object at {wide[0]} has {wide[1]} optional properties "
+                    "before its first required one: llguidance's parser would pass its row "
+                    f"limit there (about {4 * wide[1] + 7} items, max_items_in_row={limit}) and "
+                    "fail the request at that point; raise it with "
+                    "parser_limits={'max_items_in_row': N} or use fewer optional properties",
+                    reason=f"max_items_in_row {limit} < about {4 * wide[1] + 7} items",
+                )
         stops = frozenset(self.tokenizer_info.stop_token_ids)
         fault = first_rows_fault(prototype, self._token_lengths, stops)
         if fault is None:
@@ -645,8 +657,8 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarLimitError(
                 f"{spec.kind}: llguidance compiled it, but its parser passes its row limit at the "
                 f"first tokens ({reason[:200]}): every request would fail there; raise the limit "
-                "with parser_limits={'max_items_in_row': N, 'step_max_items': M} or use fewer "
-                "optional properties per object",
+                "with parser_limits={'max_items_in_row': N} or use fewer optional properties per "
+                "object",
                 reason=reason,
             )
         raise GrammarCompileError(

@@ -80,6 +80,23 @@ def test_wide_object_rows_agree_or_limit_error(name):
     assert accepts(b.matcher(compiled), t.canonical(text), b.tokenizer_info.stop_token_ids[0])
 
 
+def test_llguidance_wide_object_out_of_the_probes_reach():
+    """A wide object under an optional property: the first rows never reach it, so the
+    compile reads the schema (``wide_object``); optional properties after a required one do not
+    count (llguidance takes 499 of them there: a document is accepted)."""
+    b = backend("llguidance")
+    nested = {"type": "object", "properties": {"a": flat_object(500)}}
+    with pytest.raises(GrammarLimitError, match="/properties/a has 500 optional"):
+        b.compile(JsonSchema(nested))
+    props = {f"r{i}": {"type": "string"} for i in range(2)} | flat_object(499)["properties"]
+    after = {"type": "object", "properties": props, "required": ["r0", "r1"]}
+    compiled = b.compile(JsonSchema(after))
+    text = json.dumps({"r0": "x", "r1": "y", "p498": 3})
+    jsonschema.validate(json.loads(text), after)
+    assert fresh_accepts("llguidance", compiled, text) == {True}
+    assert check_rows_agree(b, compiled, walks=1, steps=4, allowed_sample=16) >= 1
+
+
 # -- raw control characters inside length-bounded strings ------------------------------------
 
 BOUNDED = {
