@@ -1,7 +1,8 @@
 """What the compile-time fault checks cost next to the compile they guard (issue 33).
 
 - llguidance: :func:`spec_grammar_llguidance.probe.first_rows_fault` (three rows, six consumes
-  each) against ``backend.compile(spec)`` as a whole (the probe included);
+  each) plus :func:`~spec_grammar_llguidance.probe.wide_object` (a walk of the schema) against
+  ``backend.compile(spec)`` as a whole (the checks included);
 - xgrammar: :func:`spec_grammar_xgrammar.strings.bounded_strings_fixed` (print, patch and parse
   of the grammar) against ``backend.compile(spec)``, on the schemas with ``minLength`` /
   ``maxLength``.
@@ -43,7 +44,7 @@ def _report(name: str, compiles: list[float], checks: list[float]) -> None:
 
 
 def llguidance_probe() -> None:
-    from spec_grammar_llguidance.probe import first_rows_fault
+    from spec_grammar_llguidance.probe import first_rows_fault, wide_object
 
     tok, width = fixture_tokenizer("smollm2")
     b = get_backend("llguidance", tok, vocab_size=width)
@@ -55,6 +56,8 @@ def llguidance_probe() -> None:
         except SpecGrammarError:
             continue
         t1 = time.perf_counter()
+        schema = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
+        wide_object(schema.json_schema, 2000)
         first_rows_fault(
             compiled.native.prototype, b._token_lengths, frozenset(b.tokenizer_info.stop_token_ids)
         )
