@@ -200,7 +200,7 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
             if isinstance(native, LibraryResult):
                 extra = [w for w in native.warnings if w not in ignored]
                 native = native.native
-                strict = isinstance(target, JsonSchema) and target.strict
+                strict = getattr(target, "strict", False) is True  # JsonSchema, Ebnf, Lark
                 if strict:
                     extra_strict = [
                         w for w in extra if w.split(" ", 1)[0].split(":")[0] not in LIMIT_FIELDS

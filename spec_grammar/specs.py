@@ -122,11 +122,14 @@ class Regex(GrammarSpec):
 
 
 class Ebnf(GrammarSpec):
-    """A context-free grammar in GBNF (llama.cpp / xgrammar EBNF); ``root`` names the start rule."""
+    """A context-free grammar in GBNF (llama.cpp / xgrammar EBNF); ``root`` names the start rule.
+    ``strict=True``: a backend that would refuse valid text of the grammar (a compile warning)
+    refuses the grammar instead (:class:`~spec_grammar.errors.UnsupportedGrammarError`)."""
 
     kind: Literal["ebnf"] = "ebnf"
     text: str
     root: str = "root"
+    strict: bool = Field(False, strict=True)
 
     def __init__(self, text: Any = None, /, **data: Any):
         if text is not None:
@@ -135,10 +138,12 @@ class Ebnf(GrammarSpec):
 
 
 class Lark(GrammarSpec):
-    """A context-free grammar in Lark syntax with a ``start`` rule."""
+    """A context-free grammar in Lark syntax with a ``start`` rule. ``strict=True``: as
+    :attr:`Ebnf.strict`."""
 
     kind: Literal["lark"] = "lark"
     text: str
+    strict: bool = Field(False, strict=True)
 
     def __init__(self, text: Any = None, /, **data: Any):
         if text is not None:
@@ -368,9 +373,9 @@ def with_limits(spec: GrammarSpec | None, limits: OutputLimits | None) -> Gramma
 
 def with_strict(spec: GrammarSpec | None, strict: bool) -> GrammarSpec | None:
     """``spec`` in strict mode when ``strict`` and it has one (:class:`JsonSchema`,
-    :class:`ToolCalls`); any other spec, and ``strict=False``, give ``spec`` back (a spec's own
-    ``strict=True`` is kept)."""
-    if strict and isinstance(spec, (JsonSchema, ToolCalls)) and not spec.strict:
+    :class:`ToolCalls`, :class:`Ebnf`, :class:`Lark`); any other spec, and ``strict=False``,
+    give ``spec`` back (a spec's own ``strict=True`` is kept)."""
+    if strict and isinstance(spec, (JsonSchema, ToolCalls, Ebnf, Lark)) and not spec.strict:
         return spec.model_copy(update={"strict": True})
     return spec
 

@@ -62,6 +62,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the llguidance backend needs `pip install llguidance`") from e
 
+from .lexer import greedy_lexer_conflicts
+from .probe import DEFAULT_MAX_ITEMS_IN_ROW, ROW_LIMIT, first_rows_fault, wide_object
 from .vocab import VocabIndex, llg_tokenizer
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
@@ -157,6 +159,16 @@ def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
     shorter = [t for t in vocab.proper_prefixes(forced) if accepts(t)]
     for t in shorter + vocab.extensions_accepted(forced, accepts):
         bits[t >> 5] |= np.uint32(1 << (t & 31))
+
+
+def _lexer_notes(lark: str) -> list[str]:
+    """Compile warnings for the literal pairs where llguidance's greedy lexer may refuse valid
+    text (:func:`~.lexer.greedy_lexer_conflicts`), one line each."""
+    return [
+        f"lexer:refuses at /: llguidance 1.9 lexes greedily and does not go back: {c}, so "
+        "text with the shorter literal followed by that terminal is refused"
+        for c in greedy_lexer_conflicts(lark)
+    ]
 
 
 @dataclass(eq=False)
@@ -489,6 +501,7 @@ class LLGuidanceBackend(GrammarBackend):
             )
         self._llg_tokenizer = llg_tokenizer(info, None if slices is None else list(slices))
         self._vocab_index: VocabIndex | None = None
+        self._token_lengths: np.ndarray | None = None  # (V,) bytes per token, for the probe
         cpus = os.cpu_count() or 1
         self.num_threads = int(num_threads) if num_threads else max(1, min(32, cpus * 4 // 5))
         self._executor: Any = None
@@ -564,8 +577,10 @@ class LLGuidanceBackend(GrammarBackend):
                 lark = gbnf_to_lark(text)
             except Exception as e:  # the converter raises bare Exception
                 raise GrammarCompileError(f"invalid GBNF grammar: {e}", reason=str(e)) from e
+            self._notes.notes += _lexer_notes(lark)
             return llguidance.LLMatcher.grammar_from_lark(lark)
         if isinstance(spec, Lark):
+            self._notes.notes += _lexer_notes(spec.text)
             return llguidance.LLMatcher.grammar_from_lark(spec.text)
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by llguidance")
 
@@ -590,6 +605,7 @@ class LLGuidanceBackend(GrammarBackend):
                 )
             err = UnsupportedGrammarError if _UNSUPPORTED.search(reason) else GrammarCompileError
             raise err(f"{spec.kind} failed to compile: {reason}", reason=reason)
+        self._probe_first_rows(spec, prototype)
         if isinstance(spec, JsonSchema):
             ignored = {
                 key
@@ -610,6 +626,45 @@ class LLGuidanceBackend(GrammarBackend):
             ]
         grammar = _Grammar(text, prototype)
         return LibraryResult(grammar, tuple(notes)) if notes else grammar
+
+    def _probe_first_rows(self, spec: GrammarSpec, prototype: Any) -> None:
+        """Raise :class:`GrammarLimitError` when a token the first rows allow is refused
+        (:func:`~.probe.first_rows_fault`: llguidance's row limit, which its compile does not
+        report), :class:`GrammarCompileError` for any other such refusal."""
+        if self._token_lengths is None:
+            lengths = np.zeros(self.vocab_size, dtype=np.int64)
+            table = self.tokenizer_info.token_bytes
+            lengths[: len(table)] = [len(b) for b in table]
+            self._token_lengths = lengths
+        if isinstance(spec, JsonSchema):
+            limit = getattr(self._limits, "max_items_in_row", None) or DEFAULT_MAX_ITEMS_IN_ROW
+            wide = wide_object(spec.json_schema, limit)
+            if wide is not None:
+                raise GrammarLimitError(
+                    f"{spec.kind}: the object at {wide[0]} has {wide[1]} optional properties "
+                    "before its first required one: llguidance's parser would pass its row "
+                    f"limit there (about {4 * wide[1] + 7} items, max_items_in_row={limit}) and "
+                    "fail the request at that point; raise it with "
+                    "parser_limits={'max_items_in_row': N} or use fewer optional properties",
+                    reason=f"max_items_in_row {limit} < about {4 * wide[1] + 7} items",
+                )
+        stops = frozenset(self.tokenizer_info.stop_token_ids)
+        fault = first_rows_fault(prototype, self._token_lengths, stops)
+        if fault is None:
+            return
+        reason = _one_line(fault).split("<state>")[0].strip()
+        if ROW_LIMIT.search(reason):
+            raise GrammarLimitError(
+                f"{spec.kind}: llguidance compiled it, but its parser passes its row limit at the "
+                f"first tokens ({reason[:200]}): every request would fail there; raise the limit "
+                "with parser_limits={'max_items_in_row': N} or use fewer optional properties per "
+                "object",
+                reason=reason,
+            )
+        raise GrammarCompileError(
+            f"{spec.kind}: llguidance's first rows allow a token its parser refuses ({reason[:200]})",
+            reason=reason,
+        )
 
     def _matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, compiled.native.new_matcher())

@@ -65,6 +65,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised when the extra is missing
     raise ImportError("the xgrammar backend needs `pip install xgrammar`") from e
 
+from .strings import bounded_strings_fixed
+
 __all__ = [
     "XGrammarBackend",
     "XGrammarMatcher",
@@ -593,11 +595,6 @@ class XGrammarBackend(GrammarBackend):
                 "annotation: strings off the format are refused"
             ),
             **dict.fromkeys(
-                ("minLength", "maxLength"),
-                "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values "
-                'holding `"`, `\\` or a control character are refused',
-            ),
-            **dict.fromkeys(
                 ("unevaluatedItems", "unevaluatedProperties"),
                 "xgrammar 0.2.9 reads it as items / additionalProperties of its own subschema, "
                 "refusing what a sibling applicator evaluated",
@@ -914,13 +911,16 @@ class XGrammarBackend(GrammarBackend):
             flexible = spec.whitespace == "flexible"
             runs = limits.max_whitespace if limits is not None and flexible else None
             with _library_log() as log:
-                native = c.compile_json_schema(
+                grammar = xgr.Grammar.from_json_schema(
                     schema,
                     any_whitespace=flexible,
                     separators=None if flexible else _SEPARATORS[spec.whitespace],
                     strict_mode=False,
                     max_whitespace_cnt=runs,
                 )
+                if "Length" in schema:  # minLength / maxLength: cheap to rule out
+                    grammar = bounded_strings_fixed(grammar) or grammar
+                native = c.compile_grammar(grammar)
             notes += _log_warnings(log)
             return LibraryResult(native, tuple(notes)) if notes else native
         if isinstance(spec, Regex):

@@ -121,7 +121,8 @@ def register(sub) -> None:
         "--strict",
         action="store_true",
         help="refuse a JSON schema or tool list of which the backend would leave a keyword "
-        "unenforced (with auto: when no backend enforces all of it), before the model loads",
+        "unenforced, or an EBNF/Lark grammar it would refuse valid text of (with auto: when no "
+        "backend enforces all of it), before the model loads",
     )
     g.add_argument(
         "--no-schema-in-prompt",

@@ -3,5 +3,6 @@
 from . import (
     json_suite,  # noqa: F401
     random_properties,  # noqa: F401
+    row_properties,  # noqa: F401
     toy_properties,  # noqa: F401
 )

@@ -104,6 +104,7 @@ CAUGHT_BY = {
     "padding_allowed": "toy_T10_mask_accept_agree",
     "eos_mid_grammar": "toy_T10_mask_accept_agree",
     "validate_mutates": "toy_T9_split_validate",
+    "row_limit": "toy_rows_agree_with_accept",
 }
 
 

@@ -28,6 +28,7 @@ BUGS = {
     "padding_allowed": "masks allow the padding ids in [tokenizer vocab, logits width)",
     "eos_mid_grammar": "masks allow EOS before the grammar can end",
     "validate_mutates": "validate_tokens accepts the tokens instead of only counting them",
+    "row_limit": "after the first token accept refuses what the row allows (a library row limit)",
 }
 """Bug name -> what it breaks."""
 
@@ -41,6 +42,8 @@ class BrokenMatcher(XGrammarMatcher):
         self._ended = False
 
     def _accept_token(self, token: int) -> bool:
+        if "row_limit" in self.bugs and self.num_accepted >= 1:
+            return False
         ok = super()._accept_token(token)
         if ok and self.is_stop_token(token):
             self._ended = True
