@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - Python 3.10
 __all__ = [
     "regex_positions",
     "regex_forced_bound",
+    "regex_repeat_nesting",
     "WIDE_SET",
     "json_nesting_depth",
     "schema_patterns",
@@ -116,6 +117,36 @@ def _one(op: Any, av: Any, wide_only: bool, forced: bool) -> int:
     if op is getattr(_c, "ATOMIC_GROUP", None):
         return _walk(av, wide_only, forced)
     return 0  # AT (anchors), GROUPREF: no characters of their own
+
+
+def _repeat_nesting(items: Any) -> int:
+    """Counted repetitions (a finite bound above 1) nested in ``items``, the most along a path."""
+    deepest = 0
+    for op, av in items:
+        if op in (_c.MAX_REPEAT, _c.MIN_REPEAT, getattr(_c, "POSSESSIVE_REPEAT", None)):
+            inner = _repeat_nesting(av[2])
+            deepest = max(deepest, inner + (1 < av[1] != _UNBOUNDED))
+        elif op is _c.SUBPATTERN:
+            deepest = max(deepest, _repeat_nesting(av[-1]))
+        elif op is _c.BRANCH:
+            deepest = max([deepest] + [_repeat_nesting(b) for b in av[1]])
+        elif op in (_c.ASSERT, _c.ASSERT_NOT):
+            deepest = max(deepest, _repeat_nesting(av[1]))
+        elif op is getattr(_c, "ATOMIC_GROUP", None):
+            deepest = max(deepest, _repeat_nesting(av))
+    return deepest
+
+
+def regex_repeat_nesting(pattern: str) -> int | None:
+    """Counted repetitions (``X{m,n}`` with ``1 < n < inf``) nested inside one another in
+    ``pattern``, the most along a path (``((a{0,3}),){0,3}``: 2); None when Python's parser
+    does not read the pattern. The regex of nested arrays with ``maxItems`` has one level per
+    array."""
+    parsed = _parse(pattern)
+    try:
+        return None if parsed is None else _repeat_nesting(parsed)
+    except RecursionError:
+        return None
 
 
 def regex_positions(pattern: str, *, wide_only: bool = False) -> int | None:

