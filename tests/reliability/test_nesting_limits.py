@@ -14,6 +14,8 @@ import time
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spec_grammar import get_backend
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
@@ -209,3 +211,32 @@ def test_outlines_nested_arrays_blow_up_is_refused_at_once(tok):
     assert backend.num_compiles == 1  # the refusal is cached like any compile error
     regex, _ = backend._regex_of(JsonSchema(_nested_arrays(5, 3)))
     assert estimated_index_bytes(regex, len(tok)) < DEFAULT_MAX_INDEX_BYTES
+
+
+def _naive_depth(doc) -> int:
+    """The recursive definition, the oracle of :func:`json_nesting_depth` on documents
+    without references."""
+    if isinstance(doc, dict):
+        return 1 + max(map(_naive_depth, doc.values()), default=0)
+    if isinstance(doc, list):
+        return 1 + max(map(_naive_depth, doc), default=0)
+    return 0
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["type", "items", "anyOf", "a", "const"]), inner, max_size=3
+        )
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_json)
+def test_json_depth_equals_the_recursive_definition(doc):
+    """Random JSON documents (no ``$ref``): the iterative measure equals the recursive one."""
+    assert json_nesting_depth(doc) == _naive_depth(doc)
