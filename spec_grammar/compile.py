@@ -17,12 +17,19 @@ from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarErr
 from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects, limit_applies
 from .json_schema.strict import unenforced_keywords
+from .nesting import check_nesting, too_deep
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
 if TYPE_CHECKING:
     from .protocol import GrammarBackend
 
-__all__ = ["CompiledGrammar", "CompileCache", "compile_spec", "LibraryResult"]
+__all__ = [
+    "CompiledGrammar",
+    "CompileCache",
+    "compile_spec",
+    "checked_cache_key",
+    "LibraryResult",
+]
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,8 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
     <spec_grammar.protocol.GrammarBackend.compile>` for the contract.
 
     In order: refuse non-specs (``TypeError``), kinds the capabilities do not claim
-    (:class:`UnsupportedGrammarError`) and specs over ``max_grammar_bytes``
+    (:class:`UnsupportedGrammarError`), specs over ``max_nesting_depth``
+    (:class:`~spec_grammar.errors.GrammarLimitError`) and over ``max_grammar_bytes``
     (:class:`GrammarCompileError`); then, once per cache key: ``ToolCalls`` -> its
     :class:`JsonSchema`, the meta-schema check, strict mode (refuse unenforced keywords) or
     warnings, the output limits' schema rewrites (:func:`~spec_grammar.json_schema.limits.cap_lengths`,
@@ -147,7 +155,8 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
     warning even in strict mode: strict is about the user's schema), ``backend._compile``
     under ``compile_timeout_s`` (a :class:`LibraryResult` adds the adapter's warnings, or
     raises in strict mode). Errors are cached too; library exceptions become
-    :class:`GrammarCompileError` with the library's reason.
+    :class:`GrammarCompileError` with the library's reason, a ``RecursionError`` of a spec
+    within ``max_nesting_depth`` a :class:`~spec_grammar.errors.GrammarLimitError`.
     """
     if not isinstance(spec, GrammarSpec):
         raise TypeError(
@@ -166,7 +175,7 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
             backend=backend.name,
         )
 
-    key = spec.cache_key()
+    key = checked_cache_key(backend, spec)
     if len(key) > backend.max_grammar_bytes:
         raise GrammarCompileError(
             f"the {spec.kind} spec is {len(key)} bytes, over max_grammar_bytes={backend.max_grammar_bytes}",
@@ -218,6 +227,10 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
             if isinstance(e, GrammarCompileError) and e.backend is None:
                 raise type(e)(str(e), backend=backend.name, reason=e.reason) from e
             raise
+        except RecursionError as e:  # a recursive check, rewrite or parser met the nesting
+            raise too_deep(
+                spec, "a recursive step of the compile", backend.max_nesting_depth, backend.name
+            ) from e
         except Exception as e:  # library errors: RuntimeError, ValueError, ...
             reason = backend._library_error_reason(e)
             raise GrammarCompileError(
@@ -230,6 +243,21 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         )
 
     return backend._cache.get_or_compile(key, run)
+
+
+def checked_cache_key(backend: GrammarBackend, spec: GrammarSpec) -> str:
+    """``spec.cache_key()`` once ``spec`` is within ``backend.max_nesting_depth``
+    (:func:`~spec_grammar.nesting.check_nesting`, before any library call); raises
+    :class:`~spec_grammar.errors.GrammarLimitError` for a spec over it, or one within it that
+    the serializer cannot write (pydantic stops near depth 255, ``json`` at Python's recursion
+    limit)."""
+    check_nesting(spec, backend.max_nesting_depth, backend.name, backend.native_max_nesting_depth)
+    try:
+        return spec.cache_key()
+    except (RecursionError, ValueError) as e:
+        raise too_deep(
+            spec, "the serializer of the cache key", backend.max_nesting_depth, backend.name
+        ) from e
 
 
 def _with_limits(

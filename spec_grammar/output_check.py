@@ -70,6 +70,8 @@ def check_output(spec: GrammarSpec | None, text: str) -> tuple[bool | None, list
             doc = json.loads(text)
         except ValueError as e:
             return False, [Violation(path="", message=f"not JSON: {e}", keyword="json")]
+        except RecursionError:
+            return False, [_too_deep("the output")]
         out = _schema_violations(spec.json_schema, doc, "")
         return not out, out
     if isinstance(spec, ToolCalls):
@@ -102,9 +104,9 @@ def _schema_violations(schema: Any, doc: Any, base: str) -> list[Violation]:
         return []
     if schema is False:
         return [Violation(path=base, message="the schema `false` allows nothing", keyword="false")]
-    validator = _validator(json.dumps(schema, sort_keys=True))
     out = []
     try:
+        validator = _validator(json.dumps(schema, sort_keys=True))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # odd patterns warn in re
             for e in validator.iter_errors(doc):
@@ -128,6 +130,8 @@ def _tool_call_violations(spec: ToolCalls, text: str) -> list[Violation]:
         _content, calls = parse_tool_calls(text, spec)
     except ValueError as e:
         return [Violation(path="", message=f"the tool calls do not parse: {e}", keyword="json")]
+    except RecursionError:
+        return [_too_deep("the tool calls")]
     if spec.call_format == "json_array" and not isinstance(calls, list):
         return [Violation(path="", message="the output is not a list of calls", keyword="type")]
     out: list[Violation] = []
@@ -194,7 +198,7 @@ def _regex(pattern: str) -> Any:
     (Unicode properties and other syntax ``re`` lacks), else None (no oracle)."""
     try:
         return re.compile(pattern).fullmatch
-    except re.error:
+    except (re.error, RecursionError):  # a pattern too deep for re: try the regex package
         pass
     try:
         import regex  # optional: jsonschema's and hypothesis' dependency trees bring it
@@ -202,6 +206,16 @@ def _regex(pattern: str) -> Any:
         return regex.compile(pattern).fullmatch
     except Exception:  # ImportError, regex.error
         return None
+
+
+def _too_deep(what: str) -> Violation:
+    """The violation of a text nested too deeply for Python's JSON parser: no verdict on it
+    can be given, so it is not passed."""
+    return Violation(
+        path="",
+        message=f"{what} nests too deeply to parse (Python's recursion limit)",
+        keyword="json",
+    )
 
 
 def _escape(name: str) -> str:

@@ -26,6 +26,7 @@ from .capabilities import Capabilities, ConformanceCase
 from .compile import CompileCache, CompiledGrammar, compile_spec
 from .errors import BitmaskError, GrammarStateError, InvalidTokenError
 from .json_schema.strict import KeywordSupport
+from .nesting import DEFAULT_MAX_NESTING_DEPTH
 from .specs import GrammarSpec
 from .tokenizer_info import TokenizerInfo
 from .traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
@@ -365,12 +366,17 @@ class GrammarBackend(ABC):
             (the library call cannot be interrupted: it finishes in a daemon thread and its
             result is dropped). ``None`` (or ``inf``) waits forever.
         max_grammar_bytes: specs whose serialized form is larger are refused before compiling.
+        max_nesting_depth: specs nested deeper (:func:`spec_grammar.nesting.nesting_depth`:
+            JSON containers of a schema with local ``$ref`` expanded, groups of a regex or
+            ``pattern``, brackets of Lark / GBNF rule bodies) are refused with
+            :class:`GrammarLimitError` before compiling.
         max_forced_tokens: the most tokens a matcher's ``forced_tokens()`` returns (and
             searches for).
 
     Raises ``ValueError`` for a negative ``max_rollback_tokens``, ``compile_cache_size`` or
     ``max_forced_tokens``, a
-    ``compile_timeout_s`` that is not None or a number > 0, a ``max_grammar_bytes`` < 1, a
+    ``compile_timeout_s`` that is not None or a number > 0, a ``max_grammar_bytes`` or
+    ``max_nesting_depth`` < 1, a
     count that is not an int, and for tokenizer arguments
     :meth:`TokenizerInfo.from_huggingface` refuses.
     """
@@ -391,6 +397,12 @@ class GrammarBackend(ABC):
     :func:`~spec_grammar.json_schema.limits.close_objects`); a backend whose compile cost grows
     with a bound leaves it out, and the compile of a spec setting it carries a warning."""
 
+    native_max_nesting_depth: ClassVar[int | None] = None
+    """The deepest nesting (:func:`spec_grammar.nesting.nesting_depth`) the library survives,
+    None = no known bound: a library that recurses on its native stack (a chain of ``$ref``
+    or of rule references) aborts the process past it, so a deeper spec is refused before
+    compiling whatever ``max_nesting_depth`` says (measured per adapter, with a margin)."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -402,6 +414,7 @@ class GrammarBackend(ABC):
         compile_timeout_s: float | None = 60.0,
         max_grammar_bytes: int = 4_000_000,
         max_forced_tokens: int = DEFAULT_MAX_FORCED_TOKENS,
+        max_nesting_depth: int = DEFAULT_MAX_NESTING_DEPTH,
     ):
         self.tokenizer_info = (
             tokenizer
@@ -423,6 +436,9 @@ class GrammarBackend(ABC):
         self.max_grammar_bytes = _as_index(max_grammar_bytes, "max_grammar_bytes", ValueError)
         if self.max_grammar_bytes < 1:
             raise ValueError(f"max_grammar_bytes must be >= 1, got {max_grammar_bytes}")
+        self.max_nesting_depth = _as_index(max_nesting_depth, "max_nesting_depth", ValueError)
+        if self.max_nesting_depth < 1:
+            raise ValueError(f"max_nesting_depth must be >= 1, got {max_nesting_depth}")
         self.max_forced_tokens = _as_index(max_forced_tokens, "max_forced_tokens", ValueError)
         if self.max_forced_tokens < 0:
             raise ValueError(f"max_forced_tokens must be >= 0, got {max_forced_tokens}")

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from .capabilities import Capabilities
-from .compile import CompiledGrammar
+from .compile import CompiledGrammar, checked_cache_key
 from .errors import BackendNotFoundError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.strict import unenforced_keywords
+from .nesting import too_deep
 from .protocol import GrammarBackend, SpecGrammar
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 from .tree import DraftTree
@@ -251,6 +252,7 @@ class AutoBackend(GrammarBackend):
                 "compile_timeout_s",
                 "max_grammar_bytes",
                 "max_forced_tokens",
+                "max_nesting_depth",
             )
             if k in options
         }
@@ -312,17 +314,24 @@ class AutoBackend(GrammarBackend):
             )
         # cached as a backend's compiles are (one result per spec, errors too): a precompile
         # before the model loads is the worker's own compile, not a second routing
-        return self._cache.get_or_compile(spec.cache_key(), lambda: self._route(spec))
+        key = checked_cache_key(self, spec)
+        return self._cache.get_or_compile(key, lambda: self._route(spec))
 
     def _route(self, spec: GrammarSpec) -> CompiledGrammar:
-        routes = rank(spec, self._classes)
+        try:
+            routes = rank(spec, self._classes)
+            if routes:
+                _same_everywhere(spec, routes[0])
+        except RecursionError as e:  # the keyword walks of the ranking met the nesting
+            raise too_deep(
+                spec, "the routing's keyword check", self.max_nesting_depth, self.name
+            ) from e
         if not routes:
             raise UnsupportedGrammarError(
                 f"{spec.kind} grammars are not supported by any registered backend "
                 f"({', '.join(self._classes) or 'none'})",
                 backend=self.name,
             )
-        _same_everywhere(spec, routes[0])
         first: SpecGrammarError | None = None
         for route in routes:
             try:

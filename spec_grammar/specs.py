@@ -49,6 +49,11 @@ class GrammarSpec(BaseModel):
                 for err in e.errors()
             )
             raise GrammarSpecError(f"bad {type(self).__name__} spec: {problems}") from None
+        except RecursionError:  # json.loads or a schema walk of a validator met the nesting
+            raise GrammarSpecError(
+                f"bad {type(self).__name__} spec: nested too deeply to read (Python's recursion "
+                "limit): flatten it"
+            ) from None
 
     def cache_key(self) -> str:
         """A string that identifies the grammar exactly (used as the compile-cache key)."""

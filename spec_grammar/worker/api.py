@@ -163,7 +163,10 @@ def precompile_all(
         if spec is None:
             out.append(None)
             continue
-        key = spec.cache_key()
+        try:
+            key = spec.cache_key()
+        except (RecursionError, ValueError):  # nested too deeply to serialize: compile says so
+            key = f"unserializable {id(spec)}"
         if key not in seen:
             try:
                 precompile(spec, model=model, grammar_backend=grammar_backend)
