@@ -99,6 +99,12 @@ pattern) a compile may build; each costs a walk of the vocabulary (1-4 ms with S
 busy 2-core host: ``a{20000}`` took 72 s), and a build past ``compile_timeout_s`` still runs
 to its end in its thread."""
 
+DEFAULT_MAX_REGEX_BYTES = 4 << 20
+"""Default of ``max_regex_bytes``: the longest regex (in UTF-8 bytes) whose size is estimated
+at all. Measuring takes Python's regex parser over the whole pattern: the 8.7 MB regex of an
+object of 500 optional properties took 34 s of a loaded host before any library work (the
+longest of the JSONSchemaBench sample's regexes is 0.8 MB)."""
+
 INDEX_BYTES_PER_ENTRY = 12
 """Bytes the outlines-core 0.2.14 index spends per (state, allowed token) transition, measured
 with SmolLM2 (arrays of length-bounded strings: 97-300 MB for 200-500 wide positions, 0.5-0.6
@@ -679,7 +685,9 @@ class OutlinesBackend(GrammarBackend):
     index is built (the build cannot be interrupted: an array of 50 strings of <= 200
     characters took 6.3 GB and 38 s); ``max_index_states`` (default
     :data:`DEFAULT_MAX_INDEX_STATES`, None = no limit): the same for the automaton's estimated
-    states (:func:`spec_grammar.limits.regex_positions`), which bound the build's time.
+    states (:func:`spec_grammar.limits.regex_positions`), which bound the build's time;
+    ``max_regex_bytes`` (default :data:`DEFAULT_MAX_REGEX_BYTES`, None = no limit): a spec
+    whose regex is longer is refused before it is measured.
     """
 
     name = "outlines"
@@ -735,6 +743,7 @@ class OutlinesBackend(GrammarBackend):
         mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES,
         max_index_bytes: int | None = DEFAULT_MAX_INDEX_BYTES,
         max_index_states: int | None = DEFAULT_MAX_INDEX_STATES,
+        max_regex_bytes: int | None = DEFAULT_MAX_REGEX_BYTES,
         **kwargs: Any,
     ):
         # an outlines index keeps a transition table per DFA state: hundreds of MB for JSON with an
@@ -745,6 +754,7 @@ class OutlinesBackend(GrammarBackend):
         self.mask_cache_bytes = int(mask_cache_bytes)
         self.max_index_bytes = None if max_index_bytes is None else int(max_index_bytes)
         self.max_index_states = None if max_index_states is None else int(max_index_states)
+        self.max_regex_bytes = None if max_regex_bytes is None else int(max_regex_bytes)
         self._vocab = VocabularyInfo(self.tokenizer_info)
 
     @classmethod
@@ -792,6 +802,14 @@ class OutlinesBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar | LibraryResult:
         regex, notes = self._regex_of(spec)
+        size = len(regex.encode("utf-8", "surrogatepass"))
+        if self.max_regex_bytes is not None and size > self.max_regex_bytes:
+            raise GrammarLimitError(
+                f"{spec.kind}: the outlines-core regex of this spec is {size / 2**20:,.1f} MiB "
+                f"(over max_regex_bytes={self.max_regex_bytes / 2**20:,.0f} MiB): split the "
+                "schema, raise max_regex_bytes, or use another backend (xgrammar, llguidance)",
+                reason=f"regex of {size} bytes > max_regex_bytes {self.max_regex_bytes}",
+            )
         states = regex_positions(regex)
         if self.max_index_states is not None and (states or 0) > self.max_index_states:
             raise GrammarLimitError(

@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
 from spec_grammar.bitmask import allocate_token_bitmask
+from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.errors import GrammarLimitError
 from spec_grammar.registry import get_backend
 from spec_grammar.specs import JsonSchema, Regex
@@ -199,6 +201,27 @@ def test_outlines_refuses_an_index_estimated_too_large(tok):
         tight.compile(small)
     m = backend.matcher(backend.compile(small))
     assert m.accept_tokens(tok.encode('["ab", "cd"]')) > 0
+
+
+def test_outlines_refuses_a_regex_too_long_to_measure_at_once(tok):
+    """An object of 500 optional properties is a 9.7 MiB outlines regex: measuring its index
+    took 34 s of a loaded host before any library work. Refused in well under a second, naming
+    max_regex_bytes; a real schema's regex (the sample's longest, 0.8 MB) is under the default."""
+    pytest.importorskip("outlines_core")
+    from outlines_core.json_schema import build_regex_from_schema
+
+    backend = get_backend("outlines", tok)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(500)}}
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarLimitError, match="max_regex_bytes"):
+        backend.compile(JsonSchema(wide))
+    assert time.perf_counter() - t0 < 5
+    longest = max(
+        len(build_regex_from_schema(json.dumps(r["schema"])))
+        for r in jsonschemabench_sample()
+        if r["id"] in ("wp_11_Normalized", "wp_33_Normalized")
+    )
+    assert 500_000 < longest < backend.max_regex_bytes
 
 
 def test_llguidance_parser_limits_refuse_with_a_typed_error(tok):
