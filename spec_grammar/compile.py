@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .compile_worker import RemoteLibraryError
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects, limit_applies
@@ -219,9 +220,10 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
                 raise type(e)(str(e), backend=backend.name, reason=e.reason) from e
             raise
         except Exception as e:  # library errors: RuntimeError, ValueError, ...
-            reason = backend._library_error_reason(e)
+            remote = isinstance(e, RemoteLibraryError)  # raised in a compile process
+            reason = e.reason if remote else backend._library_error_reason(e)
             raise GrammarCompileError(
-                f"{spec.kind} failed to compile: {type(e).__name__}: {reason}",
+                f"{spec.kind} failed to compile: {e.type_name if remote else type(e).__name__}: {reason}",
                 backend=backend.name,
                 reason=reason,
             ) from e
@@ -273,9 +275,17 @@ def _with_limits(
 
 
 def _compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec) -> Any:
-    """``backend._compile(spec)``, in a daemon thread when ``compile_timeout_s`` is set: the
-    library call cannot be interrupted, so past the limit it is abandoned (its result dropped)
-    and :class:`GrammarCompileError` is raised."""
+    """``backend._compile(spec)`` under ``compile_timeout_s``. With a compile pool
+    (``isolation="process"``) in a child process, killed past the limit
+    (:meth:`CompilePool.run <spec_grammar.compile_worker.CompilePool.run>`), its result
+    rebuilt by ``backend._import_native``. Otherwise in a daemon thread when the limit is set:
+    the library call cannot be interrupted, so past the limit it is abandoned (its result
+    dropped) and :class:`GrammarCompileError` is raised."""
+    pool = backend.compile_pool
+    if pool is not None:
+        payload, warnings = pool.run(spec, backend.compile_timeout_s)
+        native = backend._import_native(payload)
+        return native if warnings is None else LibraryResult(native, warnings)
     if backend.compile_timeout_s is None:
         return backend._compile(spec)
     box: Future = Future()
