@@ -222,9 +222,7 @@ class CompilePool:
     """
 
     spare = 1
-    """Idle children kept started beyond the busy ones."""
-    max_idle = 2
-    """Idle children kept at most (others are closed when they come back)."""
+    """Idle children kept started beyond the busy ones (:meth:`warm` may raise it)."""
 
     def __init__(self, backend: GrammarBackend, memory_bytes: int | None):
         self.memory_bytes = memory_bytes
@@ -311,7 +309,7 @@ class CompilePool:
         with self._cond:
             self._busy.discard(taken)
             if child is not None:
-                if self._closed or len(self._idle) >= self.max_idle or not child.alive():
+                if self._closed or len(self._idle) >= self.spare + 1 or not child.alive():
                     child.kill()
                 else:
                     self._idle.append(child)
@@ -369,6 +367,21 @@ class CompilePool:
             raise RemoteLibraryError(msg[1], msg[2])
         finally:
             self._release(taken, child)
+
+    def warm(self, timeout: float = CHILD_START_BOUND_S, count: int = 1) -> bool:
+        """Block until ``count`` children are idle (started and free), starting more if needed,
+        or ``timeout`` seconds passed; returns whether they are. For callers (benchmarks,
+        tests, a server's start) that want the next compiles not to wait for a start."""
+        with self._cond:
+            self.spare = max(self.spare, count)
+            self._top_up()
+            return (
+                self._cond.wait_for(
+                    lambda: len(self._idle) >= count or self._failure is not None or self._closed,
+                    timeout,
+                )
+                and len(self._idle) >= count
+            )
 
     def _cap(self) -> str:
         return "None" if self.memory_bytes is None else f"{self.memory_bytes / 2**30:.3g} GiB"
@@ -428,8 +441,11 @@ def _child_entry(fd: int) -> None:
     """Main of a compile process: its socket is ``fd``; the first message holds the pickled
     ``(class, args, kwargs)`` and the memory cap (:func:`_child_main`)."""
     conn = multiprocessing.connection.Connection(fd)
-    payload, memory_bytes = pickle.loads(conn.recv_bytes())
-    _child_main(conn, payload, memory_bytes)
+    try:
+        payload, memory_bytes = pickle.loads(conn.recv_bytes())
+        _child_main(conn, payload, memory_bytes)
+    except (EOFError, OSError):  # the parent is gone (exited, or closed the pool)
+        pass
 
 
 def _child_main(conn: Any, payload: bytes, memory_bytes: int | None) -> None:
