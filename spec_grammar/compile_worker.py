@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -317,8 +318,11 @@ class CompilePool:
             self._cond.notify_all()
 
     # -- compiles ---------------------------------------------------------------------------
-    def run(self, spec: GrammarSpec, timeout_s: float | None) -> tuple[Any, tuple[str, ...] | None]:
-        """``backend._compile(spec)`` in a child: ``(exported native, warnings or None)``.
+    def run(
+        self, spec: GrammarSpec, timeout_s: float | None
+    ) -> tuple[Any, tuple[str, ...] | None, float]:
+        """``backend._compile(spec)`` in a child: ``(exported native, warnings or None, seconds
+        waited for an idle child)``; ``timeout_s`` counts from when the child has the spec.
 
         Raises what ``_compile`` raised (a :class:`SpecGrammarError` as it was, a library
         exception as :class:`RemoteLibraryError`); :class:`GrammarCompileError` past
@@ -326,7 +330,9 @@ class CompilePool:
         child ran out of memory (MemoryError, SIGABRT of a native allocation failure, SIGKILL
         of the kernel's out-of-memory killer); :class:`GrammarCompileError` for another
         death (a crash) or a child that could not start."""
+        t0 = time.perf_counter()
         taken = self._acquire()
+        waited = time.perf_counter() - t0
         child: _Child | None = taken
         try:
             child.conn.send(spec)
@@ -349,7 +355,7 @@ class CompilePool:
                 raise self._death_error(spec, code)
             kind = msg[0]
             if kind == "ok":
-                return msg[1], msg[2]
+                return msg[1], msg[2], waited
             if kind == "memory":
                 child.kill()
                 child = None

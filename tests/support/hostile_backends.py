@@ -6,6 +6,7 @@ a memory cap its index-size estimate lets through."""
 from __future__ import annotations
 
 import os
+import time
 
 from spec_grammar_outlines import OutlinesBackend
 
@@ -17,7 +18,7 @@ ABORT = Regex("abort-the-process")
 """Its compile calls ``os.abort()`` (SIGABRT), as a failed native allocation does."""
 ALLOCATE = Regex("allocate-too-much")
 """Its compile allocates :data:`ALLOCATE_BYTES` at once."""
-ALLOCATE_BYTES = 6 << 30
+ALLOCATE_BYTES = 16 << 30  # past the default compile_memory_bytes (8 GiB) too
 
 NESTED_ARRAYS = JsonSchema(
     {
@@ -52,7 +53,25 @@ HOSTILE_CAP_BYTES = int(1.25 * 2**30)
 
 class HostileOutlinesBackend(OutlinesBackend):
     """The real outlines backend, but ``_compile`` of :data:`SPIN` / :data:`ABORT` /
-    :data:`ALLOCATE` spins, aborts or allocates (everything else compiles as outlines does)."""
+    :data:`ALLOCATE` spins, aborts or allocates (everything else compiles as outlines does).
+
+    ``walls``: per :meth:`compile` call in this process, ``(spec, wall seconds, its
+    CompiledGrammar or None when it raised)``: what an ordinary request's compile waited
+    beyond its own time."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.walls: list[tuple] = []
+
+    def compile(self, spec):
+        t0 = time.perf_counter()
+        try:
+            compiled = super().compile(spec)
+        except Exception:
+            self.walls.append((spec, time.perf_counter() - t0, None))
+            raise
+        self.walls.append((spec, time.perf_counter() - t0, compiled))
+        return compiled
 
     def _compile(self, spec):
         if spec == SPIN:
