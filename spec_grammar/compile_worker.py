@@ -331,11 +331,21 @@ class CompilePool:
         of the kernel's out-of-memory killer); :class:`GrammarCompileError` for another
         death (a crash) or a child that could not start."""
         t0 = time.perf_counter()
-        taken = self._acquire()
+        for attempt in range(2):
+            taken = self._acquire()
+            try:
+                taken.conn.send(spec)
+                break
+            except OSError:  # it died idle (the OOM killer): another one takes the spec
+                self._release(taken, None)
+                taken.kill()
+                if attempt:
+                    raise GrammarCompileError(
+                        "the compile processes die before they take a compile"
+                    ) from None
         waited = time.perf_counter() - t0
         child: _Child | None = taken
         try:
-            child.conn.send(spec)
             # a dead child closes its end of the socket: readable, then EOF
             ready = multiprocessing.connection.wait([child.conn], timeout_s)
             if not ready:

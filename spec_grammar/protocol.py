@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import pickle
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -460,8 +461,17 @@ class GrammarBackend(ABC):
         if self.isolation == "process":
             # started now, so the first compile finds a warm child (a subclass whose own
             # __init__ then fails drops the pool with the object)
-            self._compile_pool = CompilePool(self, self.compile_memory_bytes)
-            weakref.finalize(self, self._compile_pool.close)
+            try:
+                self._compile_pool = CompilePool(self, self.compile_memory_bytes)
+            except (TypeError, AttributeError, pickle.PicklingError) as e:
+                if isolation is not None:
+                    raise ValueError(
+                        f"isolation='process' needs constructor arguments that pickle (a "
+                        f"compile process builds the backend from them): {e}"
+                    ) from e
+                self.isolation = "thread"  # the default, where it cannot apply
+            else:
+                weakref.finalize(self, self._compile_pool.close)
 
     @property
     def compile_pool(self) -> CompilePool | None:

@@ -28,7 +28,7 @@ from spec_grammar.compile_worker import CHILD_START_BOUND_S, ISOLATION_ENV
 from spec_grammar.errors import GrammarCompileError, GrammarLimitError
 
 _HOSTILE = [
-    (SPIN, "did not finish within compile_timeout_s=2.0: its compile process was killed"),
+    (SPIN, "did not finish within compile_timeout_s="),
     (ABORT, "aborted (signal SIGABRT)"),
     (ALLOCATE, "ran out of memory (MemoryError"),
     (NESTED_ARRAYS, "compile_memory_bytes=1.25 GiB"),
@@ -53,13 +53,13 @@ def ordinary(k: int) -> JsonSchema:
     )
 
 
-def _hostile_backend(tok, width=None) -> HostileOutlinesBackend:
+def _hostile_backend(tok, width=None, timeout_s: float = 2.0) -> HostileOutlinesBackend:
     b = HostileOutlinesBackend(
         tok,
         vocab_size=width,
         isolation="process",
         compile_memory_bytes=HOSTILE_CAP_BYTES,
-        compile_timeout_s=2.0,
+        compile_timeout_s=timeout_s,
     )
     assert b.compile_pool.warm(120, count=2)
     return b
@@ -99,7 +99,8 @@ def test_hostile_soak_through_the_worker(rounds, nested):
     from spec_grammar.worker.sampling import SamplingParams
 
     model, tok = model_and_tokenizer()
-    backend = _hostile_backend(tok, model.config.vocab_size)
+    # the nested-arrays build reaches the cap after ~13 s: under a limit that lets it
+    backend = _hostile_backend(tok, model.config.vocab_size, 40.0 if nested else 2.0)
     specs = _mix(rounds, nested)
     reqs = [
         Request(
