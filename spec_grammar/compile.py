@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .compile_worker import RemoteLibraryError
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects, limit_applies
@@ -61,6 +62,8 @@ class CompiledGrammar:
             full.
         route: with the ``auto`` backend (:mod:`spec_grammar.routing`), ``"<backend>:
             <why>"``; None otherwise.
+        compile_wait_s: seconds of ``compile_time_s`` spent waiting for a compile process
+            (``isolation="process"``: 0 when a warm one was idle, at most a process start).
     """
 
     spec: GrammarSpec
@@ -70,6 +73,7 @@ class CompiledGrammar:
     backend_id: int = 0
     warnings: tuple[str, ...] = ()
     route: str | None = None
+    compile_wait_s: float = 0.0
 
 
 class CompileCache:
@@ -186,6 +190,7 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         t0 = time.perf_counter()
         target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
         ignored: list[str] = []
+        waited = 0.0
         try:
             if isinstance(target, JsonSchema):
                 check_json_schema(target.json_schema)
@@ -205,7 +210,7 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
                     )
                 target, limit_notes = _with_limits(backend, target, ignored)
                 ignored = ignored + limit_notes
-            native = _compile_with_timeout(backend, target)
+            native, waited = _compile_with_timeout(backend, target)
             if isinstance(native, LibraryResult):
                 extra = [w for w in native.warnings if w not in ignored]
                 native = native.native
@@ -232,14 +237,21 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
                 spec, "a recursive step of the compile", backend.max_nesting_depth, backend.name
             ) from e
         except Exception as e:  # library errors: RuntimeError, ValueError, ...
-            reason = backend._library_error_reason(e)
+            remote = isinstance(e, RemoteLibraryError)  # raised in a compile process
+            reason = e.reason if remote else backend._library_error_reason(e)
             raise GrammarCompileError(
-                f"{spec.kind} failed to compile: {type(e).__name__}: {reason}",
+                f"{spec.kind} failed to compile: {e.type_name if remote else type(e).__name__}: {reason}",
                 backend=backend.name,
                 reason=reason,
             ) from e
         return CompiledGrammar(
-            spec, backend.name, native, time.perf_counter() - t0, id(backend), tuple(ignored)
+            spec,
+            backend.name,
+            native,
+            time.perf_counter() - t0,
+            id(backend),
+            tuple(ignored),
+            compile_wait_s=waited,
         )
 
     return backend._cache.get_or_compile(key, run)
@@ -300,12 +312,21 @@ def _with_limits(
     return spec, notes
 
 
-def _compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec) -> Any:
-    """``backend._compile(spec)``, in a daemon thread when ``compile_timeout_s`` is set: the
-    library call cannot be interrupted, so past the limit it is abandoned (its result dropped)
-    and :class:`GrammarCompileError` is raised."""
+def _compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec) -> tuple[Any, float]:
+    """``backend._compile(spec)`` under ``compile_timeout_s``. With a compile pool
+    (``isolation="process"``) in a child process, killed past the limit
+    (:meth:`CompilePool.run <spec_grammar.compile_worker.CompilePool.run>`), its result
+    rebuilt by ``backend._import_native``. Otherwise in a daemon thread when the limit is set:
+    the library call cannot be interrupted, so past the limit it is abandoned (its result
+    dropped) and :class:`GrammarCompileError` is raised. Returns ``(native, seconds waited
+    for a compile process)``."""
+    pool = backend.compile_pool
+    if pool is not None:
+        payload, warnings, waited = pool.run(spec, backend.compile_timeout_s)
+        native = backend._import_native(payload)
+        return (native if warnings is None else LibraryResult(native, warnings)), waited
     if backend.compile_timeout_s is None:
-        return backend._compile(spec)
+        return backend._compile(spec), 0.0
     box: Future = Future()
 
     def target() -> None:
@@ -316,7 +337,7 @@ def _compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec) -> Any:
 
     threading.Thread(target=target, name=f"{backend.name}-compile", daemon=True).start()
     try:
-        return box.result(timeout=backend.compile_timeout_s)
+        return box.result(timeout=backend.compile_timeout_s), 0.0
     except TimeoutError:
         raise GrammarCompileError(
             f"{spec.kind} compile did not finish within compile_timeout_s={backend.compile_timeout_s}"

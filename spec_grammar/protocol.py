@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import operator
+import pickle
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -24,6 +26,12 @@ import torch
 from .bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
 from .capabilities import Capabilities, ConformanceCase
 from .compile import CompileCache, CompiledGrammar, compile_spec
+from .compile_worker import (
+    DEFAULT_COMPILE_MEMORY_BYTES,
+    CompilePool,
+    check_memory_bytes,
+    resolve_isolation,
+)
 from .errors import BitmaskError, GrammarStateError, InvalidTokenError
 from .json_schema.strict import KeywordSupport
 from .nesting import DEFAULT_MAX_NESTING_DEPTH
@@ -363,8 +371,16 @@ class GrammarBackend(ABC):
         compile_cache_size: compiled grammars (and compile errors) kept, least recently used
             evicted first.
         compile_timeout_s: a compile running longer fails with :class:`GrammarCompileError`
-            (the library call cannot be interrupted: it finishes in a daemon thread and its
+            (under ``isolation="process"`` its compile process is killed; under ``"thread"``
+            the library call cannot be interrupted: it finishes in a daemon thread and its
             result is dropped). ``None`` (or ``inf``) waits forever.
+        isolation: where ``_compile`` runs (:mod:`spec_grammar.compile_worker`):
+            ``"process"``, a warm child process, killed at ``compile_timeout_s``, whose death
+            (a native abort, the memory cap) is a typed error; ``"thread"``, a daemon thread
+            of this process. None: the ``SPEC_GRAMMAR_ISOLATION`` environment variable, else
+            the class's :attr:`compile_isolation`.
+        compile_memory_bytes: the address space of a compile process (``RLIMIT_AS``; None:
+            no cap); ``"process"`` isolation only.
         max_grammar_bytes: specs whose serialized form is larger are refused before compiling.
         max_nesting_depth: specs nested deeper (:func:`spec_grammar.nesting.nesting_depth`:
             JSON containers of a schema with local ``$ref`` expanded, groups of a regex or
@@ -376,8 +392,9 @@ class GrammarBackend(ABC):
     Raises ``ValueError`` for a negative ``max_rollback_tokens``, ``compile_cache_size`` or
     ``max_forced_tokens``, a
     ``compile_timeout_s`` that is not None or a number > 0, a ``max_grammar_bytes`` or
-    ``max_nesting_depth`` < 1, a
-    count that is not an int, and for tokenizer arguments
+    ``max_nesting_depth`` < 1, a count that is not an int, an ``isolation`` or
+    ``compile_memory_bytes`` that :func:`~spec_grammar.compile_worker.resolve_isolation` /
+    :func:`~spec_grammar.compile_worker.check_memory_bytes` refuse, and for tokenizer arguments
     :meth:`TokenizerInfo.from_huggingface` refuses.
     """
 
@@ -396,6 +413,15 @@ class GrammarBackend(ABC):
     JSON schemas (:func:`~spec_grammar.json_schema.limits.cap_lengths`,
     :func:`~spec_grammar.json_schema.limits.close_objects`); a backend whose compile cost grows
     with a bound leaves it out, and the compile of a spec setting it carries a warning."""
+    compile_isolation: ClassVar[str] = "thread"
+    """Default ``isolation`` of the class: ``"process"`` for a library whose compile can abort
+    the process or outlast its limit (measured: ``benchmarks/bench_compile_isolation.py``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GrammarBackend:
+        # the constructor's arguments, for a compile process to build the same backend
+        self = super().__new__(cls)
+        self._init_args = (args, kwargs)
+        return self
 
     native_max_nesting_depth: ClassVar[int | None] = None
     """The deepest nesting (:func:`spec_grammar.nesting.nesting_depth`) the library survives,
@@ -415,7 +441,12 @@ class GrammarBackend(ABC):
         max_grammar_bytes: int = 4_000_000,
         max_forced_tokens: int = DEFAULT_MAX_FORCED_TOKENS,
         max_nesting_depth: int = DEFAULT_MAX_NESTING_DEPTH,
+        isolation: str | None = None,
+        compile_memory_bytes: int | None = DEFAULT_COMPILE_MEMORY_BYTES,
     ):
+        self.isolation = resolve_isolation(type(self), isolation)
+        self.compile_memory_bytes = check_memory_bytes(compile_memory_bytes)
+        self._compile_pool: CompilePool | None = None
         self.tokenizer_info = (
             tokenizer
             if isinstance(tokenizer, TokenizerInfo)
@@ -442,6 +473,26 @@ class GrammarBackend(ABC):
         self.max_forced_tokens = _as_index(max_forced_tokens, "max_forced_tokens", ValueError)
         if self.max_forced_tokens < 0:
             raise ValueError(f"max_forced_tokens must be >= 0, got {max_forced_tokens}")
+        if self.isolation == "process":
+            # started now, so the first compile finds a warm child (a subclass whose own
+            # __init__ then fails drops the pool with the object)
+            try:
+                self._compile_pool = CompilePool(self, self.compile_memory_bytes)
+            except (TypeError, AttributeError, pickle.PicklingError) as e:
+                if isolation is not None:
+                    raise ValueError(
+                        f"isolation='process' needs constructor arguments that pickle (a "
+                        f"compile process builds the backend from them): {e}"
+                    ) from e
+                self.isolation = "thread"  # the default, where it cannot apply
+            else:
+                weakref.finalize(self, self._compile_pool.close)
+
+    @property
+    def compile_pool(self) -> CompilePool | None:
+        """The warm compile processes of ``isolation="process"``
+        (:class:`~spec_grammar.compile_worker.CompilePool`), else None."""
+        return self._compile_pool
 
     library_requirement: str | None = None
     """The grammar library and the oldest release the adapter works with, as a pip requirement
@@ -525,6 +576,15 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def _matcher(self, compiled: CompiledGrammar) -> SpecGrammar: ...
+
+    def _export_native(self, native: Any) -> Any:
+        """What a compile process sends back for ``_compile``'s ``native`` (picklable; default:
+        the object itself); :meth:`_import_native` rebuilds it in this process."""
+        return native
+
+    def _import_native(self, payload: Any) -> Any:
+        """The native object of :meth:`_export_native`'s ``payload`` (default: itself)."""
+        return payload
 
     @classmethod
     def _library_error_reason(cls, error: Exception) -> str:

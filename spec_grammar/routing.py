@@ -256,7 +256,9 @@ class AutoBackend(GrammarBackend):
             )
             if k in options
         }
-        super().__init__(tokenizer, **base)
+        # its own compile only routes: the chosen backend's isolation (an option passed on)
+        # bounds the library call
+        super().__init__(tokenizer, **base, isolation="thread")
         self._tokenizer = tokenizer
         self._options = options
         self._lock = threading.Lock()

@@ -9,11 +9,20 @@
   ``vllm``: the lane a change is checked with first (``unit`` is set here, by
   :func:`pytest_collection_modifyitems`). A test not marked ``model`` that loads the real model
   fails (:func:`pytest_configure`).
+- ``SPEC_GRAMMAR_ISOLATION=thread`` unless set: compiles run in threads except where a test
+  passes ``isolation="process"``.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# compiles in this process's threads: a compile process per backend (seconds to start, ~300 MB
+# each) for every backend the suite builds would cost more than the suite's time; the tests of
+# the process path (tests/reliability/test_compile_isolation.py) ask for it by name
+os.environ.setdefault("SPEC_GRAMMAR_ISOLATION", "thread")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -669,6 +669,17 @@ class LLGuidanceBackend(GrammarBackend):
             reason=reason,
         )
 
+    def _export_native(self, native: _Grammar) -> str:
+        # an LLMatcher does not pickle: the child checked the grammar (errors, limits,
+        # warnings) and the parent builds its prototype again from the text (lazily: cheap)
+        return native.text
+
+    def _import_native(self, payload: str) -> _Grammar:
+        return _Grammar(
+            payload,
+            llguidance.LLMatcher(self._llg_tokenizer, payload, log_level=0, limits=self._limits),
+        )
+
     def _matcher(self, compiled: CompiledGrammar) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self, compiled.native.new_matcher())
 

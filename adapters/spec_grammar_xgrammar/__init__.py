@@ -944,6 +944,12 @@ class XGrammarBackend(GrammarBackend):
             return c.compile_grammar(xgr.Grammar.from_lark(spec.text))
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by xgrammar")
 
+    def _export_native(self, native: Any) -> str:
+        return native.serialize_json()
+
+    def _import_native(self, payload: str) -> Any:
+        return xgr.CompiledGrammar.deserialize_json(payload, self._xgr_info)
+
     def _matcher(self, compiled: CompiledGrammar) -> XGrammarMatcher:
         m = XGrammarMatcher(self, xgr.GrammarMatcher(compiled.native))
         m._jump_forward = self._jump_forward_ok(compiled)
