@@ -30,6 +30,8 @@ from spec_grammar.compile_worker import ISOLATION_ENV, resolve_isolation
 from spec_grammar.errors import GrammarCompileError, GrammarLimitError
 from spec_grammar.registry import load_backend_class
 
+pytestmark = pytest.mark.integration  # compile processes started, killed and replaced
+
 ORDINARY = JsonSchema(
     {
         "type": "object",
