@@ -17,17 +17,25 @@ arXiv:2406.16858, 2024, ranks nodes by path confidence).
   while a request has little history). A node's expected value is its path's probability:
   ``gain(child) = gain(parent) * q * (1 - q) ** rank`` (``rank``: its index among its
   siblings; the root's gain is 1).
-- :class:`StepCostModel`: milliseconds from the end of drafting to the end of the step (verify
-  forward, grammar work not hidden, acceptance) against the forward's shape
-  (:meth:`~.runner.ModelRunner.forward_shape`: the rows its projections compute, the real nodes
-  on CPU, and the query rows attention runs on, the batch padded to its largest tree; both the
-  padded CUDA-graph shape on GPU): a plane fitted with exponential forgetting.
-- :class:`DraftBudget`: ranks every draft node of the step by gain (a child never outranks its
+- :class:`StepCostModel`: milliseconds of the whole step, drafting included, against its
+  shape: the verify forward's rows and padded attention rows
+  (:meth:`~.runner.ModelRunner.forward_shape`: on CPU the real nodes and the batch padded to
+  its largest tree; on GPU the padded CUDA-graph shape for both), the grammar rows its tree
+  fills write and the requests the drafter ran for (n-gram lookup, forced-token walks, a draft
+  model's forwards), a linear model fitted with exponential forgetting, non-negative.
+- :class:`DraftBudget`, before drafting (:meth:`DraftBudget.drafting`): a request whose
+  drafts did not pay (accepted drafts per millisecond its drafting cost, the fitted drafting
+  term plus what its kept nodes added to the step, below the plain step's tokens per
+  millisecond) is not drafted at all: no drafter call, no tree fill, a root-only tree; when no
+  request's drafts pay the batch decodes plainly. After drafting
+  (:meth:`DraftBudget.choose`): ranks every draft node by gain (a child never outranks its
   parent, so every prefix of the ranking is a set of connected subtrees) and keeps the prefix
-  maximising ``(requests + sum of gains) / predicted ms``. The first two measured steps (after
-  a cold first one) verify the whole proposal and plain decoding; every
-  ``explore_every``-th step verifies a larger prefix than the best, so the cost model keeps
-  learning the counts just above its choice.
+  maximising ``(requests + sum of gains) / predicted ms`` of the whole step. The first two
+  measured steps (after a cold first one) verify the whole proposal and plain decoding.
+  Exploration, so that acceptance and the cost of larger shapes keep being measured: at most
+  every ``explore_every``-th (16th) step every request drafts and the step verifies a larger
+  prefix than the best; its predicted extra milliseconds are charged, and it runs only while
+  the charges stay within ``explore_share`` (2%) of the measured step time.
 
 Greedy outputs do not depend on the budget: every kept node is verified as before, and a cut
 node is one the target would have had to accept to matter. Sampled requests keep their whole

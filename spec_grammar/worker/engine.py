@@ -166,7 +166,7 @@ class _Step:
     gpu_ms: float | None = None  # the forward's GPU time, when measured
     proposed_nodes: int = 0  # nodes proposed (roots included), before the draft budget
     rows: int = 0  # rows the verify forward computes
-    predicted_ms: float | None = None  # the draft budget's prediction of t1 -> end of step
+    predicted_ms: float | None = None  # the draft budget's prediction of the whole step (t0 -> end)
 
     @property
     def rids(self) -> list[str]:
