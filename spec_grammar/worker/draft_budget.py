@@ -247,14 +247,22 @@ class DraftBudget:
             requests' drafting, the nodes beyond the best cut) stay within this share of all
             measured step time (one exploring step may overshoot it by its own extra).
         value_decay: weight a request's drafting history keeps at each of its drafted steps.
+        max_wait: a request gated off is drafted again (a probe) after 2, 4, .. up to this many
+            steps while its drafted steps do not pay, after one step once one does.
     """
 
     def __init__(
-        self, *, explore_every: int = 16, explore_share: float = 0.02, value_decay: float = 0.7
+        self,
+        *,
+        explore_every: int = 16,
+        explore_share: float = 0.02,
+        value_decay: float = 0.7,
+        max_wait: int = 32,
     ):
         self.explore_every = explore_every
         self.explore_share = explore_share
         self.value_decay = value_decay
+        self.max_wait = max_wait
         self.accept = AcceptModel()
         self.cost = StepCostModel()
         self._steps = 0
@@ -266,6 +274,8 @@ class DraftBudget:
         self._total_ms = 0.0  # measured ms of every recorded step
         self._value: dict[str, list[float]] = {}  # rid -> [accepted drafts, ms], decayed
         self._margin: dict[str, float] = {}  # rid -> this step's ms for its drafting
+        self._wait: dict[str, list[int]] = {}  # rid -> [steps to its next probe, that step]
+        self._rate: float | None = None  # this step's plain tokens per ms
 
     def _begin(self) -> None:
         self._steps += 1
@@ -287,8 +297,9 @@ class DraftBudget:
         yet, the ``fixed`` ones (their trees must not depend on timings) and those whose drafts
         paid: accepted drafts per millisecond their drafting cost (the fitted per-request
         drafting term plus what their kept nodes added to the predicted step), decayed over
-        their drafted steps, at least the plain step's tokens per millisecond. On an exploring
-        step every request drafts. ``shape_of`` as in :meth:`choose`; ``fill[i]``: request
+        their drafted steps, at least the plain step's tokens per millisecond. A request gated
+        off drafts again when its probe is due (``max_wait``) and exploration's share allows;
+        on an exploring step every request drafts. ``shape_of`` as in :meth:`choose`; ``fill[i]``: request
         ``i`` has a grammar (its root row is filled)."""
         self._begin()
         self._begun = True
@@ -297,15 +308,17 @@ class DraftBudget:
         if self.cost._coef is None:
             return out
         plain = self.cost.predict(*_shape(shape_of([1] * len(rids)), sum(fill or ()), 0))
-        rate = len(rids) / plain
+        rate = self._rate = len(rids) / plain
+        room = self._explore_ms <= self.explore_share * self._total_ms
         for i, rid in enumerate(rids):
             v = self._value.get(rid)
-            if v is not None and not fixed[i]:
-                out[i] = v[0] >= rate * v[1]
-        if not self._exploring:
-            return out
-        self._explore_ms += self.cost.draft_ms * out.count(False)
-        return [True] * len(rids)
+            if v is None or fixed[i] or v[0] >= rate * v[1]:
+                continue
+            due = self._steps >= self._wait.get(rid, (1, 0))[1]
+            out[i] = self._exploring or (due and room)
+            if out[i]:
+                self._explore_ms += self.cost.draft_ms
+        return out
 
     def choose(
         self,
@@ -400,16 +413,24 @@ class DraftBudget:
         accepted drafts and its drafting's milliseconds to its history (:meth:`drafting`)."""
         self.accept.record(rid, tree, accepted)
         ms = self._margin.pop(rid, None)
-        if ms is not None:
-            v = self._value.setdefault(rid, [0.0, 0.0])
-            v[0] = v[0] * self.value_decay + len(accepted) - 1
-            v[1] = v[1] * self.value_decay + ms
+        if ms is None:
+            return
+        v = self._value.setdefault(rid, [0.0, 0.0])
+        v[0] = v[0] * self.value_decay + len(accepted) - 1
+        v[1] = v[1] * self.value_decay + ms
+        if self._rate is None or len(accepted) - 1 >= self._rate * ms:
+            self._wait.pop(rid, None)  # it paid: drafted again next step if gated off
+        else:
+            wait = self._wait.get(rid, (1, 0))[0]
+            wait = min(2 * wait, self.max_wait)
+            self._wait[rid] = [wait, self._steps + wait]
 
     def forget(self, rid: str) -> None:
         """``rid`` ended."""
         self.accept.forget(rid)
         self._value.pop(rid, None)
         self._margin.pop(rid, None)
+        self._wait.pop(rid, None)
 
     def predict(
         self, rows: int, padded: int | None = None, fill: int = 0, drafted: int = 0
