@@ -222,9 +222,7 @@ def run_ours(model: str, options: dict, requests, sizes, threads: int) -> dict:
                         "proposed_per_step": sum(s.proposed_nodes for s in busy)
                         / max(len(busy), 1),
                         "predicted_vs_measured": [
-                            (s.predicted_ms, s.step_ms - s.draft_ms)
-                            for s in busy
-                            if s.predicted_ms is not None
+                            (s.predicted_ms, s.step_ms) for s in busy if s.predicted_ms is not None
                         ],
                         "token_ids": [o.token_ids for o in outs],
                         "finish": [o.finish_reason for o in outs],

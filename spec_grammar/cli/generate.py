@@ -811,7 +811,7 @@ def run(args) -> int:
                     "summary": summary.model_dump(),
                     "runner": runner,
                     # per step: the draft budget's choice (proposed_nodes -> num_nodes,
-                    # forward_rows) and its predicted_ms against step_ms - draft_ms
+                    # forward_rows) and its predicted_ms against step_ms
                     "steps": [s.model_dump() for s in worker.step_stats],
                 }
             )

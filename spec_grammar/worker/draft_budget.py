@@ -17,17 +17,25 @@ arXiv:2406.16858, 2024, ranks nodes by path confidence).
   while a request has little history). A node's expected value is its path's probability:
   ``gain(child) = gain(parent) * q * (1 - q) ** rank`` (``rank``: its index among its
   siblings; the root's gain is 1).
-- :class:`StepCostModel`: milliseconds from the end of drafting to the end of the step (verify
-  forward, grammar work not hidden, acceptance) against the forward's shape
-  (:meth:`~.runner.ModelRunner.forward_shape`: the rows its projections compute, the real nodes
-  on CPU, and the query rows attention runs on, the batch padded to its largest tree; both the
-  padded CUDA-graph shape on GPU): a plane fitted with exponential forgetting.
-- :class:`DraftBudget`: ranks every draft node of the step by gain (a child never outranks its
+- :class:`StepCostModel`: milliseconds of the whole step, drafting included, against its
+  shape: the verify forward's rows and padded attention rows
+  (:meth:`~.runner.ModelRunner.forward_shape`: on CPU the real nodes and the batch padded to
+  its largest tree; on GPU the padded CUDA-graph shape for both), the grammar rows its tree
+  fills write and the requests the drafter ran for (n-gram lookup, forced-token walks, a draft
+  model's forwards), a linear model fitted with exponential forgetting, non-negative.
+- :class:`DraftBudget`, before drafting (:meth:`DraftBudget.drafting`): a request whose
+  drafts did not pay (accepted drafts per millisecond its drafting cost, the fitted drafting
+  term plus what its kept nodes added to the step, below the plain step's tokens per
+  millisecond) is not drafted at all: no drafter call, no tree fill, a root-only tree; when no
+  request's drafts pay the batch decodes plainly. After drafting
+  (:meth:`DraftBudget.choose`): ranks every draft node by gain (a child never outranks its
   parent, so every prefix of the ranking is a set of connected subtrees) and keeps the prefix
-  maximising ``(requests + sum of gains) / predicted ms``. The first two measured steps (after
-  a cold first one) verify the whole proposal and plain decoding; every
-  ``explore_every``-th step verifies a larger prefix than the best, so the cost model keeps
-  learning the counts just above its choice.
+  maximising ``(requests + sum of gains) / predicted ms`` of the whole step. The first two
+  measured steps (after a cold first one) verify the whole proposal and plain decoding.
+  Exploration, so that acceptance and the cost of larger shapes keep being measured: at most
+  every ``explore_every``-th (16th) step every request drafts and the step verifies a larger
+  prefix than the best; its predicted extra milliseconds are charged, and it runs only while
+  the charges stay within ``explore_share`` (2%) of the measured step time.
 
 Greedy outputs do not depend on the budget: every kept node is verified as before, and a cut
 node is one the target would have had to accept to matter. Sampled requests keep their whole
@@ -113,16 +121,27 @@ def node_gains(tree: DraftTree, q: float) -> list[float]:
 
 
 class StepCostModel:
-    """Step milliseconds after drafting against the shape of the verify forward: a plane
-    ``ms = a + c * rows + d * padded`` (``a, c, d >= 0``) fitted by least squares with
-    exponential forgetting, so that it follows the host's load. ``rows`` are the rows the
-    projections compute, ``padded`` the query rows attention runs on (``b * n_max`` where a
-    batch of trees is padded to its largest for attention; ``padded == rows`` where the
-    forward computes the padded shape throughout, e.g. a CUDA graph). The second term is what
-    made a request's first draft node cost 8-10 rows' worth on SmolLM2 on a CPU (a batch of 8
-    single tokens: 97 ms; the same with one 2-node tree: 108 ms; attention over the padded
-    batch and the padding bookkeeping), which a line in rows alone missed, so the budget kept
-    drafts on prose that did not pay.
+    """Milliseconds of a whole step, from the start of drafting to the end of the step, against
+    its shape: a linear model ``ms = a + c * rows + d * padded + g * fill + e * drafted``
+    (all coefficients ``>= 0``) fitted by least squares with exponential forgetting, so that it
+    follows the host's load.
+
+    - ``rows``: the rows the verify forward's projections compute; ``padded``: the query rows
+      its attention runs on (``b * n_max`` where a batch of trees is padded to its largest for
+      attention; ``padded == rows`` where the forward computes the padded shape throughout,
+      e.g. a CUDA graph). The second term is what made a request's first draft node cost 8-10
+      rows' worth on SmolLM2 on a CPU (a batch of 8 single tokens: 97 ms; the same with one
+      2-node tree: 108 ms), which a line in rows alone missed.
+    - ``fill``: the grammar rows the step's tree fills write (a grammar request's nodes, where
+      no drafter handed its rows over); its grammar work competes with the forward for the
+      cores when both cores run the forward.
+    - ``drafted``: the requests the drafter was called for (n-gram lookup, forced-token walks
+      with matcher forks, a draft model's forwards): what a request that drafts nothing saves.
+
+    ``fill`` and ``drafted`` are often collinear with the others (a prose batch fills nothing;
+    a batch where every request drafts has ``drafted == b`` on every step): a small ridge on
+    their coefficients gives such a cost to the forward's terms, until steps that vary them
+    (requests gated off, :class:`DraftBudget`) tell them apart.
 
     One fit over all steps, not an average per shape: on a shared CPU single steps vary 2-5x,
     and a per-shape average chases its luckiest shapes. A measurement above twice the
@@ -139,69 +158,68 @@ class StepCostModel:
 
     def __init__(self, *, decay: float = 0.95):
         self.decay = decay
-        self._xx = np.zeros((3, 3))  # sum of w * x x^T over x = (1, rows, padded)
-        self._xy = np.zeros(3)  # sum of w * x * ms
+        self._xx = np.zeros((5, 5))  # sum of w * x x^T over x = (1, rows, padded, fill, drafted)
+        self._xy = np.zeros(5)  # sum of w * x * ms
         self._yy = 0.0  # sum of w * ms^2
-        self._shapes: set[tuple[int, int]] = set()
+        self._shapes: set[tuple[int, int, int, int]] = set()
         self._coef: np.ndarray | None = None
 
     @property
     def measured(self) -> int:
-        """How many distinct forward shapes (rows, padded) have been measured."""
+        """How many distinct step shapes (rows, padded, fill, drafted) have been measured."""
         return len(self._shapes)
 
-    def has(self, rows: int, padded: int | None = None) -> bool:
-        """Whether a forward of ``rows`` rows (``padded`` query rows; default ``rows``) was
-        measured."""
-        return (rows, rows if padded is None else padded) in self._shapes
+    @property
+    def draft_ms(self) -> float:
+        """The fitted milliseconds one request's drafting adds to a step (0 before a fit)."""
+        return 0.0 if self._coef is None else float(self._coef[4])
 
-    def record(self, rows: int, ms: float, padded: int | None = None) -> None:
-        """A step of ``rows`` rows (attention over ``padded`` query rows; default ``rows``)
-        took ``ms`` after drafting. A measurement that is no finite non-negative number (NaN,
-        infinity: a broken clock), one whose square overflows a float, or a shape with
-        ``padded < rows`` is ignored: one would poison the fit's sums for good."""
+    def has(self, rows: int, padded: int | None = None, fill: int = 0, drafted: int = 0) -> bool:
+        """Whether a step of this shape (``padded`` default ``rows``) was measured."""
+        return (rows, rows if padded is None else padded, fill, drafted) in self._shapes
+
+    def record(
+        self, rows: int, ms: float, padded: int | None = None, fill: int = 0, drafted: int = 0
+    ) -> None:
+        """A step of ``rows`` rows (attention over ``padded`` query rows, default ``rows``;
+        ``fill`` grammar rows filled; ``drafted`` requests drafted) took ``ms``. A measurement
+        that is no finite non-negative number (NaN, infinity: a broken clock), one whose square
+        overflows a float, or a shape with ``padded < rows`` or negative counts is ignored: one
+        would poison the fit's sums for good."""
         padded = rows if padded is None else padded
-        if rows < 1 or padded < rows or not (math.isfinite(ms) and ms >= 0):
+        if rows < 1 or padded < rows or min(fill, drafted) < 0:
             return
-        pred = self.predict(rows, padded) if len(self._shapes) > 1 else None
+        if not (math.isfinite(ms) and ms >= 0):
+            return
+        pred = self.predict(rows, padded, fill, drafted) if len(self._shapes) > 1 else None
         if pred is not None:
             ms = min(ms, 2.0 * pred)
-        x, d = np.array([1.0, rows, padded]), self.decay
+        x, d = np.array([1.0, rows, padded, fill, drafted]), self.decay
         xx, xy, yy = self._xx * d + np.outer(x, x), self._xy * d + x * ms, self._yy * d + ms * ms
         if not (math.isfinite(yy) and np.isfinite(xx).all() and np.isfinite(xy).all()):
             return  # finite, but its square overflows: as poisonous as an infinity
-        self._shapes.add((rows, padded))
+        self._shapes.add((rows, padded, fill, drafted))
         self._xx, self._xy, self._yy = xx, xy, yy
         self._coef = self._fit() if len(self._shapes) > 1 else None
 
-    def _fit(self) -> np.ndarray | None:
-        """The least-squares coefficients ``(a, c, d)``, all ``>= 0``: the lowest residual among
-        the fits over each subset of free coefficients (the others 0) whose solution is
-        non-negative. A tiny ridge term keeps collinear shapes (``padded == rows`` on every
-        step) solvable; it splits their slope between ``c`` and ``d``."""
-        ridge = 1e-9 * max(float(np.trace(self._xx)), 1.0)
-        best, best_sse = None, math.inf
-        for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
-            idx = list(free)
-            a = self._xx[np.ix_(idx, idx)] + ridge * np.eye(len(idx))
-            try:
-                sol = np.linalg.solve(a, self._xy[idx])
-            except np.linalg.LinAlgError:
-                continue
-            if (sol < 0.0).any():
-                continue
-            coef = np.zeros(3)
-            coef[idx] = sol
-            sse = self._yy - 2.0 * coef @ self._xy + coef @ self._xx @ coef
-            if sse < best_sse - 1e-12 * max(self._yy, 1.0):
-                best, best_sse = coef, sse
-        return best
+    def _fit(self) -> np.ndarray:
+        """The least-squares coefficients ``(a, c, d, g, e)``, all ``>= 0``: the non-negative
+        least-squares fit on the normal equations (Lawson and Hanson's active-set method,
+        "Solving Least Squares Problems", 1974, ch. 23; a few 5x5 solves, not one per subset
+        of free coefficients). A tiny ridge term keeps collinear shapes (``padded == rows`` on
+        every step) solvable, splitting their slope between ``c`` and ``d``; a larger one on
+        ``g`` and ``e`` gives a collinear cost to the forward's terms."""
+        ridge = np.full(5, 1e-9 * max(float(np.trace(self._xx)), 1.0))
+        ridge[3:] += 1e-4 * self._xx[0, 0]
+        return _nnls(self._xx + np.diag(ridge), self._xy)
 
-    def predict(self, rows: int, padded: int | None = None) -> float | None:
-        """Predicted milliseconds of a step over ``rows`` rows (``padded`` query rows; default
-        ``rows``); None before any measurement. With one shape measured: its time, and
-        proportionally more above its rows. Never below 1 us (measured zeros must not make a
-        step look free: :class:`DraftBudget` divides by it)."""
+    def predict(
+        self, rows: int, padded: int | None = None, fill: int = 0, drafted: int = 0
+    ) -> float | None:
+        """Predicted milliseconds of a step of this shape (``padded`` default ``rows``); None
+        before any measurement. With one shape measured: its time, and proportionally more
+        above its rows. Never below 1 us (measured zeros must not make a step look free:
+        :class:`DraftBudget` divides by it)."""
         padded = rows if padded is None else padded
         w = self._xx[0, 0]
         if w == 0.0:
@@ -209,24 +227,98 @@ class StepCostModel:
         if self._coef is None:
             mean_ms, mean_rows = self._xy[0] / w, self._xx[0, 1] / w
             return max(mean_ms * max(1.0, rows / mean_rows), 1e-3)
-        return max(float(self._coef @ np.array([1.0, rows, padded])), 1e-3)
+        return max(float(self._coef @ np.array([1.0, rows, padded, fill, drafted])), 1e-3)
+
+
+Shape = tuple[int, int, int, int]
+"""A step's shape for :class:`StepCostModel`: ``(rows, padded, fill, drafted)``."""
 
 
 class DraftBudget:
-    """Cuts each step's draft trees to the nodes that maximise expected committed tokens per
-    predicted millisecond (module docstring).
+    """Decides, every step, which requests draft at all (:meth:`drafting`, before the drafter
+    runs) and which of the drafted nodes are verified (:meth:`choose`), to maximise expected
+    committed tokens per predicted millisecond of the whole step (module docstring).
 
     Args:
-        explore_every: every this-many steps verify a larger prefix than the best one (at least
-            one more node per request, twice the best count of nodes).
+        explore_every: exploration runs at most every this-many steps: the requests gated off
+            draft again and the step verifies a larger prefix than the best one (at least one
+            more node per request, twice the best count of nodes).
+        explore_share: exploration runs only while its predicted extra milliseconds (the gated
+            requests' drafting, the nodes beyond the best cut) stay within this share of all
+            measured step time (one exploring step may overshoot it by its own extra).
+        value_decay: weight a request's drafting history keeps at each of its drafted steps.
+        max_wait: a request gated off is drafted again (a probe) after 2, 4, .. up to this many
+            steps while its drafted steps do not pay, after one step once one does.
     """
 
-    def __init__(self, *, explore_every: int = 16):
+    def __init__(
+        self,
+        *,
+        explore_every: int = 16,
+        explore_share: float = 0.02,
+        value_decay: float = 0.7,
+        max_wait: int = 32,
+    ):
         self.explore_every = explore_every
+        self.explore_share = explore_share
+        self.value_decay = value_decay
+        self.max_wait = max_wait
         self.accept = AcceptModel()
         self.cost = StepCostModel()
         self._steps = 0
         self._recorded = 0
+        self._begun = False  # :meth:`drafting` began this step
+        self._exploring = False
+        self._last_explore = 0
+        self._explore_ms = 0.0  # predicted extra ms charged to exploration
+        self._total_ms = 0.0  # measured ms of every recorded step
+        self._value: dict[str, list[float]] = {}  # rid -> [accepted drafts, ms], decayed
+        self._margin: dict[str, float] = {}  # rid -> this step's ms for its drafting
+        self._wait: dict[str, list[int]] = {}  # rid -> [steps to its next probe, that step]
+        self._rate: float | None = None  # this step's plain tokens per ms
+
+    def _begin(self) -> None:
+        self._steps += 1
+        self._exploring = (
+            self._steps - self._last_explore >= self.explore_every
+            and self._explore_ms <= self.explore_share * self._total_ms
+        )
+        if self._exploring:
+            self._last_explore = self._steps
+
+    def drafting(
+        self,
+        rids: Sequence[str],
+        shape_of: Callable[[Sequence[int]], int | tuple[int, int]],
+        fixed: Sequence[bool] | None = None,
+        fill: Sequence[bool] | None = None,
+    ) -> list[bool]:
+        """Which requests draft this step, before any drafting: those without a drafted step
+        yet, the ``fixed`` ones (their trees must not depend on timings) and those whose drafts
+        paid: accepted drafts per millisecond their drafting cost (the fitted per-request
+        drafting term plus what their kept nodes added to the predicted step), decayed over
+        their drafted steps, at least the plain step's tokens per millisecond. A request gated
+        off drafts again when its probe is due (``max_wait``) and exploration's share allows;
+        on an exploring step every request drafts. ``shape_of`` as in :meth:`choose`; ``fill[i]``: request
+        ``i`` has a grammar (its root row is filled)."""
+        self._begin()
+        self._begun = True
+        fixed = fixed or [False] * len(rids)
+        out = [True] * len(rids)
+        if self.cost._coef is None:
+            return out
+        plain = self.cost.predict(*_shape(shape_of([1] * len(rids)), sum(fill or ()), 0))
+        rate = self._rate = len(rids) / plain
+        room = self._explore_ms <= self.explore_share * self._total_ms
+        for i, rid in enumerate(rids):
+            v = self._value.get(rid)
+            if v is None or fixed[i] or v[0] >= rate * v[1]:
+                continue
+            due = self._steps >= self._wait.get(rid, (1, 0))[1]
+            out[i] = self._exploring or (due and room)
+            if out[i]:
+                self._explore_ms += self.cost.draft_ms
+        return out
 
     def choose(
         self,
@@ -234,19 +326,33 @@ class DraftBudget:
         trees: Sequence[DraftTree],
         shape_of: Callable[[Sequence[int]], int | tuple[int, int]],
         fixed: Sequence[bool] | None = None,
+        fill: Sequence[bool] | None = None,
+        drafted: Sequence[bool] | None = None,
     ) -> list[DraftTree]:
         """This step's trees, each the proposed one or a :meth:`DraftTree.subtree` of it (the
         root always kept). ``shape_of(node_counts)``: the shape of a verify forward over trees
         of these node counts, ``(rows, padded)`` (:meth:`~.runner.ModelRunner.forward_shape`)
         or rows alone (padded = rows). ``fixed[i]``: request ``i`` keeps its whole tree
         (sampled requests: a seeded sample depends on the tree it is verified against, so their
-        trees must not depend on timings)."""
+        trees must not depend on timings). ``fill[i]``: request ``i``'s tree rows are filled
+        by the step's grammar work (default none); ``drafted[i]``: the drafter ran for request
+        ``i`` this step (default all)."""
+        if not self._begun:
+            self._begin()
+        self._begun = False
+        n = len(trees)
+        fixed = fixed or [False] * n
+        fill = fill or [False] * n
+        drafted = [True] * n if drafted is None else drafted
+        n_drafted = sum(drafted)
+
+        def shape(node_counts: Sequence[int]) -> Shape:
+            fills = sum(c for c, f in zip(node_counts, fill) if f)
+            return _shape(shape_of(node_counts), fills, n_drafted)
 
         def predict(node_counts: Sequence[int]) -> float:
-            return self.cost.predict(*_shape(shape_of(node_counts)))
+            return self.cost.predict(*shape(node_counts))
 
-        self._steps += 1
-        fixed = fixed or [False] * len(trees)
         counts = [t.num_nodes if f else 1 for t, f in zip(trees, fixed)]
         gain, cands = 0.0, []
         for i, (rid, tree) in enumerate(zip(rids, trees)):
@@ -256,23 +362,36 @@ class DraftBudget:
             else:
                 gain += 1.0
                 cands.extend((-gains[n], i, n) for n in range(1, tree.num_nodes))
+        self._margin = {}
         if not cands or self.cost.measured == 0:
-            return list(trees)  # nothing to cut, or the first step: measure the whole proposal
-        cands.sort()
-        if self.cost.measured == 1 and self.cost.has(
-            *_shape(shape_of([t.num_nodes for t in trees]))
-        ):
-            return self._cut(trees, cands, 0, fixed)  # the second: measure plain decoding
-        best_n, best_rate = 0, gain / predict(counts)
-        for n, (neg_gain, i, _) in enumerate(cands, start=1):
-            counts[i] += 1
-            gain -= neg_gain
-            rate = gain / predict(counts)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
-        if self._steps % self.explore_every == 0:
-            best_n = min(len(cands), max(2 * best_n, best_n + len(trees)))
-        return self._cut(trees, cands, best_n, fixed)
+            chosen = list(trees)  # nothing to cut, or the first step: measure the whole proposal
+        elif self.cost.measured == 1 and self.cost.has(*shape([t.num_nodes for t in trees])):
+            cands.sort()
+            chosen = self._cut(trees, cands, 0, fixed)  # the second: measure plain decoding
+        else:
+            cands.sort()
+            best_n, best_rate, base = 0, gain / predict(counts), list(counts)
+            for k, (neg_gain, i, _) in enumerate(cands, start=1):
+                counts[i] += 1
+                gain -= neg_gain
+                rate = gain / predict(counts)
+                if rate > best_rate:
+                    best_n, best_rate = k, rate
+            n_keep = best_n
+            if self._exploring:
+                n_keep = min(len(cands), max(2 * best_n, best_n + n))
+                self._explore_ms += predict(_counts(base, cands, n_keep)) - predict(
+                    _counts(base, cands, best_n)
+                )
+            chosen = self._cut(trees, cands, n_keep, fixed)
+        if self.cost._coef is not None:
+            final = [t.num_nodes for t in chosen]
+            total = predict(final)
+            for i, rid in enumerate(rids):
+                if drafted[i] and not fixed[i]:
+                    alone = final[:i] + [1] + final[i + 1 :]
+                    self._margin[rid] = self.cost.draft_ms + max(total - predict(alone), 0.0)
+        return chosen
 
     @staticmethod
     def _cut(
@@ -288,21 +407,91 @@ class DraftBudget:
             for t, k, f in zip(trees, keep, fixed)
         ]
 
-    def predict(self, rows: int, padded: int | None = None) -> float | None:
-        """The cost model's milliseconds for a step of ``rows`` rows, attention over ``padded``
-        query rows (default ``rows``); None before any step."""
-        return self.cost.predict(rows, padded)
+    def record_accept(self, rid: str, tree: DraftTree, accepted: Sequence[int]) -> None:
+        """Request ``rid``'s verified step: ``tree`` (as verified) and its accepted nodes, root
+        first (:meth:`AcceptModel.record`); a request that drafted this step also adds its
+        accepted drafts and its drafting's milliseconds to its history (:meth:`drafting`)."""
+        self.accept.record(rid, tree, accepted)
+        ms = self._margin.pop(rid, None)
+        if ms is None:
+            return
+        v = self._value.setdefault(rid, [0.0, 0.0])
+        v[0] = v[0] * self.value_decay + len(accepted) - 1
+        v[1] = v[1] * self.value_decay + ms
+        if self._rate is None or len(accepted) - 1 >= self._rate * ms:
+            self._wait.pop(rid, None)  # it paid: drafted again next step if gated off
+        else:
+            wait = self._wait.get(rid, (1, 0))[0]
+            wait = min(2 * wait, self.max_wait)
+            self._wait[rid] = [wait, self._steps + wait]
 
-    def record_step(self, rows: int, ms: float, padded: int | None = None) -> None:
-        """The step just verified computed ``rows`` rows (attention over ``padded``, default
-        ``rows``) and took ``ms`` after drafting. The first step of a worker is left out: it is
-        cold (the math library's first calls, first allocations), 1.5x a warm one in a
-        quick-start run, and made the line steep."""
+    def forget(self, rid: str) -> None:
+        """``rid`` ended."""
+        self.accept.forget(rid)
+        self._value.pop(rid, None)
+        self._margin.pop(rid, None)
+        self._wait.pop(rid, None)
+
+    def predict(
+        self, rows: int, padded: int | None = None, fill: int = 0, drafted: int = 0
+    ) -> float | None:
+        """The cost model's milliseconds for a step of this shape (:meth:`StepCostModel.predict`);
+        None before any step."""
+        return self.cost.predict(rows, padded, fill, drafted)
+
+    def record_step(
+        self, rows: int, ms: float, padded: int | None = None, fill: int = 0, drafted: int = 0
+    ) -> None:
+        """The step just verified had this shape (:class:`StepCostModel`) and took ``ms`` from
+        the start of drafting. The first step of a worker is left out: it is cold (the math
+        library's first calls, first allocations), 1.5x a warm one in a quick-start run, and
+        made the line steep."""
         self._recorded += 1
         if self._recorded > 1:
-            self.cost.record(rows, ms, padded)
+            self.cost.record(rows, ms, padded, fill, drafted)
+            if math.isfinite(ms) and ms > 0:
+                self._total_ms += ms
 
 
-def _shape(shape: int | tuple[int, int]) -> tuple[int, int]:
-    """``(rows, padded)`` of a forward shape given as both or as rows alone."""
-    return (shape, shape) if isinstance(shape, int) else (int(shape[0]), int(shape[1]))
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin_{x >= 0} x^T a x - 2 b^T x`` for a symmetric positive definite ``a`` (n, n)
+    (Lawson-Hanson's active set: free the coefficient whose gradient points inward most,
+    solve on the free set, step back to the boundary while a free one turns negative)."""
+    n = len(b)
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(float(np.abs(b).max()), 1.0)
+    for _ in range(3 * n):
+        w = b - a @ x
+        w[free] = -np.inf
+        j = int(np.argmax(w))
+        if w[j] <= tol:
+            break
+        free[j] = True
+        while True:
+            z = np.zeros(n)
+            idx = np.flatnonzero(free)
+            z[idx] = np.linalg.solve(a[np.ix_(idx, idx)], b[idx])
+            neg = free & (z <= 0.0)
+            if not neg.any():
+                x = z
+                break
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            free &= x > tol
+            x[~free] = 0.0
+    return x
+
+
+def _counts(base: Sequence[int], ranked: list, n: int) -> list[int]:
+    """Node counts of ``base`` plus the first ``n`` nodes of ``ranked``."""
+    out = list(base)
+    for _, i, _ in ranked[:n]:
+        out[i] += 1
+    return out
+
+
+def _shape(shape: int | tuple[int, int], fill: int = 0, drafted: int = 0) -> Shape:
+    """``(rows, padded, fill, drafted)`` of a forward shape given as ``(rows, padded)`` or as
+    rows alone."""
+    rows, padded = (shape, shape) if isinstance(shape, int) else (int(shape[0]), int(shape[1]))
+    return rows, padded, fill, drafted

@@ -166,7 +166,7 @@ class _Step:
     gpu_ms: float | None = None  # the forward's GPU time, when measured
     proposed_nodes: int = 0  # nodes proposed (roots included), before the draft budget
     rows: int = 0  # rows the verify forward computes
-    predicted_ms: float | None = None  # the draft budget's prediction of t1 -> end of step
+    predicted_ms: float | None = None  # the draft budget's prediction of the whole step (t0 -> end)
 
     @property
     def rids(self) -> list[str]:
@@ -276,6 +276,7 @@ class SpecWorker:
         self.backend = self._grammar_backend(backend)
         self.drafter = self._make_drafter()
         self._budget = DraftBudget() if cfg.draft_budget else None
+        self._drafted: set[str] = set()  # the requests the drafter ran for this step
         self.stop_token_ids = self._stop_tokens()
         self.step_stats: list[StepStats] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -543,7 +544,10 @@ class SpecWorker:
     def _drafted_rows(
         self, st: RequestState, tree: DraftTree
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(rows, valid)`` of ``tree`` kept by a grammar-aware drafter, or None."""
+        """``(rows, valid)`` of ``tree`` kept by a grammar-aware drafter this step, or None
+        (also for a request the drafter did not run for: it may still hold an older step's)."""
+        if st.rid not in self._drafted:
+            return None
         return self.drafter.draft_rows(st.rid, tree)
 
     def _advance_matchers(
@@ -618,20 +622,43 @@ class SpecWorker:
     # -- one step: draft, verify (grammar work under it), accept, account -------------------
     def _step(self, live: list[RequestState], draining: list[RequestState]) -> StepStats:
         t0 = time.perf_counter()
-        live, draining, trees = self._draft(live, draining)
+        skip: frozenset[str] = frozenset()
+        if self._budget is not None:
+            drafts = self._budget.drafting(
+                [st.rid for st in live],
+                self.runner.forward_shape,
+                fixed=[not st.sampling.greedy for st in live],
+                fill=[st.matcher is not None for st in live],
+            )
+            skip = frozenset(st.rid for st, d in zip(live, drafts) if not d)
+        live, draining, trees = self._draft(live, draining, skip)
         if not live:
             self._advance_matchers([], draining)  # the last tokens of requests that finished
             return _idle_step((time.perf_counter() - t0) * 1e3)
         proposed = sum(t.num_nodes for t in trees)
+        # the requests whose tree rows the step's grammar work fills (one row without drafts)
+        fill = [
+            st.matcher is not None and self._drafted_rows(st, t) is None
+            for st, t in zip(live, trees)
+        ]
+        drafted = [st.rid in self._drafted for st in live]
         if self._budget is not None:
             trees = self._budget.choose(
                 [st.rid for st in live],
                 trees,
                 self.runner.forward_shape,
                 fixed=[not st.sampling.greedy for st in live],
+                fill=fill,
+                drafted=drafted,
             )
         fwd_rows, padded = self.runner.forward_shape([t.num_nodes for t in trees])
-        predicted = self._budget.predict(fwd_rows, padded) if self._budget is not None else None
+        shape = (
+            fwd_rows,
+            padded,
+            sum(t.num_nodes for t, f in zip(trees, fill) if f),
+            sum(drafted),
+        )
+        predicted = self._budget.predict(*shape) if self._budget is not None else None
         t1 = time.perf_counter()
         greedy = [batch_greedy_eligible(st.sampling) for st in live]
         lazy = self._lazy_requests(live, trees, greedy)
@@ -647,7 +674,9 @@ class SpecWorker:
             self._charge_grammar_time(step)
             committed, lazy_ms = self._accept_all(step)
             if self._budget is not None:
-                self._budget.record_step(fwd_rows, (time.perf_counter() - t1) * 1e3, padded)
+                rows, padded, filled, n_drafted = shape
+                ms = (time.perf_counter() - t0) * 1e3
+                self._budget.record_step(rows, ms, padded, filled, n_drafted)
             self._record_measurements(step, lazy_ms)
             return self._step_stats(step, committed, sum(lazy_ms.values()))
         finally:
@@ -656,46 +685,58 @@ class SpecWorker:
                 self._bitmasks.record_upload(self.runner.device)
 
     def _draft(
-        self, live: list[RequestState], draining: list[RequestState]
+        self, live: list[RequestState], draining: list[RequestState], skip: Collection[str] = ()
     ) -> tuple[list[RequestState], list[RequestState], list[DraftTree]]:
-        """The draft phase: one draft tree per live request (:meth:`_propose`), cut to the
-        request's remaining token budget. A drafter that drafts from the grammar state
+        """The draft phase: one draft tree per live request (:meth:`_propose`; a root-only tree
+        for the requests in ``skip``, the draft budget's, without calling the drafter), cut to
+        the request's remaining token budget. A drafter that drafts from the grammar state
         (:attr:`Drafter.needs_grammar_state`) gets every matcher advanced first, the draining
-        ones included. Returns the requests still live, those still draining and the trees."""
-        if self.drafter.needs_grammar_state:
+        ones included, when it runs for any request. Returns the requests still live, those
+        still draining and the trees."""
+        self._drafted = set()
+        if self.drafter.needs_grammar_state and any(st.rid not in skip for st in live):
             live = self._advance_matchers(live, draining)
             draining = []
         if not live:
             return live, draining, []
-        live, trees = self._propose(live)
+        live, trees = self._propose(live, skip)
         trees = [
             cut_tree_depth(t, s.sampling.max_new_tokens - len(s.output_ids) - 1)
             for s, t in zip(live, trees)
         ]
         return live, draining, trees
 
-    def _propose(self, live: list[RequestState]) -> tuple[list[RequestState], list[DraftTree]]:
-        """The drafter's trees for ``live``. Drafting that raises (e.g. a grammar-aware
+    def _propose(
+        self, live: list[RequestState], skip: Collection[str] = ()
+    ) -> tuple[list[RequestState], list[DraftTree]]:
+        """The drafter's trees for ``live`` (root-only trees for ``skip``, the drafter not
+        called for them; :attr:`_drafted` is set to the ids it ran for). Drafting that raises (e.g. a grammar-aware
         drafter's matcher faulting) or returns what is not one tree per request rooted at its
         last committed token (:func:`_checked_trees`: a custom drafter's bug, which would
         otherwise fail the whole batch's forward or verify a request from a wrong token) is
         retried one request at a time: a request whose own drafting fails ends with an error
         (its committed tokens kept), the others go on. Returns the requests still live and
         their trees."""
-        try:
-            return live, _checked_trees(live, self.drafter.propose(live))
-        except Exception:
-            pass
-        kept, trees = [], []
-        for st in live:
+        ask = [st for st in live if st.rid not in skip]
+        got: dict[str, DraftTree] = {}
+        if ask:
             try:
-                (tree,) = _checked_trees([st], self.drafter.propose([st]))
-            except Exception as e:
-                st.finish("error", time.perf_counter(), f"drafting failed: {type(e).__name__}: {e}")
-                self._release(st)
-                continue
-            kept.append(st)
-            trees.append(tree)
+                got = dict(
+                    zip([st.rid for st in ask], _checked_trees(ask, self.drafter.propose(ask)))
+                )
+            except Exception:
+                for st in ask:
+                    try:
+                        (got[st.rid],) = _checked_trees([st], self.drafter.propose([st]))
+                    except Exception as e:
+                        msg = f"drafting failed: {type(e).__name__}: {e}"
+                        st.finish("error", time.perf_counter(), msg)
+                        self._release(st)
+        self._drafted = set(got)
+        kept = [st for st in live if st.rid in got or st.rid in skip]
+        trees = [
+            got[st.rid] if st.rid in got else DraftTree.chain(st.root_token, []) for st in kept
+        ]
         return kept, trees
 
     def _lazy_requests(
@@ -1011,7 +1052,7 @@ class SpecWorker:
             verified if verified is not None else self._verify_one(st, tree, logits, work)
         )
         if self._budget is not None:
-            self._budget.accept.record(st.rid, tree, nodes)
+            self._budget.record_accept(st.rid, tree, nodes)
         run = [tree.token_list[n] for n in nodes[1:]] + [int(bonus)]
         kept = self._append_run(st, run, stops, fed)
         if st.finished:
@@ -1112,7 +1153,7 @@ class SpecWorker:
             self.runner.remove(st.rid)
             self.drafter.remove(st.rid)
         if self._budget is not None:
-            self._budget.accept.forget(st.rid)
+            self._budget.forget(st.rid)
 
     def _result(self, st: RequestState) -> RequestResult:
         reasoning, text = self._split_reasoning(st, committed_text(self.tokenizer, st))

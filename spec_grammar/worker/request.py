@@ -387,14 +387,15 @@ class StepStats(BaseModel):
     """Every grammar row was masked on the device while the forward ran
     (:class:`~spec_grammar.worker.placement.EarlyMask`) rather than on demand after it."""
     proposed_nodes: int = 0
-    """Draft-tree nodes the drafter proposed (roots included), before the draft budget
+    """Draft-tree nodes the drafter proposed (roots included; a request the draft budget did
+    not draft counts its root), before the draft budget
     (:mod:`~spec_grammar.worker.draft_budget`) cut them to ``num_nodes``."""
     forward_rows: int = 0
     """Rows the verify forward's projections computed (the first of
     :meth:`~spec_grammar.worker.runner.ModelRunner.forward_shape`)."""
     predicted_ms: float | None = None
-    """The draft budget's predicted milliseconds of the step after drafting (``step_ms -
-    draft_ms`` measured); None without a budget or before its first measurement."""
+    """The draft budget's predicted milliseconds of the whole step, drafting included
+    (``step_ms`` measured); None without a budget or before its first measurement."""
     lazy_requests: int = 0
     """Greedy grammar requests verified lazily: no tree fill, their matchers asked for the
     greedy tokens their walks read (:class:`~spec_grammar.worker.placement.LazyGrammar`)."""
