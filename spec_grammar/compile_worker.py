@@ -484,6 +484,10 @@ def _child_main(conn: Any, payload: bytes, memory_bytes: int | None) -> None:
                     "raise it"
                 )
             _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            # a cap the process already has (ulimit -v, a container) is the tighter one: the
+            # soft limit cannot be raised past it
+            if hard != resource.RLIM_INFINITY:
+                memory_bytes = min(memory_bytes, hard)
             resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, hard))
     except BaseException as e:  # noqa: BLE001  (told to the parent, which raises it per compile)
         conn.send(("failed", f"{type(e).__name__}: {e}"))
