@@ -20,10 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from result_job import print_result, run_job  # beside this script
 
 HERE = Path(__file__).resolve()
 
@@ -87,17 +88,7 @@ def run_tree(path: str, job: dict) -> dict:
     root = Path(path).resolve()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "adapters")])
-    proc = subprocess.run(
-        [sys.executable, str(HERE), "--job", json.dumps(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=root,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(proc.stderr[-4000:])
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_job([sys.executable, str(HERE), "--job", json.dumps(job)], env=env, cwd=root)
 
 
 def _spread(xs: list[float], fmt: str) -> str:
@@ -145,7 +136,7 @@ def main() -> None:
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     if args.job:
-        print("RESULT " + json.dumps(one_run(json.loads(args.job))), flush=True)
+        print_result(one_run(json.loads(args.job)))
         return
     trees = dict(t.split("=", 1) for t in (args.tree or [f"this={HERE.parent.parent}"]))
     runs: dict[str, list[dict]] = {name: [] for name in trees}

@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from result_job import print_result, run_job  # beside this script
 
 HERE = Path(__file__).resolve()
 PROSE = [
@@ -173,13 +174,7 @@ def run_vllm(python: str, model: str, spec: dict | None, requests, sizes, thread
     )
     env.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "vllm-bench"))
     job = {"model": model, "speculative": spec, "requests": requests, "sizes": sizes}
-    proc = subprocess.run(
-        [python, str(HERE), "--vllm-job", json.dumps(job)], env=env, capture_output=True, text=True
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(proc.stderr[-4000:])
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_job([python, str(HERE), "--vllm-job", json.dumps(job)], env=env)
 
 
 # -- ours ----------------------------------------------------------------------------------------
@@ -295,7 +290,7 @@ def main() -> None:
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     if args.vllm_job:
-        print("RESULT " + json.dumps(vllm_job(json.loads(args.vllm_job))), flush=True)
+        print_result(vllm_job(json.loads(args.vllm_job)))
         return
 
     from spec_grammar.models import load_model, load_tokenizer

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import jsonschema
+from result_job import run_job  # beside this script
 
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
 from spec_grammar.specs import ToolCalls
@@ -125,16 +126,7 @@ def run_vllm(
     env.update(rule or {})
     job = {"model": model, "structured_backend": backend, "speculative": speculative}
     job["requests"] = requests
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_offline.py"), json.dumps(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(proc.stderr[-4000:])
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_job([sys.executable, str(HERE / "vllm_offline.py"), json.dumps(job)], env=env)
 
 
 def run_ours(cmd: str, prompts: list[str], schemas: list[dict], max_tokens: int) -> dict:

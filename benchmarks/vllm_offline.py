@@ -18,6 +18,8 @@ import json
 import sys
 import time
 
+from result_job import print_result  # beside this script
+
 
 def _spec_counters(llm) -> dict[str, float]:
     out: dict[str, float] = {}
@@ -80,4 +82,4 @@ def main(job: dict) -> dict:
 
 if __name__ == "__main__":
     result = main(json.loads(sys.argv[1]))
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
