@@ -597,6 +597,12 @@ class XGrammarBackend(GrammarBackend):
                 "xgrammar 0.2.9 asserts the formats it knows, where Draft 2020-12 makes `format` an "
                 "annotation: strings off the format are refused"
             ),
+            # the text of bounded strings is JSON (strings.py); escapes cost too much there
+            **dict.fromkeys(
+                ("minLength", "maxLength"),
+                "xgrammar 0.2.9 writes a length-bounded string without escape sequences: values "
+                'holding `"`, `\\` or a control character are refused',
+            ),
             **dict.fromkeys(
                 ("unevaluatedItems", "unevaluatedProperties"),
                 "xgrammar 0.2.9 reads it as items / additionalProperties of its own subschema, "
