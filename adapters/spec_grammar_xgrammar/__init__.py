@@ -8,10 +8,10 @@ since xgrammar 0.2.9 has no non-mutating validate.
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -511,21 +511,6 @@ class XGrammarMatcher(SpecGrammar):
         return valid
 
 
-def _balanced_cuts(starts: list[int], parts: int) -> list[int]:
-    """Job indices cutting jobs ``0..J-1`` (job ``j`` holds nodes ``starts[j]..starts[j+1]``)
-    into at most ``parts`` contiguous, non-empty shares of about equal node counts: cut ``k``
-    at the first job whose nodes begin at or past ``k / parts`` of the total. Returns
-    ``[0, ..., J]``."""
-    jobs, total = len(starts) - 1, starts[-1]
-    cuts = [0]
-    for k in range(1, parts):
-        j = bisect.bisect_left(starts, total * k / parts, lo=cuts[-1] + 1, hi=jobs)
-        if j < jobs and j > cuts[-1]:
-            cuts.append(j)
-    cuts.append(jobs)
-    return cuts
-
-
 class XGrammarBackend(GrammarBackend):
     """xgrammar (https://github.com/mlc-ai/xgrammar) behind the spec-grammar protocol.
 
@@ -781,12 +766,15 @@ class XGrammarBackend(GrammarBackend):
         """:meth:`fill_tree_bitmasks` for jobs of distinct library matchers of this backend,
         every tree's ids inside the tokenizer.
 
-        The jobs are cut into ``num_threads`` contiguous shares of about equal node counts;
-        each share's thread runs xgrammar's walks and then puts its rows in place (under a
-        model head wider than the tokenizer, xgrammar writes a tokenizer-wide scratch, which
-        the share copies into the bitmask) and clears their padding ids, with torch copies
-        that release the GIL: the rows' memory traffic (~50 MB at 128 x 64 nodes over a 128k
-        head) is spread over the threads too, not left to the caller."""
+        ``num_threads`` threads take the jobs one at a time, largest tree first, from a shared
+        counter (a job's cost varies by far more than its node count: a state inside a string
+        fills a row in microseconds, one before a large object's keys in milliseconds, so
+        fixed shares left most threads idle behind the slowest one). Each thread runs a job's
+        walk and then puts its rows in place (under a model head wider than the tokenizer,
+        xgrammar writes a tokenizer-wide scratch, which the thread copies into the bitmask) and
+        clears their padding ids, with torch copies that release the GIL: the rows' memory
+        traffic (~50 MB at 128 x 64 nodes over a 128k head) is spread over the threads too.
+        Dead rows are zeroed by one torch ``index_fill_`` (parallel, GIL released)."""
         trees = [t for _, t, _ in jobs]
         tb = TreeBatch(trees, [off for _, _, off in jobs])
         total = int(tb.starts[-1])
@@ -798,7 +786,8 @@ class XGrammarBackend(GrammarBackend):
         word, bit = divmod(self.tokenizer_info.tokenizer_vocab_size, 32)
         links = tb.links
         threads = max(1, min(self.num_threads, len(jobs)))
-        cuts = _balanced_cuts(starts, threads)
+        order = sorted(range(len(jobs)), key=lambda j: starts[j] - starts[j + 1])
+        taken = itertools.count()
 
         def place(a: int, b: int, lo: int) -> None:
             """Nodes ``[a, b)`` (flat) into bitmask rows ``[lo, lo + b - a)``."""
@@ -816,24 +805,19 @@ class XGrammarBackend(GrammarBackend):
             # the library calls without their Python wrapper: no work between native calls
             fns = [m._enter()._handle.traverse_draft_tree for m, _, _ in jobs]
 
-            def share(k: int) -> None:
-                first, last = cuts[k], cuts[k + 1]
-                for j in range(first, last):
+            def share(_k: int) -> None:
+                # next() of itertools.count is atomic under the GIL: each job runs once
+                while (i := next(taken)) < len(order):
+                    j = order[i]
                     a, b = starts[j], starts[j + 1]
                     out = dest[offs[j] : offs[j] + b - a] if scratch is None else dest[a:b]
                     fns[j](links[0, a:b], links[1, a:b], links[2, a:b], out, -1.0, None)
-                a, b = starts[first], starts[last]
-                if all(offs[j] == offs[first] + starts[j] - a for j in range(first, last)):
-                    place(a, b, offs[first])
-                else:
-                    for j in range(first, last):
-                        place(starts[j], starts[j + 1], offs[j])
+                    place(a, b, offs[j])
 
-            self._run_shares(share, len(cuts) - 1)
-        words = bitmask.numpy()
-        valid, dead = tb.settle(words, self._stop_set)
+            self._run_shares(share, threads)
+        valid, dead = tb.settle(bitmask.numpy(), self._stop_set)
         if zero_dead and dead.any():
-            words[tb.rows[dead]] = 0
+            bitmask.index_fill_(0, torch.from_numpy(tb.rows[dead]), 0)
         return list(torch.from_numpy(valid).split([t.num_nodes for t in trees]))
 
     def _run_shares(self, share: Callable[[int], None], count: int) -> None:
