@@ -15,6 +15,8 @@ times); ours plain (``no_spec``), fixed trees (``draft_budget=False``) and the d
 (adaptive draft budget). Batch 1 runs the requests one at a time; batch 8 / 12, one batch (the
 first 8 / all of them). CPU-seconds: the process tree's user + system time over the timed
 calls (vLLM's engine process busy-polls). One OMP thread per engine by default (``--threads``).
+``--repeats R`` runs every configuration R times, round by round; the table gives medians with
+their range, and ratios as medians of per-round ratios (``--configs`` picks configurations).
 
     .venv/bin/python benchmarks/bench_cpu_peer.py --vllm-python /work/venv-vllm/bin/python \\
         --out benchmarks/results/cpu-peer
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -231,32 +234,51 @@ def _strip_stop(ids: list[int], stops: set[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in stops else ids
 
 
-def table(runs: dict[str, dict], stops: set[int]) -> str:
-    """The Markdown table; the ratios are to vLLM's rows, or to our plain decoding when vLLM
-    did not run (``--ours-only``: its columns then say so)."""
-    peer = "vLLM plain" in runs
+def _rate(result: dict, stops: set[int]) -> tuple[int, float]:
+    """(tokens, tokens/s) of one configuration's result at one prompt kind and batch."""
+    toks = sum(len(_strip_stop(t, stops)) for t in result["token_ids"])
+    return toks, toks / result["seconds"]
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}" if len(values) > 1 else "-"
+
+
+def table(runs: dict[str, list[dict]], stops: set[int]) -> str:
+    """The Markdown table: per configuration, tok/s as the median over the repeats (their
+    range beside it); the ratios are medians of per-repeat ratios (each configuration against
+    vLLM's rows of the same repeat, or against our plain decoding when vLLM did not run), with
+    their range, so drift between repeats cancels. Token identity is against the plain
+    reference of the first repeat, counted over every repeat."""
+    peer = "vLLM plain" in runs and "vLLM n-gram" in runs
     plain_name, spec_name = ("vLLM plain", "vLLM n-gram") if peer else ("ours plain",) * 2
-    ref = runs[plain_name]["results"]
+    ref = runs[plain_name][0]["results"]
     vs_spec, vs_plain = ("x vLLM spec", "x vLLM plain") if peer else ("x ours plain",) * 2
+    repeats = min(len(v) for v in runs.values())
     rows = [
-        f"| prompts | batch | config | tok/s | {vs_spec} | {vs_plain} | tok/CPU-s | ms/step | "
-        f"nodes/step | accept length | same tokens as {plain_name} |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| prompts | batch | config | tok/s | tok/s range | {vs_spec} | {vs_plain} | "
+        "x ours plain (range) | tok/CPU-s | ms/step | nodes/step | accept length | "
+        f"same tokens as {plain_name} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, base in enumerate(ref):
-        rates = {}
-        for name, run in runs.items():
-            r = run["results"][i]
-            toks = sum(len(_strip_stop(t, stops)) for t in r["token_ids"])
-            rates[name] = (toks, r)
-        vspec = rates[spec_name][0] / rates[spec_name][1]["seconds"]
-        vplain = rates[plain_name][0] / rates[plain_name][1]["seconds"]
-        for name, (toks, r) in rates.items():
-            tps = toks / r["seconds"]
+        for name, reps in runs.items():
+            rs = [reps[k]["results"][i] for k in range(repeats)]
+            tps = [_rate(r, stops)[1] for r in rs]
+
+            def per_repeat(other: str, rs=rs, tps=tps) -> list[float]:
+                return [
+                    tps[k] / _rate(runs[other][k]["results"][i], stops)[1] for k in range(repeats)
+                ]
+
+            x_spec, x_plain = per_repeat(spec_name), per_repeat(plain_name)
+            x_ours = per_repeat("ours plain") if "ours plain" in runs else [float("nan")]
             same = sum(
                 _strip_stop(a, stops) == _strip_stop(b, stops)
+                for r in rs
                 for a, b in zip(r["token_ids"], base["token_ids"])
             )
+            r, toks = rs[0], _rate(rs[0], stops)[0]
             if "steps" in r:
                 ms, nodes = f"{r['step_ms']:.0f}", f"{r['nodes_per_step']:.1f}"
                 accept = toks / max(r["steps"], 1) / base["batch"]
@@ -270,10 +292,13 @@ def table(runs: dict[str, dict], stops: set[int]) -> str:
                 accept_s = (
                     f"{1 + spec.get('num_accepted_tokens', 0) / drafts:.2f}" if drafts else "1.00"
                 )
+            med = statistics.median
+            cpu = toks / max(r["cpu_seconds"], 1e-9)
             rows.append(
-                f"| {base['kind']} | {base['batch']} | {name} | {tps:.1f} | {tps / vspec:.2f} | "
-                f"{tps / vplain:.2f} | {toks / max(r['cpu_seconds'], 1e-9):.1f} | {ms} | {nodes} | "
-                f"{accept_s} | {same}/{len(base['token_ids'])} |"
+                f"| {base['kind']} | {base['batch']} | {name} | {med(tps):.1f} | "
+                f"{min(tps):.1f}-{max(tps):.1f} | {med(x_spec):.2f} | {med(x_plain):.2f} | "
+                f"{med(x_ours):.2f} ({_spread(x_ours)}) | {cpu:.1f} | {ms} | {nodes} | "
+                f"{accept_s} | {same}/{len(base['token_ids']) * repeats} |"
             )
     return "\n".join(rows)
 
@@ -287,6 +312,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="OMP threads of each engine")
     ap.add_argument("--kinds", default="json,prose")
     ap.add_argument("--ours-only", action="store_true", help="skip vLLM (a quick look)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every configuration")
+    ap.add_argument(
+        "--configs",
+        default="vllm-plain,vllm-ngram,plain,fixed,default",
+        help="which configurations (ours plain always runs: the ratios need it)",
+    )
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     if args.vllm_job:
@@ -300,24 +331,34 @@ def main() -> None:
         k: v for k, v in build_requests(args.max_tokens).items() if k in args.kinds.split(",")
     }
     model = load_model("smollm2").name_or_path  # the directory our loader writes
-    runs: dict[str, dict] = {}
-    if args.vllm_python and not args.ours_only:
-        for name, spec in (
-            ("vLLM plain", None),
-            (
-                "vLLM n-gram",
-                {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
-            ),
-        ):
-            print(f"running {name}", file=sys.stderr, flush=True)
-            runs[name] = run_vllm(args.vllm_python, model, spec, requests, sizes, args.threads)
-    for name, options in (
-        ("ours plain", {"no_spec": True}),
-        ("ours fixed trees", {"draft_budget": False}),
-        ("ours default (budget)", {}),
-    ):
-        print(f"running {name}", file=sys.stderr, flush=True)
-        runs[name] = run_ours(model, options, requests, sizes, args.threads)
+    configs = set(args.configs.split(",")) | {"plain"}
+    vllm = [
+        ("vllm-plain", "vLLM plain", None),
+        (
+            "vllm-ngram",
+            "vLLM n-gram",
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+        ),
+    ]
+    ours = [
+        ("plain", "ours plain", {"no_spec": True}),
+        ("fixed", "ours fixed trees", {"draft_budget": False}),
+        ("default", "ours default (budget)", {}),
+    ]
+    runs: dict[str, list[dict]] = {}
+    # repeats outermost: every configuration once per round, so drift hits all of them alike
+    for rep in range(args.repeats):
+        if args.vllm_python and not args.ours_only:
+            for key, name, spec in vllm:
+                if key in configs:
+                    print(f"round {rep + 1}: running {name}", file=sys.stderr, flush=True)
+                    run = run_vllm(args.vllm_python, model, spec, requests, sizes, args.threads)
+                    runs.setdefault(name, []).append(run)
+        for key, name, options in ours:
+            if key in configs:
+                print(f"round {rep + 1}: running {name}", file=sys.stderr, flush=True)
+                run = run_ours(model, options, requests, sizes, args.threads)
+                runs.setdefault(name, []).append(run)
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(runs))
     tok = load_tokenizer("smollm2")
