@@ -100,22 +100,50 @@ def test_hermes_tags_become_tagged_tool_calls(text, choice, parallel, names):
         assert by_name["now"] == {"type": "object"}
 
 
-@pytest.mark.slow  # a backend's vocabulary scan: ~10 s on a loaded 2-core host
-def test_calls_in_both_hermes_layouts_are_accepted(tok):
-    pytest.importorskip("xgrammar")
+SPACED = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+CALLS = [  # (text, accepted under flexible, accepted under compact)
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>', True, False),
+    (SPACED, True, False),
+    ('<tool_call>{"name":"add","arguments":{"a":2}}</tool_call>', True, True),
+    (SPACED.replace("add", "sub"), False, False),
+    (SPACED.replace("2", '"2"'), False, False),
+]
+
+
+@pytest.fixture(scope="module")
+def backends(tok):
+    """One backend per name, built on first use (a vocabulary scan each)."""
     from spec_grammar.registry import get_backend
 
-    backend = get_backend("xgrammar", tok)
-    compiled = backend.compile(structural_tag_to_tool_calls(NAMED, whitespace="flexible"))
-    for text, ok in [
-        ('<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>', True),
-        ('<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>', True),
-        ('<tool_call>{"name": "sub", "arguments": {"a": 2}}</tool_call>', False),
-        ('<tool_call>{"name": "add", "arguments": {"a": "2"}}</tool_call>', False),
-    ]:
-        ids = tok.encode(text) + [tok.eos_token_id]
-        m = backend.matcher(compiled)
-        assert (m.accept_tokens(ids) == len(ids) and m.is_terminated()) is ok, text
+    made = {}
+
+    def get(name):
+        pytest.importorskip(f"spec_grammar_{name}")
+        if name not in made:
+            made[name] = get_backend(name, tok)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.slow  # a backend's vocabulary scan: ~10 s on a loaded 2-core host
+@pytest.mark.parametrize("whitespace", ["flexible", "compact"])
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance", "outlines"])
+def test_calls_in_both_hermes_layouts_are_accepted(tok, backends, name, whitespace):
+    """The request's matcher (:func:`spec_grammar.compose.matcher`, what our vLLM backend
+    serves: the tags around one call's JSON; ``backend.matcher`` alone is the call's JSON)
+    takes a call in both of vLLM's hermes layouts under ``flexible`` and only the compact
+    spelling under ``compact``, and refuses an unknown function or ill-typed arguments."""
+    from spec_grammar.compose import matcher
+
+    backend = backends(name)
+    for text_of in (NAMED, REQUIRED, AUTO, LEGACY):
+        compiled = backend.compile(structural_tag_to_tool_calls(text_of, whitespace=whitespace))
+        for text, flexible_ok, compact_ok in CALLS:
+            ok = flexible_ok if whitespace == "flexible" else compact_ok
+            ids = tok.encode(text) + [tok.eos_token_id]
+            m = matcher(backend, compiled)
+            assert (m.accept_tokens(ids) == len(ids) and m.is_terminated()) is ok, text
 
 
 @pytest.mark.parametrize(
