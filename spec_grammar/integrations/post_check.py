@@ -25,7 +25,7 @@ from typing import Any
 
 from ..output_check import check_output
 from ..protocol import GrammarBackend
-from ..specs import GrammarSpec
+from ..specs import Ebnf, GrammarSpec, Lark
 
 __all__ = ["STRICT_ENV", "strict_from_env", "needs_check", "log_if_invalid"]
 
@@ -54,8 +54,9 @@ def strict_from_env(*aliases: str) -> bool:
 def needs_check(compiled: Any) -> bool:
     """Whether a request compiled as ``compiled`` (a :class:`~spec_grammar.compile
     .CompiledGrammar`) must have its output checked: its backend declared something of it
-    unenforced."""
-    return bool(compiled.warnings)
+    unenforced, and an oracle exists for its kind (not EBNF / Lark, whose grammar is their
+    only definition: :func:`~spec_grammar.output_check.check_output`)."""
+    return bool(compiled.warnings) and not isinstance(compiled.spec, (Ebnf, Lark))
 
 
 def log_if_invalid(
