@@ -10,21 +10,41 @@ library's installed version comes from its distribution's metadata. A declaratio
 not a literal (computed, or inherited from a base class) is reported as unknown, and
 :func:`spec_grammar.registry.list_backends` (``spec-grammar backends --check``) imports each
 backend and reads the class itself.
+
+:func:`declarations` reads what the ranking needs (:mod:`spec_grammar.ranking`:
+``json_schema_support``, ``output_limits``, ``schema_caps``) the same way, so the CLI refuses a
+strict or unsupported grammar before torch loads. ``json_schema_support`` is a
+``KeywordSupport(...)`` expression over constants of :mod:`spec_grammar.json_schema.strict`
+(``dict.fromkeys(NOT_CONTEXT_FREE_KEYWORDS, ...)``): it is evaluated with no builtins but
+``dict`` / ``frozenset`` and only the names the module imports from that module.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
 import re
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
 from .capabilities import Capabilities
+from .json_schema.strict import KeywordSupport
 
-__all__ = ["BackendInfo", "ENTRY_POINT_GROUP", "declared_backends", "release"]
+__all__ = [
+    "BackendInfo",
+    "Declarations",
+    "ENTRY_POINT_GROUP",
+    "declarations",
+    "declared_backends",
+    "release",
+]
+
+_CONSTANTS_MODULE = "spec_grammar.json_schema.strict"
+"""The one module whose names a ``json_schema_support`` expression may use."""
 
 ENTRY_POINT_GROUP = "spec_grammar.backends"
 
@@ -57,6 +77,90 @@ def declared_backends() -> list[BackendInfo]:
     (only their source files are read)."""
     eps = {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
     return [_declared(name, ep.value) for name, ep in sorted(eps.items())]
+
+
+@dataclass(frozen=True)
+class Declarations:
+    """A backend class's declarations as :func:`spec_grammar.ranking.rank` reads them, from its
+    source (a stand-in for the class: the same attribute names)."""
+
+    name: str
+    capabilities: Capabilities
+    json_schema_support: KeywordSupport
+    output_limits: frozenset[str]
+    schema_caps: frozenset[str]
+
+
+_DEFAULT_SCHEMA_CAPS = frozenset({"max_string_length", "max_items", "closed_objects"})
+"""``GrammarBackend.schema_caps`` (:mod:`spec_grammar.protocol`, which imports torch)."""
+
+
+def declarations() -> dict[str, Declarations] | None:
+    """name -> :class:`Declarations` of every registered backend that can be used (its library
+    installed), read without importing any; None when one of them declares something that is
+    not read this way (a computed value, a base class other than ``GrammarBackend``): then
+    only importing the classes tells (:func:`spec_grammar.ranking.registered_classes`)."""
+    out: dict[str, Declarations] = {}
+    for info in declared_backends():
+        if info.error is not None:
+            if info.capabilities is None:  # unreadable, not merely uninstalled
+                return None
+            continue  # its library is missing: the import would exclude it too
+        module, _, cls_name = info.target.partition(":")
+        try:
+            found = _class_node(module, cls_name)
+        except (ImportError, OSError, SyntaxError, ValueError):
+            return None
+        if found is None or info.capabilities is None:
+            return None
+        tree, cls = found
+        if [getattr(b, "id", None) for b in cls.bases] != ["GrammarBackend"]:
+            return None  # inherits declarations from a class not read here
+        try:
+            values = _evaluated(tree, cls.body)
+        except (ValueError, TypeError, NameError, ImportError, AttributeError):
+            return None
+        support = values.get("json_schema_support", KeywordSupport())
+        limits = values.get("output_limits", frozenset())
+        caps = values.get("schema_caps", _DEFAULT_SCHEMA_CAPS)
+        if not (
+            isinstance(support, KeywordSupport)
+            and isinstance(limits, frozenset)
+            and isinstance(caps, frozenset)
+        ):
+            return None
+        out[info.name] = Declarations(info.name, info.capabilities, support, limits, caps)
+    return out
+
+
+def _evaluated(tree: ast.Module, body: list[ast.stmt]) -> dict[str, object]:
+    """The class-level ``json_schema_support`` / ``output_limits`` / ``schema_caps``
+    expressions evaluated (module docstring). Raises ``NameError`` for a name not allowed."""
+    allowed: dict[str, object] = {"dict": dict, "frozenset": frozenset}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module == _CONSTANTS_MODULE:
+            constants = importlib.import_module(_CONSTANTS_MODULE)
+            for alias in node.names:
+                allowed[alias.asname or alias.name] = getattr(constants, alias.name)
+    out: dict[str, object] = {}
+    for stmt in body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            target, value = stmt.target, stmt.value
+        else:
+            continue
+        name = getattr(target, "id", None)
+        if name not in ("json_schema_support", "output_limits", "schema_caps"):
+            continue
+        used = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+        if used - allowed.keys() or any(
+            isinstance(n, ast.Attribute) and n.attr.startswith("_") for n in ast.walk(value)
+        ):
+            raise NameError(f"{name} uses {sorted(used - allowed.keys())}")
+        code = compile(ast.Expression(value), "<declaration>", "eval")
+        out[name] = eval(code, {"__builtins__": {}}, allowed)  # noqa: S307 (names checked above)
+    return out
 
 
 def _declared(name: str, target: str) -> BackendInfo:
@@ -93,9 +197,15 @@ def _declared(name: str, target: str) -> BackendInfo:
 
 
 def _class_body(module: str, cls_name: str) -> list[ast.stmt] | None:
-    """The statements of class ``cls_name`` in ``module``'s source, found without running the
-    module or its parent packages (``importlib.util.find_spec`` of a dotted name imports the
-    parents); None when the module has no source file or no such top-level class."""
+    """The statements of class ``cls_name`` in ``module``'s source (:func:`_class_node`)."""
+    found = _class_node(module, cls_name)
+    return None if found is None else found[1].body
+
+
+def _class_node(module: str, cls_name: str) -> tuple[ast.Module, ast.ClassDef] | None:
+    """``module``'s parsed source and its top-level class ``cls_name``, found without running
+    the module or its parent packages (``importlib.util.find_spec`` of a dotted name imports
+    the parents); None when the module has no source file or no such class."""
     top, *rest = module.split(".")
     spec, name = importlib.util.find_spec(top), top
     for part in rest:
@@ -109,7 +219,7 @@ def _class_body(module: str, cls_name: str) -> list[ast.stmt] | None:
         tree = ast.parse(f.read(), spec.origin)
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == cls_name:
-            return node.body
+            return tree, node
     return None
 
 

@@ -17,7 +17,7 @@ from .compile_worker import RemoteLibraryError
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
 from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects, limit_applies
-from .json_schema.strict import unenforced_keywords
+from .json_schema.strict import KeywordSupport, unenforced_keywords
 from .nesting import check_nesting, too_deep
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -29,6 +29,7 @@ __all__ = [
     "CompileCache",
     "compile_spec",
     "checked_cache_key",
+    "checked_schema",
     "LibraryResult",
 ]
 
@@ -193,21 +194,7 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         waited = 0.0
         try:
             if isinstance(target, JsonSchema):
-                check_json_schema(target.json_schema)
-                if target.json_schema is False:
-                    raise GrammarCompileError("the schema `false` accepts no document")
-                if not has_finite_document(target.json_schema):
-                    raise GrammarCompileError(
-                        "the schema accepts no finite document (a required property or item "
-                        "refers back to its own schema, or meets `false` / `enum: []`)"
-                    )
-                ignored = unenforced_keywords(target.json_schema, backend.json_schema_support)
-                if ignored and target.strict:
-                    raise UnsupportedGrammarError(
-                        f"strict mode: {len(ignored)} keyword use(s) would not be enforced: "
-                        + "; ".join(ignored[:5])
-                        + ("; ..." if len(ignored) > 5 else "")
-                    )
+                ignored = checked_schema(target, backend.json_schema_support)
                 target, limit_notes = _with_limits(backend, target, ignored)
                 ignored = ignored + limit_notes
             native, waited = _compile_with_timeout(backend, target)
@@ -255,6 +242,32 @@ def compile_spec(backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
         )
 
     return backend._cache.get_or_compile(key, run)
+
+
+def checked_schema(spec: JsonSchema, support: KeywordSupport) -> list[str]:
+    """The checks of a JSON-schema compile that need no library: raises
+    :class:`GrammarCompileError` for an invalid schema (the meta-schema) or one accepting no
+    finite document, :class:`UnsupportedGrammarError` for a strict ``spec`` of which
+    ``support`` (a backend's ``json_schema_support``) leaves keywords unenforced; otherwise
+    returns those keywords' lines (:func:`~spec_grammar.json_schema.strict.unenforced_keywords`).
+    Errors carry no backend name (the caller adds it). Imports no torch (the CLI's
+    :mod:`~spec_grammar.precheck` runs it before the libraries load)."""
+    check_json_schema(spec.json_schema)
+    if spec.json_schema is False:
+        raise GrammarCompileError("the schema `false` accepts no document")
+    if not has_finite_document(spec.json_schema):
+        raise GrammarCompileError(
+            "the schema accepts no finite document (a required property or item "
+            "refers back to its own schema, or meets `false` / `enum: []`)"
+        )
+    ignored = unenforced_keywords(spec.json_schema, support)
+    if ignored and spec.strict:
+        raise UnsupportedGrammarError(
+            f"strict mode: {len(ignored)} keyword use(s) would not be enforced: "
+            + "; ".join(ignored[:5])
+            + ("; ..." if len(ignored) > 5 else "")
+        )
+    return ignored
 
 
 def checked_cache_key(backend: GrammarBackend, spec: GrammarSpec) -> str:

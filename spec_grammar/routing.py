@@ -31,18 +31,29 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .capabilities import Capabilities
 from .compile import CompiledGrammar, checked_cache_key
-from .errors import BackendNotFoundError, SpecGrammarError, UnsupportedGrammarError
-from .json_schema.strict import unenforced_keywords
+from .errors import SpecGrammarError, UnsupportedGrammarError
 from .nesting import too_deep
 from .protocol import GrammarBackend, SpecGrammar
-from .specs import GrammarSpec, JsonSchema, ToolCalls
+from .ranking import (
+    AUTO,
+    MEASURED_COST,
+    TOKENS_PER_REQUEST,
+    Route,
+    backends_taking,
+    rank,
+    registered_classes,
+    same_everywhere,
+    unenforced_limits,
+    user_unenforced,
+)
+from .specs import GrammarSpec
 from .tree import DraftTree
 
 __all__ = [
@@ -55,177 +66,6 @@ __all__ = [
     "MEASURED_COST",
     "TOKENS_PER_REQUEST",
 ]
-
-AUTO = "auto"
-
-MEASURED_COST: dict[str, dict[str, tuple[float, float]]] = {
-    "xgrammar": {"json_schema": (2.0, 5.1), "tool_calls": (2.8, 5.1)},
-    "llguidance": {"json_schema": (1.5, 23.1), "tool_calls": (2.4, 23.1)},
-    "outlines": {"json_schema": (57.0, 2.5), "tool_calls": (92.3, 2.5)},
-}
-"""backend -> grammar kind -> (median compile ms, mask us per visited tree node), SmolLM2's
-tokenizer, on the bundled corpora: the JSONSchemaBench sample for ``json_schema``, the BFCL
-tool lists for ``tool_calls`` (``docs/benchmarks.md``, "Compile time" and "Tree fill" at
-N=16, from ``benchmarks/results/masks/masks.json``; ``docs/routing.md`` says how and adds a
-second run). Other kinds (regex, EBNF, Lark) use the ``json_schema`` entry."""
-
-TOKENS_PER_REQUEST = 200
-"""Tokens a request is taken to run for when compile and mask costs are added: the CLI's
-``--max-new-tokens`` order of magnitude (256), where a compile of a few ms equals a few
-hundred masks."""
-
-
-def _call_schema(spec: ToolCalls) -> Any:
-    """What the user's tool list asks of one output, as a schema (the calls without limits)."""
-    return spec.model_copy(update={"limits": None}).to_json_schema().json_schema
-
-
-def user_unenforced(backend: type[GrammarBackend], spec: GrammarSpec) -> list[str]:
-    """Lines of what ``backend`` (a class) would leave unenforced of ``spec`` as written, by
-    its declarations (empty for kinds without keyword declarations: regex, EBNF, Lark)."""
-    if isinstance(spec, JsonSchema):
-        return unenforced_keywords(spec.json_schema, backend.json_schema_support)
-    if isinstance(spec, ToolCalls):
-        return unenforced_keywords(_call_schema(spec), backend.json_schema_support)
-    return []
-
-
-def unenforced_limits(backend: type[GrammarBackend], spec: GrammarSpec) -> list[str]:
-    """The output limits ``spec`` sets that ``backend`` enforces neither itself
-    (``output_limits``) nor by a schema rewrite (``schema_caps``)."""
-    limits = getattr(spec, "limits", None)
-    if limits is None:
-        return []
-    out = []
-    for name, value in limits.model_dump().items():
-        if value in (None, False) or name in backend.output_limits or name in backend.schema_caps:
-            continue
-        if name == "max_whitespace" and getattr(spec, "whitespace", None) != "flexible":
-            continue
-        out.append(name)
-    return out
-
-
-def _claims(cls: type[GrammarBackend], spec: GrammarSpec) -> bool:
-    caps: Capabilities = cls.capabilities
-    if isinstance(spec, ToolCalls) and not caps.json_schema:
-        return False
-    return bool(getattr(caps, spec.kind, False))
-
-
-def _cost(name: str, kind: str) -> float:
-    table = MEASURED_COST.get(name)
-    if table is None:
-        return float("inf")
-    compile_ms, mask_us = table.get(kind) or table["json_schema"]
-    return compile_ms + mask_us * TOKENS_PER_REQUEST / 1000
-
-
-@dataclass(frozen=True)
-class Route:
-    """One backend's place in a spec's ranking: ``unenforced`` (lines, the user's spec) and
-    ``limits`` (output limits not enforced) by its declarations, ``cost_ms`` by
-    :data:`MEASURED_COST` (inf: not measured)."""
-
-    name: str
-    unenforced: tuple[str, ...]
-    limits: tuple[str, ...]
-    cost_ms: float
-
-    def reason(self, others: Sequence[Route]) -> str:
-        """Why this route: one line for results and ``--json``."""
-        cost = "not measured" if self.cost_ms == float("inf") else f"~{self.cost_ms:.1f} ms"
-        if not self.unenforced:
-            rivals = [r.name for r in others if not r.unenforced and r.name != self.name]
-            why = "enforces every keyword of the spec"
-            why += (
-                f"; fastest of {', '.join([self.name, *rivals])} ({cost})"
-                if rivals
-                else f" ({cost})"
-            )
-        else:
-            best = min((len(r.unenforced) for r in others), default=len(self.unenforced))
-            why = (
-                f"no backend enforces every keyword; this one leaves the fewest "
-                f"({len(self.unenforced)}, best {best}): {'; '.join(self.unenforced[:3])}"
-            )
-        if self.limits:
-            why += f"; output limits not enforced: {', '.join(self.limits)}"
-        return why
-
-
-def _registered() -> dict[str, type[GrammarBackend] | BackendNotFoundError]:
-    from .registry import _entry_points, load_backend_class
-
-    out: dict[str, Any] = {}
-    for name in sorted(_entry_points()):
-        if name == AUTO:
-            continue
-        try:
-            out[name] = load_backend_class(name)
-        except BackendNotFoundError as e:
-            out[name] = e
-    return out
-
-
-def rank(spec: GrammarSpec, backends: dict[str, type[GrammarBackend]] | None = None) -> list[Route]:
-    """The backends (default: every registered one that loads) that claim ``spec``'s kind,
-    best first (module docstring). Empty when none claims it."""
-    classes = (
-        backends
-        if backends is not None
-        else {n: c for n, c in _registered().items() if isinstance(c, type)}
-    )
-    routes = [
-        Route(
-            name,
-            tuple(user_unenforced(cls, spec)),
-            tuple(unenforced_limits(cls, spec)),
-            _cost(name, spec.kind),
-        )
-        for name, cls in classes.items()
-        if _claims(cls, spec)
-    ]
-    return sorted(routes, key=lambda r: (len(r.unenforced), len(r.limits), r.cost_ms, r.name))
-
-
-def backends_taking(spec: GrammarSpec) -> str:
-    """One phrase for an error message: the registered backends that would take ``spec``
-    (claim its kind and, for a strict spec, enforce all of it by their declarations)."""
-    routes = rank(spec)
-    if getattr(spec, "strict", False):
-        routes = [r for r in routes if not r.unenforced]
-    names = [r.name for r in routes]
-    return f"backends that would take it: {', '.join(names) if names else 'none registered'}"
-
-
-def _same_everywhere(spec: GrammarSpec, best: Route) -> None:
-    """Raise what every backend would raise, before any is tried (or built): the schema
-    checks of :func:`~spec_grammar.compile.compile_spec` (an invalid schema, no finite
-    document) and a strict refusal by the best route (every other leaves as much or more
-    unenforced)."""
-    target = spec.to_json_schema() if isinstance(spec, ToolCalls) else spec
-    if not isinstance(target, JsonSchema):
-        return
-    from .errors import GrammarCompileError
-    from .json_schema.check import check_json_schema, has_finite_document
-
-    try:
-        check_json_schema(target.json_schema)
-    except GrammarCompileError as e:
-        raise GrammarCompileError(str(e), backend=AUTO, reason=e.reason) from None
-    if target.json_schema is False or not has_finite_document(target.json_schema):
-        raise GrammarCompileError(
-            "the schema accepts no finite document (a required property or item refers back "
-            "to its own schema, or meets `false` / `enum: []`)",
-            backend=AUTO,
-        )
-    if target.strict and best.unenforced:
-        raise UnsupportedGrammarError(
-            f"strict mode: no registered backend enforces every keyword; the best, {best.name}, "
-            f"leaves {len(best.unenforced)} unenforced: " + "; ".join(best.unenforced[:5]),
-            backend=AUTO,
-        )
 
 
 class AutoBackend(GrammarBackend):
@@ -271,7 +111,7 @@ class AutoBackend(GrammarBackend):
         self.excluded: dict[str, str] = {}
         """backend name -> why it takes no part (its library missing, an option refused)."""
         self._classes: dict[str, type[GrammarBackend]] = {}
-        for name, cls in _registered().items():
+        for name, cls in registered_classes().items():
             if isinstance(cls, type):
                 self._classes[name] = cls
             else:
@@ -323,7 +163,7 @@ class AutoBackend(GrammarBackend):
         try:
             routes = rank(spec, self._classes)
             if routes:
-                _same_everywhere(spec, routes[0])
+                same_everywhere(spec, routes[0])
         except RecursionError as e:  # the keyword walks of the ranking met the nesting
             raise too_deep(
                 spec, "the routing's keyword check", self.max_nesting_depth, self.name

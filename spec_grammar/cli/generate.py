@@ -619,6 +619,13 @@ def run(args) -> int:
     check_backend_name(args.grammar_backend)  # a misspelt backend is told before any import
     limits = _output_limits(args)
     global_spec = with_strict(with_limits(_cli_spec(args), limits), args.strict)
+    from ..precheck import early_refusal
+
+    # a strict refusal, an unclaimed kind or an invalid schema from the declarations alone:
+    # told in a second, before torch, the grammar library and the tokenizer load
+    refusal = early_refusal(global_spec, args.grammar_backend)
+    if refusal is not None:
+        raise refusal
     batch_text = _read_text(args.batch_file, "batch") if args.batch_file else None
     base_sampling = _sampling(args, {})
 

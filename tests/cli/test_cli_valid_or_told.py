@@ -68,6 +68,44 @@ def test_unknown_backend_is_told_before_torch_is_imported():
     assert "unknown grammar backend 'nope'; registered: auto" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "told"),
+    [
+        (
+            ["--strict", "--json-schema", json.dumps(UNIQUE)],
+            ["[auto] strict mode", "backends that would take it: none registered"],
+        ),
+        (
+            ["--grammar-backend", "xgrammar", "--strict", "--json-schema", json.dumps(UNIQUE)],
+            ["[xgrammar] strict mode: 1 keyword use(s) would not be enforced: uniqueItems at /"],
+        ),
+        (
+            ["--grammar-backend", "outlines", "--ebnf", "G"],
+            ["[outlines] ebnf grammars are not", "would take it: xgrammar, llguidance"],
+        ),
+        (["--json-schema", '{"type": "strng"}'], ["[auto]", "'strng' is not valid"]),
+    ],
+)
+def test_refusals_are_told_before_torch_is_imported(flags, told, tmp_path):
+    """A strict refusal, an unclaimed kind and an invalid schema, decided from the backends'
+    declarations (read from source): torch, the grammar libraries and the tokenizer are not
+    loaded (was 18 s on a loaded host, the model's libraries imported first)."""
+    g = tmp_path / "a.gbnf"
+    g.write_text('root ::= "a"\n')
+    argv = [str(g) if f == "G" else f for f in flags]
+    code = (
+        "import sys\nfrom spec_grammar.cli import main\n"
+        f"rc = main(['generate', *{argv!r}, 'hi'])\n"
+        "print('RC', rc, [m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "adapters")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "RC 2 []" in out.stdout, out.stdout + out.stderr
+    assert all(t in out.stderr for t in told), out.stderr
+
+
 @pytest.mark.model
 def test_an_output_breaking_its_schema_exits_4_valid_false(capsys, tmp_path):
     batch = tmp_path / "b.jsonl"

@@ -26,6 +26,7 @@ import json
 import logging
 import operator
 import os
+import sys
 from array import array
 from typing import Any
 
@@ -45,13 +46,15 @@ from ...kernels import apply_token_bitmask_inplace
 from ...protocol import CompiledGrammar, GrammarBackend, SpecGrammar
 from ...registry import get_backend
 from ...specs import Ebnf, GrammarSpec, JsonSchema, Regex
+from ..post_check import log_if_invalid, needs_check, strict_from_env
 
 logger = logging.getLogger(__name__)
 
 STRICT_ENV = "SPEC_GRAMMAR_SGLANG_STRICT"
-"""Environment variable: ``1`` compiles every JSON schema in strict mode (a schema using a
-keyword the backend would not enforce is rejected, the request aborted, instead of served with
-a logged warning)."""
+"""The older name of :data:`~spec_grammar.integrations.post_check.STRICT_ENV`
+(``SPEC_GRAMMAR_STRICT``), still read: ``1`` compiles every JSON schema in strict mode (a
+schema using a keyword the backend would not enforce is rejected, the request aborted, instead
+of served with a logged warning and its output checked)."""
 
 
 def allocate_mask(vocab_size: int, rows: int, device: Any = "cpu") -> torch.Tensor:
@@ -74,6 +77,11 @@ class SGLangGrammar(BaseGrammarObject):
         compiled: the grammar it runs (kept for ``repr``).
         grammar_stats: SGLang's per-request statistics record, or None.
         path: the tokens ``matcher`` has accepted (a fork's), default none.
+        check: the request as written, when the backend left some of it unenforced: when
+            SGLang marks the grammar :attr:`finished` after it terminated, the output
+            (:attr:`path` detokenized) is checked and a violation logged as one WARNING line
+            (:func:`~spec_grammar.integrations.post_check.log_if_invalid`); :attr:`valid`
+            holds the verdict (None until then, or without ``check``).
 
     A matcher whose library failed (llguidance's reaching a state with no continuation, e.g.
     ``x ::= x`` after ``"a" x``; a batched fill that failed for another request of its group)
@@ -91,6 +99,7 @@ class SGLangGrammar(BaseGrammarObject):
         compiled: CompiledGrammar,
         grammar_stats: GrammarStats | None = None,
         path: array | None = None,
+        check: GrammarSpec | None = None,
     ):
         super().__init__()
         self.backend = backend
@@ -99,6 +108,27 @@ class SGLangGrammar(BaseGrammarObject):
         self.grammar_stats = grammar_stats
         # int32 ids: a long output costs 4 bytes a token here (a list: ~36)
         self.path: array = array("i") if path is None else path
+        self.check = check
+        self.valid: bool | None = None
+
+    @property
+    def finished(self) -> bool:
+        """SGLang's flag: the request finished (set by its scheduler after every token)."""
+        return self._finished
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        if value and not self._finished and self.check is not None and self.is_terminated():
+            # SGLang's caller has the request as ``req``; its id names the request in the log
+            req = sys._getframe(1).f_locals.get("req")
+            self.valid = log_if_invalid(
+                self.backend,
+                self.check,
+                self.compiled.warnings,
+                self.path,
+                str(getattr(req, "rid", None) or repr(self)),
+            )
+        self._finished = value
 
     def recover(self) -> None:
         """Replace a failed matcher by a fresh one that replays :attr:`path` (rare: O(len))."""
@@ -174,7 +204,9 @@ class SGLangGrammar(BaseGrammarObject):
             twin = compose_matcher(self.backend, self.compiled)
         else:
             twin = m.fork()
-        return SGLangGrammar(self.backend, twin, self.compiled, stats, array("i", self.path))
+        return SGLangGrammar(
+            self.backend, twin, self.compiled, stats, array("i", self.path), self.check
+        )
 
     # -- masks ---------------------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
@@ -229,7 +261,8 @@ class SGLangGrammarBackend(BaseGrammarBackend):
             SGLang's default, any whitespace; ``"spaced"`` with
             ``--constrained-json-disable-any-whitespace``).
         strict: compile JSON schemas in strict mode (refuse keywords the library would not
-            enforce); otherwise such keywords are logged as warnings.
+            enforce); otherwise such keywords are logged as warnings and the request's
+            completed output is checked (:class:`SGLangGrammar` ``check``).
 
     A grammar that does not compile, or that the backend cannot represent, becomes an
     :class:`InvalidGrammarObject` carrying the reason (SGLang aborts the request with it).
@@ -275,7 +308,11 @@ class SGLangGrammarBackend(BaseGrammarBackend):
         for line in compiled.warnings:
             logger.warning("spec-grammar:%s does not enforce %s", self.backend.name, line)
         return SGLangGrammar(
-            self.backend, matcher, compiled, GrammarStats(dispatch_type=dispatch_type)
+            self.backend,
+            matcher,
+            compiled,
+            GrammarStats(dispatch_type=dispatch_type),
+            check=spec if needs_check(compiled) else None,
         )
 
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
@@ -325,7 +362,8 @@ def make_backend_factory(name: str):
     in every scheduler process. ``vocab_size`` is the logits width; ``eos_token_ids`` (a set,
     or None: the tokenizer's EOS) become the stop tokens. Raises
     :class:`~spec_grammar.errors.BackendNotFoundError` when the backend's library is missing
-    and ``ValueError`` on a malformed :data:`THREADS_ENV`."""
+    and ``ValueError`` on a malformed :data:`THREADS_ENV` or strict variable
+    (:func:`~spec_grammar.integrations.post_check.strict_from_env`)."""
 
     def init(server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Any = None):
         stop = sorted(int(t) for t in eos_token_ids) if eos_token_ids else None
@@ -334,7 +372,7 @@ def make_backend_factory(name: str):
         if threads is not None and hasattr(backend, "num_threads"):
             backend.num_threads = threads
         compact = getattr(server_args, "constrained_json_disable_any_whitespace", False)
-        strict = os.environ.get(STRICT_ENV, "") not in ("", "0")
+        strict = strict_from_env(STRICT_ENV)
         return SGLangGrammarBackend(
             backend, whitespace="spaced" if compact else "flexible", strict=strict
         )

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +39,9 @@ from spec_grammar.bitmask import allocate_token_bitmask
 from spec_grammar.compose import matcher as compose_matcher
 from spec_grammar.errors import GrammarSpecError, UnsupportedGrammarError
 from spec_grammar.protocol import DEFAULT_MAX_ROLLBACK_TOKENS, GrammarBackend, SpecGrammar
-from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
+from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, with_strict
 
+from ..post_check import log_if_invalid, needs_check, strict_from_env
 from . import selected_backend, selected_whitespace
 from .objects import close_objects, objects_closed
 from .shared import forget_backends, note_grammar, shared_backend
@@ -47,6 +50,11 @@ from .structural_tag import structural_tag_to_tool_calls
 __all__ = ["SpecGrammarVllmBackend", "SpecGrammarVllmGrammar", "to_spec", "validate_request"]
 
 logger = logging.getLogger(__name__)
+
+_PROBE_CALLER = "grammar_bitmask"
+"""The ``StructuredOutputManager`` method (vLLM 0.32 and 0.34) whose ``accept_tokens`` calls try
+draft tokens while filling their rows and are rolled back: a termination there is not the
+output's end (the frame is read once per request, when its grammar terminates)."""
 
 # characters with a meaning in the regex dialects of xgrammar, llguidance and outlines-core
 _REGEX_META = frozenset("\\.^$|?*+()[]{}")
@@ -133,6 +141,10 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
     .selected_whitespace` (vLLM's own rule unless ``$SPEC_GRAMMAR_VLLM_WHITESPACE`` says
     otherwise; an unknown value stops the engine at start); objects closed as vLLM's xgrammar
     closes them unless ``$SPEC_GRAMMAR_VLLM_OBJECTS=open`` (:mod:`.objects`).
+
+    Keywords the backend would leave unenforced: with ``$SPEC_GRAMMAR_STRICT=1`` the request is
+    refused when it compiles; otherwise it is served and its completed output checked
+    (:mod:`spec_grammar.integrations.post_check`, :class:`SpecGrammarVllmGrammar`).
     """
 
     backend_name: str = field(init=False, default="xgrammar")
@@ -142,6 +154,7 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         cfg = self.vllm_config.structured_outputs_config
         self.whitespace = selected_whitespace(bool(cfg.disable_any_whitespace))
         self.closed_objects = objects_closed()
+        self.strict = strict_from_env()
         spec_cfg = self.vllm_config.speculative_config
         num_spec = spec_cfg.num_speculative_tokens if spec_cfg is not None else 0
         self.max_rollback_tokens = max(DEFAULT_MAX_ROLLBACK_TOKENS, (num_spec or 0) + 1)
@@ -169,7 +182,9 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
         (:class:`~spec_grammar.errors.GrammarCompileError`,
         :class:`~spec_grammar.errors.UnsupportedGrammarError`,
         :class:`~spec_grammar.errors.GrammarSpecError`), which vLLM turns into that request's
-        failure. Keywords the backend compiles but does not enforce are logged as warnings."""
+        failure; in strict mode (:attr:`strict`) an :class:`UnsupportedGrammarError` naming the
+        keywords the backend would not enforce. Otherwise such keywords are logged as warnings,
+        and the grammar checks its completed output against the request as written."""
         backend = self._backend_for(stop_token_ids)
         spec = to_spec(
             request_type,
@@ -177,10 +192,15 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
             whitespace=self.whitespace,
             closed_objects=self.closed_objects,
         )
-        compiled = backend.compile(spec)
+        compiled = backend.compile(with_strict(spec, self.strict))
         for w in compiled.warnings:
             logger.warning("spec-grammar %s does not enforce %s", self.backend_name, w)
-        return SpecGrammarVllmGrammar(backend, compiled, compose_matcher(backend, compiled))
+        check = None
+        if needs_check(compiled):  # closing objects only narrows: check the schema as written
+            check = to_spec(request_type, grammar_spec, whitespace=self.whitespace)
+        return SpecGrammarVllmGrammar(
+            backend, compiled, compose_matcher(backend, compiled), check=check
+        )
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         """int32 ``(max_num_seqs, ceil(vocab_size / 32))``, all tokens allowed."""
@@ -192,15 +212,32 @@ class SpecGrammarVllmBackend(StructuredOutputBackend):
 
 class SpecGrammarVllmGrammar(StructuredOutputGrammar):
     """One request's grammar state for vLLM, over one of our matchers
-    (:class:`~spec_grammar.protocol.SpecGrammar`)."""
+    (:class:`~spec_grammar.protocol.SpecGrammar`).
 
-    def __init__(self, backend: GrammarBackend, compiled: Any, matcher: SpecGrammar):
+    ``check``: the request as written, when the backend left some of it unenforced. Then the
+    accepted tokens are kept, and when the grammar terminates on a token vLLM committed (not on
+    a draft token its bitmask pass tries, :data:`_PROBE_CALLER`, which it rolls back) the
+    output is checked and a violation logged as one WARNING line
+    (:func:`~spec_grammar.integrations.post_check.log_if_invalid`); :attr:`valid` holds the
+    verdict (None until then, or without ``check``)."""
+
+    def __init__(
+        self,
+        backend: GrammarBackend,
+        compiled: Any,
+        matcher: SpecGrammar,
+        *,
+        check: GrammarSpec | None = None,
+    ):
         self._backend = backend
         self._compiled = compiled
         self.matcher = matcher
         # set by fill_bitmask, cleared by the next call: vLLM's bitmask pass is the one caller
         # that accepts a draft token right after filling its row
         self._probing = False
+        self._check = check
+        self._path: array | None = array("i") if check is not None else None
+        self.valid: bool | None = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -227,7 +264,14 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
         if self.matcher.is_terminated():
             return True
         n = self.matcher.accept_tokens(tokens)
-        if n == len(tokens) or self.matcher.is_terminated():
+        done = self.matcher.is_terminated()
+        if n == len(tokens) or done:
+            if self._path is not None:
+                self._path.extend(tokens[:n])
+                if done and sys._getframe(1).f_code.co_name != _PROBE_CALLER:
+                    self.valid = log_if_invalid(
+                        self._backend, self._check, self._compiled.warnings, self._path, request_id
+                    )
             return True
         if n:
             self.matcher.rollback(n)
@@ -252,6 +296,8 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
         """Undo the last ``num_tokens`` accepted tokens, termination included; O(num_tokens)."""
         self._probing = False
         self.matcher.rollback(num_tokens)
+        if self._path is not None and num_tokens:
+            del self._path[-num_tokens:]
 
     def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
         """Write the allowed next tokens into row ``batch_index`` of ``bitmask`` (the layout of
@@ -265,3 +311,6 @@ class SpecGrammarVllmGrammar(StructuredOutputGrammar):
     def reset(self) -> None:
         self._probing = False
         self.matcher = compose_matcher(self._backend, self._compiled)
+        if self._path is not None:
+            self._path = array("i")
+        self.valid = None
