@@ -5,7 +5,8 @@
   Tests that need float64 outputs (spec vs no-spec greedy parity) use
   ``real_model.model_and_tokenizer()`` from ``tests/support/``.
 - Lanes: ``pytest -m unit`` runs the tests marked none of ``model`` (loads the real model),
-  ``integration`` (a subprocess, a native build, a sweep over real inputs), ``slow``, ``gpu``,
+  ``integration`` (a subprocess, a native build, a sweep over real inputs, the tiny-model worker
+  run end to end for seconds), ``slow``, ``gpu``,
   ``vllm``: the lane a change is checked with first (``unit`` is set here, by
   :func:`pytest_collection_modifyitems`). A test not marked ``model`` that loads the real model
   fails (:func:`pytest_configure`).

@@ -246,6 +246,7 @@ WORKER_OPTIONS = {
 }
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("options", list(WORKER_OPTIONS))
 @pytest.mark.parametrize("placement", ["thread", "inline", "measured"])
 def test_placements_are_token_identical(placement, options):
@@ -362,6 +363,7 @@ class FlakyBackend(XGrammarBackend):
         return cls(self, xgr.GrammarMatcher(compiled.native))
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("where", ["fill", "accept"])
 @pytest.mark.parametrize("mode", ["thread", "inline", "sync"])
 def test_grammar_fault_ends_only_its_request_in_any_placement(mode, where):
@@ -450,6 +452,7 @@ def test_forward_fault_after_launch_waits_for_the_thread_and_the_worker_recovers
     assert again == run_worker(mixed_requests(), graphs=False, overlap=False)[0]
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
 def test_cancel_mid_run_with_graphs(thread):
     """Cancel from ``on_step`` (and from another thread while a step runs): the cancelled request
