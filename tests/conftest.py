@@ -62,6 +62,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason="gpu: no CUDA device"))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze the objects that exist once every test module is imported (torch's, the grammar
+    libraries', the tests' own: ~380,000) out of the cycle collector's scans: every full
+    collection, automatic or each module's :func:`_release_module_caches`, walked them all
+    again (0.2 s each, ~0.4 s on a loaded host; a tenth of the unit lane's time). What the
+    tests build later is collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # frozen objects are skipped by the collection at interpreter exit too: nanobind then
+    # reports the triton objects it finds alive as leaks
+    import gc
+
+    gc.unfreeze()
+
+
 _REAL_MODELS = ("smollm2", "gemma3")
 _running: list[pytest.Item | None] = [None]
 
