@@ -57,7 +57,7 @@ def run(args) -> int:
         "auto",
         "spec_grammar.routing:AutoBackend",
         "-",
-        "per request: the backend above that enforces the most of it, then the fastest",
+        "per request: the backend above that enforces the most of the spec, then the fastest",
     )
     console = Console()
     console.print(table)

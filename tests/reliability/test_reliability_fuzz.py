@@ -33,7 +33,12 @@ from spec_grammar.tree import DraftTree
 from spec_grammar.worker.sampling import SamplingParams, process_tree_logits
 from spec_grammar.worker.verify import verify_greedy, verify_stochastic
 
-BACKENDS = ("xgrammar", "llguidance", "outlines")
+# outlines fuzzes for seconds more than the others: its cases are in the integration lane
+BACKENDS = (
+    "xgrammar",
+    "llguidance",
+    pytest.param("outlines", marks=pytest.mark.integration),
+)
 LONG = bool(os.environ.get("SPEC_GRAMMAR_LONG"))
 EXAMPLES = int(os.environ.get("SPEC_GRAMMAR_FUZZ_EXAMPLES", "300")) if LONG else 12
 FUZZ = settings(

@@ -60,7 +60,10 @@ def _small(kind: str):
     return model.to(torch.float64).eval()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3-rope", "mha"])
+# qwen2 (seconds: its own HF model) in the integration lane, the other two in the unit lane
+@pytest.mark.parametrize(
+    "kind", [pytest.param("qwen2", marks=pytest.mark.integration), "llama3-rope", "mha"]
+)
 def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     """float64: the fused forward runs the HF modules' operations in the same dtypes, so logits
     agree to float64 rounding; forwards over all requests, over a subset in another order, and

@@ -201,6 +201,7 @@ def _run(model, drafter, budget: bool, no_spec: bool = False):
     return [o.token_ids for o in out], worker.step_stats
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 def test_worker_stops_drafting_when_drafts_never_pay(tiny_model):
     """Drafts never accepted: after its measuring steps the budget verifies roots only (plain
     decoding) except on its exploration steps, and stops calling the drafter for requests
@@ -294,6 +295,7 @@ class _BrokenFor(Drafter):
         return trees
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("how", ["missing", "wrong-root", "none"])
 def test_a_drafter_breaking_its_contract_for_one_request_ends_only_that_request(tiny_model, how):
     """A drafter that returns too few trees, a tree not rooted at the request's last committed

@@ -165,7 +165,14 @@ def _plain(result):
 
 
 @pytest.mark.parametrize("block", range(3))
-@pytest.mark.parametrize("name", ["xgrammar", "llguidance", "outlines"])
+# xgrammar in the unit lane; the other two backends (seconds each) in the integration lane
+@pytest.mark.parametrize(
+    "name",
+    [
+        "xgrammar",
+        *(pytest.param(n, marks=pytest.mark.integration) for n in ("llguidance", "outlines")),
+    ],
+)
 def test_lazy_walks_on_hostile_trees_equal_the_oracle(name, block):
     """Batches of lazy (with or without the first branch pre-accepted), filled (with or
     without early masked rows) and plain requests of different tree sizes; stop sets with the grammar's

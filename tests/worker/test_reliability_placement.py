@@ -246,6 +246,7 @@ WORKER_OPTIONS = {
 }
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("options", list(WORKER_OPTIONS))
 @pytest.mark.parametrize("placement", ["thread", "inline", "measured"])
 def test_placements_are_token_identical(placement, options):
@@ -287,7 +288,14 @@ def test_all_plain_batch_with_graphs_has_no_grammar_units():
     )
 
 
-@pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
+# inline in the unit lane; the grammar thread (seconds more) in the integration lane
+@pytest.mark.parametrize(
+    "thread",
+    [
+        pytest.param(True, id="thread", marks=pytest.mark.integration),
+        pytest.param(False, id="inline"),
+    ],
+)
 def test_full_trees_fast_path_in_the_worker(thread):
     """All-grammar batch with full trees every step (the fast verify path, no row indices), a
     known continuation drafted so that whole runs are accepted: equal to plain decoding."""
@@ -362,6 +370,7 @@ class FlakyBackend(XGrammarBackend):
         return cls(self, xgr.GrammarMatcher(compiled.native))
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("where", ["fill", "accept"])
 @pytest.mark.parametrize("mode", ["thread", "inline", "sync"])
 def test_grammar_fault_ends_only_its_request_in_any_placement(mode, where):
@@ -420,6 +429,7 @@ class SlowGrammarWorker(SpecWorker):
             self.state["running"] -= 1
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 def test_forward_fault_after_launch_waits_for_the_thread_and_the_worker_recovers():
     """The replay raises after the grammar thread started: the thread's work has ended before
     the error reaches the caller (it writes the step's bitmask buffer), and the same worker then
@@ -450,6 +460,7 @@ def test_forward_fault_after_launch_waits_for_the_thread_and_the_worker_recovers
     assert again == run_worker(mixed_requests(), graphs=False, overlap=False)[0]
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("thread", [True, False], ids=["thread", "inline"])
 def test_cancel_mid_run_with_graphs(thread):
     """Cancel from ``on_step`` (and from another thread while a step runs): the cancelled request

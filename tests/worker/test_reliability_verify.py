@@ -263,7 +263,10 @@ def _adversarial_case(seed: int):
     return logits, trees, bitmask, offsets, valids, stops, selected
 
 
-@pytest.mark.parametrize("block", range(4))
+# block 0 in the unit lane; the other blocks (seconds each) in the integration lane
+@pytest.mark.parametrize(
+    "block", [0, *(pytest.param(b, marks=pytest.mark.integration) for b in range(1, 4))]
+)
 def test_adversarial_valid_inputs_equal_the_oracle(block):
     for seed in range(block * 150, (block + 1) * 150):
         logits, trees, bitmask, offsets, valids, stops, selected = _adversarial_case(seed)
@@ -376,6 +379,7 @@ def reference():
     return _run(draft="none", overlap=False)
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize(
     "kw",
     [
@@ -432,6 +436,7 @@ def test_worker_nan_logits_batched_path_equals_per_request_path():
     assert run({}) == run({0: 0.0})
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 @pytest.mark.parametrize("position", [0, 8])
 def test_worker_fill_fault_that_scribbles_its_rows_ends_only_its_request(position):
     """A matcher that allows everything in its rows, then raises from its 3rd tree fill; first

@@ -98,7 +98,12 @@ def test_drafter_names_of_a_known_form_pass_the_config(draft):
 
 @pytest.mark.parametrize(
     "shape",
-    [dict(topk=10**6), dict(num_steps=10**9), dict(topk=2**70, constrain_draft=True)],
+    [
+        dict(topk=10**6),
+        dict(num_steps=10**9),
+        # a constrained draft of the widest tree: seconds, so in the integration lane
+        pytest.param(dict(topk=2**70, constrain_draft=True), marks=pytest.mark.integration),
+    ],
 )
 def test_huge_topk_and_num_steps_draft_no_more_than_a_tree_holds(shape):
     """``self:1`` with ``topk=10**6`` drafted a frontier of the whole vocabulary, and

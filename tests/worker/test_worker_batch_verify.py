@@ -200,6 +200,7 @@ def _generate(setup, overlap: bool, bias: dict):
         return [(r.token_ids, r.finish_detail) for r in w.run(reqs)]
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 def test_worker_batched_path_equals_per_request_path(tiny_worker_setup):
     """A zero logit bias changes no logit but routes requests through the per-request path:
     batched (overlap on and off) and per-request outputs must be identical."""

@@ -104,6 +104,7 @@ def test_an_unknown_option_is_a_type_error_before_the_model_loads(monkeypatch):
         api.generate("hi", grammar_threads=0, max_new_tokens=2)
 
 
+@pytest.mark.integration  # the tiny-model worker end to end for seconds: out of the unit lane
 def test_config_and_keywords_give_the_same_worker_and_outputs():
     """``SpecWorker(config=...)``, keywords over a config and keywords alone: the same options,
     the same tokens. Without a config ``forced_tokens`` stays off (a Drafter runs as given)."""
