@@ -36,7 +36,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
+
+from .json_pointer import resolve_pointer
 
 try:  # Python >= 3.11
     from re import _constants as _c
@@ -168,20 +169,6 @@ _LITERALS = frozenset({"const", "enum", "default", "examples"})
 """Keywords whose values are JSON values, not schemas: no ``$ref`` or ``pattern`` in them."""
 
 
-def _pointer(root: Any, ref: str) -> Any | None:
-    """The node local reference ``ref`` (``#`` or ``#/a/b``) names in ``root``, else None."""
-    node = root
-    for part in ref[2:].split("/") if ref != "#" else []:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _children(node: Any, literal: bool) -> Iterator[tuple[Any, bool, str | None]]:
     """``(child, literal, ref)`` for each container inside ``node`` (``ref``: a local
     reference to follow instead of a child, the child then None)."""
@@ -234,7 +221,7 @@ def json_nesting_depth(value: Any) -> int:
         elif ref in expanded:
             frame[1] = max(frame[1], expanded[ref] - 1)
         elif ref not in active:
-            target = _pointer(value, ref)
+            target = resolve_pointer(value, ref)
             if isinstance(target, (dict, list)):
                 active.add(ref)
                 stack.append([_children(target, False), 0, ref])
