@@ -450,8 +450,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     name = "llguidance"
     library_requirement = "llguidance>=1.9"  # the oldest release tested (the extra's pin)
-    # llguidance 1.9.1 segfaults on a $ref chain of 1,000 links (nesting 2,003; 600 links
-    # compile) and on a chain of 5,000 rule references (2,000 compile), SmolLM2, main thread
+    # llguidance 1.9.1 segfaults on a $ref chain of 1,000 object links (nesting 3,003; 600
+    # links, 1,803, compile) or 3,000 bare links ({"$ref": next}: 3,003; 2,000 compile), and on
+    # a chain of 5,000 rule references (2,000 compile), SmolLM2, main thread and compile thread
     native_max_nesting_depth = 1000
     capabilities = Capabilities(
         json_schema=True,

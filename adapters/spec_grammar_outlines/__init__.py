@@ -288,18 +288,9 @@ def _refusals(schema: Any) -> list[str]:
         return n
 
     map_subschemas(schema, node)
-    targets = {t for _, t in refs}
-    inside = {
-        t: {t2 for w, t2 in refs if w == t or w.startswith(t + "/") or t == ""} for t in targets
-    }
+    recursive = _on_cycles(refs)
     for where, t in refs:
-        seen, todo = set(), list(inside.get(t, ()))
-        while todo:
-            x = todo.pop()
-            if x not in seen:
-                seen.add(x)
-                todo.extend(inside.get(x, ()))
-        if t in seen:
+        if t in recursive:
             at = where or "/"
             notes.append(
                 f"$ref:refuses at {at}: outlines-core 0.2.14 unrolls a recursive reference "
@@ -310,6 +301,60 @@ def _refusals(schema: Any) -> list[str]:
                 "reference stops (`{}` is accepted there whatever the referenced schema says)"
             )
     return list(dict.fromkeys(notes))
+
+
+def _on_cycles(refs: list[tuple[str, str]]) -> set[str]:
+    """The targets of ``refs`` (``(where the $ref is, the pointer it names)``, both JSON
+    pointers) that lead back to themselves: a target leads to every target referred to from
+    inside it. Tarjan's strongly connected components over an explicit stack: linear in the
+    references and the lengths of their pointers (a chain of 5,000 references took seconds
+    with one search per reference)."""
+    targets = {t for _, t in refs}
+    edges: dict[str, list[str]] = {t: [] for t in targets}
+    for where, t in refs:
+        # the targets holding ``where``: the root and ``where``'s own prefixes
+        ends = [0] + [i for i, ch in enumerate(where) if ch == "/" and i] + [len(where)]
+        for holder in dict.fromkeys(where[:i] for i in ends):
+            if holder in edges:
+                edges[holder].append(t)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: list[str] = []
+    placed: set[str] = set()
+    found: set[str] = set()
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(edges[root]))]
+        index[root] = low[root] = len(index)
+        on_stack.append(root)
+        placed.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    on_stack.append(w)
+                    placed.add(w)
+                    work.append((w, iter(edges[w])))
+                elif w in placed:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = []
+                while True:
+                    x = on_stack.pop()
+                    placed.discard(x)
+                    component.append(x)
+                    if x == v:
+                        break
+                if len(component) > 1 or v in edges[v]:
+                    found.update(component)
+    return found
 
 
 def _escaped_names(node: dict[str, Any], _where: str) -> dict[str, Any]:
