@@ -58,7 +58,7 @@ from spec_grammar.json_schema.strict import (
     REQUIRED_UNDECLARED,
     KeywordSupport,
 )
-from spec_grammar.limits import regex_positions, regex_repeat_nesting
+from spec_grammar.limits import json_nesting_depth, regex_positions, regex_repeat_nesting
 from spec_grammar.protocol import (
     Capabilities,
     CompiledGrammar,
@@ -253,6 +253,10 @@ def _checked_node(node: dict[str, Any], where: str) -> dict[str, Any]:
         )
     return node
 
+
+NATIVE_TEXT_DEPTH = 127
+"""The deepest JSON schema text outlines-core 0.2.14 reads (serde_json's limit: an array of
+objects nested 127 deep compiles, 128 deep is "Expected a valid JSON string.")."""
 
 _MAX_RECURSION_DEPTH = 3
 """outlines-core 0.2.14's ``build_regex_from_schema(max_recursion_depth=3)``: a regex has no
@@ -836,6 +840,18 @@ class OutlinesBackend(GrammarBackend):
                 )
                 regex = _bounded_digits(regex, digits)
                 return regex.replace(_STRING_CHAR, _JSON_STRING_CHAR), notes
+            except TypeError as e:
+                # serde_json's depth limit, said as "Expected a valid JSON string."
+                if json_nesting_depth(json.loads(schema)) <= NATIVE_TEXT_DEPTH:
+                    raise
+                raise GrammarLimitError(
+                    f"json_schema: outlines-core 0.2.14 reads JSON nested at most "
+                    f"{NATIVE_TEXT_DEPTH} deep (its serde_json: {e}), below max_nesting_depth="
+                    f"{self.max_nesting_depth}, which does not lift it: flatten the spec, or "
+                    "use xgrammar",
+                    backend=self.name,
+                    reason=f"JSON text nested past outlines-core's depth {NATIVE_TEXT_DEPTH}",
+                ) from e
             except ValueError as e:
                 # outlines says "Unsupported ..." / "... is not supported by Outlines" for
                 # valid schemas it cannot express.

@@ -10,9 +10,11 @@ the real schemas of the bundled corpora.
 
 from __future__ import annotations
 
+import json
 import time
 from functools import cache
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -270,3 +272,47 @@ def test_the_bare_chain_that_crashed_llguidance_is_refused_by_its_safe_depth(tok
     with pytest.raises(GrammarLimitError, match="the deepest this backend's library survives"):
         raised.compile(spec)
     assert raised.num_compiles == compiles
+
+
+# the deepest JSON text each library's parser reads (serde_json in llguidance and outlines-core)
+NATIVE_TEXT_DEPTH = {"llguidance": 124, "outlines": 127}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_documented_limit_is_the_one_that_holds(name, tok):
+    """Depth exactly ``max_nesting_depth`` (128: an array of 63 nested objects) compiles
+    where the library's own parser reads that deep (xgrammar; the recursive steps of the
+    compile, the meta-schema check first, refused 127 before) and is a GrammarLimitError
+    naming the library's depth where it does not; 129 is refused by the limit on every
+    backend. The compiled grammar accepts the one document ``jsonschema`` accepts."""
+    backend = _backend(name, tok)
+    at_limit = JsonSchema({"type": "array", "items": _objects(63)})
+    over = JsonSchema({"type": "array", "items": at_limit.json_schema})
+    assert nesting_depth(at_limit)[0] == DEFAULT_MAX_NESTING_DEPTH
+    with pytest.raises(GrammarLimitError, match="nesting depth 129 .* max_nesting_depth=128"):
+        backend.compile(over)
+    if name in NATIVE_TEXT_DEPTH:
+        with pytest.raises(GrammarLimitError, match=f"at most {NATIVE_TEXT_DEPTH[name]} deep"):
+            backend.compile(at_limit)
+        # at the library's own depth it compiles
+        deepest = NATIVE_TEXT_DEPTH[name]
+        spec = JsonSchema(_objects((deepest - 1) // 2) if deepest % 2 else _arrays(deepest - 1))
+        assert nesting_depth(spec)[0] == deepest
+        backend.compile(spec)
+        return
+    compiled = backend.compile(at_limit)
+    doc: object = "x"
+    for _ in range(63):
+        doc = {"a": doc}
+    jsonschema.validate([doc], at_limit.json_schema)
+    ids = tok.encode(json.dumps([doc]), add_special_tokens=False)
+    m = backend.matcher(compiled)
+    assert m.accept_tokens(ids) == len(ids)
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+
+
+def _arrays(depth: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "array", "items": s}
+    return s
