@@ -298,7 +298,7 @@ DEFAULT_MAX_ENUM_BYTES = 80_000
 """Default of ``max_enum_bytes``: the JSON text of one ``enum``'s strings. xgrammar 0.2.9
 compiles any enum in milliseconds, but past about 90 KB of strings the first mask fill after
 the opening quote goes from milliseconds to seconds per thousand strings (SmolLM2: 850 strings
-of 100 characters, 87 KB, 6 ms; 1,000 of 100, 104 KB, 17 s; 2,000 of 50, 108 KB, 15 s; 5,000 of 20, 68 s;
+of 100 characters, 87 KB, 6 ms; 1,000 of 100, 102 KB, 17 s; 2,000 of 50, 104 KB, 15 s; 5,000 of 20, 68 s;
 10,000 of 16, over 100 s: ``docs/reliability.md``)."""
 
 _LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})

@@ -218,7 +218,7 @@ def _fill_after_quote(b, compiled) -> float:
 def test_xgrammar_refuses_a_string_enum_past_its_bound_and_takes_one_under_it():
     """10,000 strings (180 KB: the first fill after the quote took over 100 s) are refused
     with GrammarLimitError naming max_enum_bytes, before the library sees them; 700 strings of
-    100 characters (72.8 KB, under the bound) compile and fill in milliseconds."""
+    100 characters (71.4 KB, under the bound) compile and fill in milliseconds."""
     pytest.importorskip("xgrammar")
     from spec_grammar_xgrammar import DEFAULT_MAX_ENUM_BYTES, largest_string_enum
 
