@@ -72,7 +72,7 @@ class _Productive:
         self._need: list[int] = []
         self._parents: list[list[int]] = []
         self._ids: dict[int, int] = {}  # id(subschema dict) -> its node
-        self._refs: dict[str, int] = {}  # local reference -> its target's node
+        self._refs: dict[str, int | None] = {}  # local reference -> its target's node
         self._todo: list[tuple[dict[str, Any], int]] = []
         self._true = self._node(0)
         self._false = self._node(1)
