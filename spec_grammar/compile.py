@@ -18,7 +18,7 @@ from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarErr
 from .json_schema.check import check_json_schema, has_finite_document
 from .json_schema.limits import LIMIT_FIELDS, cap_lengths, close_objects, limit_applies
 from .json_schema.strict import KeywordSupport, unenforced_keywords
-from .nesting import check_nesting, too_deep
+from .nesting import check_nesting, recursion_room, too_deep
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
 if TYPE_CHECKING:
@@ -277,6 +277,7 @@ def checked_cache_key(backend: GrammarBackend, spec: GrammarSpec) -> str:
     the serializer cannot write (pydantic stops near depth 255, ``json`` at Python's recursion
     limit)."""
     check_nesting(spec, backend.max_nesting_depth, backend.name, backend.native_max_nesting_depth)
+    recursion_room(backend.max_nesting_depth)
     try:
         return spec.cache_key()
     except (RecursionError, ValueError) as e:

@@ -38,6 +38,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .errors import GrammarCompileError, GrammarLimitError, SpecGrammarError
+from .nesting import recursion_room
 
 if TYPE_CHECKING:
     from .protocol import GrammarBackend
@@ -475,6 +476,7 @@ def _child_main(conn: Any, payload: bytes, memory_bytes: int | None) -> None:
     try:
         cls, args, kwargs = pickle.loads(payload)
         backend = cls(*args, **kwargs)
+        recursion_room(backend.max_nesting_depth)  # the parent's room: the same specs come
         if memory_bytes is not None:
             base = _address_space_bytes()
             if base >= memory_bytes:

@@ -5,8 +5,9 @@ Nesting (``max_nesting_depth``; each measure is a loop over an explicit stack, s
 10**6 costs its length and never Python's recursion limit):
 
 - :func:`json_nesting_depth`: containers (objects and arrays) nested in a JSON document, a
-  local ``$ref`` counted as deep as its target expanded once (a reference back into a target
-  being expanded, the legitimate recursion of JSON Schema, counts nothing more).
+  local ``$ref`` counted one level deeper than its target expanded once (so a chain of
+  references counts its length; a reference back into a target being expanded, the
+  legitimate recursion of JSON Schema, counts nothing more).
 - :func:`group_depth`: groups nested in a regex.
 - :func:`grammar_nesting_depth`: brackets nested in the rule bodies of a Lark or GBNF grammar
   (and the groups of its regex terminals).
@@ -36,7 +37,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
+
+from .json_pointer import resolve_pointer
 
 try:  # Python >= 3.11
     from re import _constants as _c
@@ -168,20 +170,6 @@ _LITERALS = frozenset({"const", "enum", "default", "examples"})
 """Keywords whose values are JSON values, not schemas: no ``$ref`` or ``pattern`` in them."""
 
 
-def _pointer(root: Any, ref: str) -> Any | None:
-    """The node local reference ``ref`` (``#`` or ``#/a/b``) names in ``root``, else None."""
-    node = root
-    for part in ref[2:].split("/") if ref != "#" else []:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _children(node: Any, literal: bool) -> Iterator[tuple[Any, bool, str | None]]:
     """``(child, literal, ref)`` for each container inside ``node`` (``ref``: a local
     reference to follow instead of a child, the child then None)."""
@@ -201,44 +189,47 @@ def _children(node: Any, literal: bool) -> Iterator[tuple[Any, bool, str | None]
 def json_nesting_depth(value: Any) -> int:
     """Nesting depth of JSON document ``value`` (0 for a scalar, 1 for ``{}`` or ``[1]``; the
     depth Rust's ``serde_json`` counts, 128 at most by default, and pydantic's serializer),
-    with local references of a JSON schema expanded: an object with ``"$ref": "#/..."`` is at
-    least as deep as its target (outside ``const`` / ``enum`` / ``default`` / ``examples``).
-    A target is expanded once (its depth kept) and a reference back into one being expanded,
-    or one that does not resolve, adds nothing: recursive schemas have a finite depth.
-    Iterative: O(size of ``value`` + size of the targets)."""
+    with local references of a JSON schema expanded (outside ``const`` / ``enum`` /
+    ``default`` / ``examples``): an object with ``"$ref": "#/..."`` is one level deeper than
+    its target, so a chain of references (``a0 -> a1 -> ...``, each ``{"$ref": ...}``)
+    counts its length, as the libraries' compilers recurse once per reference followed. A
+    reference to a node being walked (one enclosing it, or a target being expanded: the
+    legitimate recursion of JSON Schema) or one that does not resolve adds nothing, so
+    recursive schemas have a finite depth. Iterative, and each container is walked once (its
+    depth kept for every later reference to it): O(size of ``value`` + length of its
+    references)."""
     if not isinstance(value, (dict, list)):
         return 0
-    expanded: dict[str, int] = {}
-    active = {"#"}
-    # frame: [children, deepest child so far, the reference this frame expands]
-    stack: list[list[Any]] = [[_children(value, False), 0, "#"]]
-    result = 0
+    done: dict[tuple[int, bool], int] = {}  # (id(container), literal) -> its depth
+    walking: set[int] = {id(value)}  # the containers on the stack
+    # frame: [children, deepest child so far, its key in done]
+    stack: list[list[Any]] = [[_children(value, False), 0, (id(value), False)]]
+    depth = 0
     while stack:
         frame = stack[-1]
         nxt = next(frame[0], None)
         if nxt is None:
             stack.pop()
             depth = frame[1] + 1
-            if frame[2] is not None:
-                expanded[frame[2]] = depth
-                active.discard(frame[2])
-                depth -= 1  # the target takes the place of the object holding the $ref
-            if not stack:
-                result = max(result, depth + (frame[2] is not None))
-            else:
+            done[frame[2]] = depth
+            walking.discard(frame[2][0])
+            if stack:
                 stack[-1][1] = max(stack[-1][1], depth)
             continue
         child, literal, ref = nxt
-        if ref is None:
-            stack.append([_children(child, literal), 0, None])
-        elif ref in expanded:
-            frame[1] = max(frame[1], expanded[ref] - 1)
-        elif ref not in active:
-            target = _pointer(value, ref)
-            if isinstance(target, (dict, list)):
-                active.add(ref)
-                stack.append([_children(target, False), 0, ref])
-    return result
+        if ref is not None:  # the target counts as a child of the object holding the $ref
+            child, literal = resolve_pointer(value, ref), False
+            if not isinstance(child, (dict, list)):
+                continue
+        if id(child) in walking:
+            continue
+        key = (id(child), literal)
+        if key in done:
+            frame[1] = max(frame[1], done[key])
+        else:
+            walking.add(id(child))
+            stack.append([_children(child, literal), 0, key])
+    return depth
 
 
 def schema_patterns(schema: Any) -> Iterator[tuple[str, str]]:

@@ -6,18 +6,38 @@ errors or, in native code, aborts the process. The measures are
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
 from .errors import GrammarLimitError
 from .limits import grammar_nesting_depth, group_depth, json_nesting_depth, schema_patterns
 from .specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex, ToolCalls
 
-__all__ = ["DEFAULT_MAX_NESTING_DEPTH", "nesting_depth", "check_nesting", "too_deep"]
+__all__ = [
+    "DEFAULT_MAX_NESTING_DEPTH",
+    "nesting_depth",
+    "check_nesting",
+    "too_deep",
+    "recursion_room",
+]
 
 DEFAULT_MAX_NESTING_DEPTH = 128
 """Default of ``max_nesting_depth``: Rust's ``serde_json`` (llguidance, outlines-core) refuses
 JSON nested deeper than 128, pydantic's serializer stops near 255; the deepest schema of the
 bundled real corpora is 12."""
+
+FRAMES_PER_LEVEL = 12
+"""Python frames one level of a schema costs the recursive steps of a compile: ``jsonschema``'s
+meta-schema check takes 8 per level of nested arrays (so Python's default limit of 1,000
+refused a schema of depth 127, under ``max_nesting_depth=128``)."""
+
+RECURSION_CEILING = 4_000
+"""The most :func:`recursion_room` sets Python's recursion limit to: the C stack of a thread
+(8 MiB) holds that many frames of the generator-based walks with room to spare; a spec
+deeper than it allows ends in a typed error (:func:`too_deep`), never a crash."""
+
+_room_lock = threading.Lock()
 
 _CALL_WRAP = 3
 """Levels :meth:`ToolCalls.to_json_schema` puts around a function's parameters (the array,
@@ -53,6 +73,18 @@ def nesting_depth(spec: GrammarSpec) -> tuple[int, str]:
     else:
         parts = [(json_nesting_depth(dict(spec)), f"the {spec.kind} spec")]
     return max(parts, key=lambda p: p[0], default=(0, "the spec"))
+
+
+def recursion_room(depth: int) -> None:
+    """Raise Python's recursion limit (never lower it) so that the recursive steps of a
+    compile (the meta-schema check, the schema rewrites, ``pickle`` to a compile process)
+    take a spec of nesting ``depth``: 1,000 + :data:`FRAMES_PER_LEVEL` per level, at most
+    :data:`RECURSION_CEILING`. The limit is the process's: it only ever grows, to the
+    deepest ``max_nesting_depth`` in use (the default, 128: 2,536)."""
+    want = min(1_000 + FRAMES_PER_LEVEL * depth, RECURSION_CEILING)
+    with _room_lock:
+        if sys.getrecursionlimit() < want:
+            sys.setrecursionlimit(want)
 
 
 def check_nesting(

@@ -105,6 +105,16 @@ def _one_line(text: str) -> str:
 _LIMIT = re.compile(r"too big|too many|TooComplex|limit for this grammar|fuel", re.IGNORECASE)
 """llguidance's messages for a grammar past its ``LLParserLimits``."""
 
+_TEXT_DEPTH = re.compile(r"recursion limit exceeded", re.IGNORECASE)
+"""serde_json's message for text nested past its limit (128 levels, llguidance's own wrapper
+of a JSON schema included)."""
+
+NATIVE_TEXT_DEPTH = 124
+"""The deepest JSON schema text llguidance 1.9.1 reads (:func:`~spec_grammar.limits.json_nesting_depth`
+of the text: arrays nested 123 deep around a string compile, 124 deep are refused by
+serde_json), below the default ``max_nesting_depth``; past it the compile is refused with
+:class:`GrammarLimitError`."""
+
 _UNSUPPORTED = re.compile(
     r"Unimplemented keys|not supported|Unknown format|not present in a registry", re.IGNORECASE
 )
@@ -450,8 +460,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     name = "llguidance"
     library_requirement = "llguidance>=1.9"  # the oldest release tested (the extra's pin)
-    # llguidance 1.9.1 segfaults on a $ref chain of 1,000 links (nesting 2,003; 600 links
-    # compile) and on a chain of 5,000 rule references (2,000 compile), SmolLM2, main thread
+    # llguidance 1.9.1 segfaults on a $ref chain of 1,000 object links (nesting 3,003; 600
+    # links, 1,803, compile) or 3,000 bare links ({"$ref": next}: 3,003; 2,000 compile), and on
+    # a chain of 5,000 rule references (2,000 compile), SmolLM2, main thread and compile thread
     native_max_nesting_depth = 1000
     capabilities = Capabilities(
         json_schema=True,
@@ -591,15 +602,32 @@ class LLGuidanceBackend(GrammarBackend):
     def _library_error_reason(cls, error: Exception) -> str:
         return _one_line(str(error))
 
+    def _text_depth_error(self, spec: GrammarSpec, reason: str) -> GrammarLimitError:
+        return GrammarLimitError(
+            f"{spec.kind}: llguidance 1.9.1 reads JSON nested at most {NATIVE_TEXT_DEPTH} deep "
+            f"(its serde_json: {reason[:120]}), below max_nesting_depth={self.max_nesting_depth}, "
+            "which does not lift it: flatten the spec (move deep subschemas to $defs), or use "
+            "xgrammar (or auto, which routes there)",
+            backend=self.name,
+            reason=f"JSON text nested past llguidance's depth {NATIVE_TEXT_DEPTH}: {reason[:120]}",
+        )
+
     def _compile(self, spec: GrammarSpec) -> _Grammar | LibraryResult:
         self._notes.notes = []
-        text = self._grammar_text(spec)
+        try:
+            text = self._grammar_text(spec)
+        except ValueError as e:
+            if _TEXT_DEPTH.search(str(e)):
+                raise self._text_depth_error(spec, _one_line(str(e))) from e
+            raise
         notes = list(self._notes.notes)
         prototype = llguidance.LLMatcher(
             self._llg_tokenizer, text, log_level=0, limits=self._limits
         )
         if prototype.is_error():
             reason = _one_line(prototype.get_error())
+            if _TEXT_DEPTH.search(reason):
+                raise self._text_depth_error(spec, reason)
             if _LIMIT.search(reason):
                 raise GrammarLimitError(
                     f"{spec.kind} failed to compile: llguidance's parser limits refuse it "

@@ -31,7 +31,12 @@ from spec_grammar.bitmask import (
     check_bitmask_rows,
 )
 from spec_grammar.compile import LibraryResult
-from spec_grammar.errors import GrammarStateError, SpecGrammarError, UnsupportedGrammarError
+from spec_grammar.errors import (
+    GrammarLimitError,
+    GrammarStateError,
+    SpecGrammarError,
+    UnsupportedGrammarError,
+)
 from spec_grammar.json_schema.limits import bound_numbers, types_of
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
@@ -289,6 +294,76 @@ DEFAULT_JUMP_FORWARD_SCAN_LIMIT = 65_536
 """Default of ``jump_forward_scan_limit`` (characters)."""
 
 
+DEFAULT_MAX_ENUM_BYTES = 80_000
+"""Default of ``max_enum_bytes``: the JSON text of one ``enum``'s strings. xgrammar 0.2.9
+compiles any enum in milliseconds, but past about 90 KB of strings the first mask fill after
+the opening quote goes from milliseconds to seconds per thousand strings (SmolLM2: 850 strings
+of 100 characters, 87 KB, 6 ms; 1,000 of 100, 102 KB, 17 s; 2,000 of 50, 104 KB, 15 s; 5,000 of 20, 68 s;
+10,000 of 16, over 100 s: ``docs/reliability.md``)."""
+
+_LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64 = 2**63 - 1
+
+
+def out_of_range_number(schema: Any) -> str | None:
+    """``"<keyword> at <pointer>"`` of the first numeric keyword of ``schema`` that xgrammar
+    0.2.9 cannot read, else None: any number past a double's range (``10**400``: its JSON
+    reader fails with an empty message) and, on an ``integer`` schema, a bound outside
+    ``(-2**63 + 1, 2**63 - 1)`` (a failed native check). Iterative, literals not walked."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            types = node.get("type")
+            integer = types == "integer" or (isinstance(types, list) and "integer" in types)
+            for k in (*_BOUNDS, "multipleOf"):
+                v = node.get(k)
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    continue
+                try:
+                    wide = abs(float(v)) == float("inf")
+                except OverflowError:
+                    wide = True
+                if wide or (integer and k in _BOUNDS and not -_INT64 < v < _INT64):
+                    return f"{k} at {'/'.join(('', *path)) or '/'}"
+            stack.extend(
+                (v, (*path, str(k))) for k, v in node.items() if k not in _LITERAL_KEYWORDS
+            )
+        elif isinstance(node, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
+    return None
+
+
+def largest_string_enum(schema: Any) -> tuple[int, str]:
+    """``(bytes, where)``: the ``enum`` of ``schema`` whose string values take the most JSON
+    text (UTF-8 bytes of each string written as JSON, quotes included; other values count
+    nothing) and its JSON pointer; ``(0, "")`` without one. Iterative, one pass over the
+    schema (literal values are not walked into)."""
+    best, where = 0, ""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            values = node.get("enum")
+            if isinstance(values, list):
+                size = sum(
+                    len(json.dumps(v, ensure_ascii=False).encode())
+                    for v in values
+                    if isinstance(v, str)
+                )
+                if size > best:
+                    best, where = size, "/".join(("", *path, "enum"))
+            stack.extend(
+                (v, (*path, str(k))) for k, v in node.items() if k not in _LITERAL_KEYWORDS
+            )
+        elif isinstance(node, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
+    return best, where
+
+
 def forced_run_bound(spec: GrammarSpec) -> int | None:
     """An upper bound on the characters ``spec`` can force in one run, or None when none is
     known (EBNF and Lark: a recursive rule can force a run of any length).
@@ -536,6 +611,10 @@ class XGrammarBackend(GrammarBackend):
       ``benchmarks/bench_compile.py``). The cost moves to the first mask fill of each new
       position (a few ms at most, once per compiled grammar); pass ``False`` to pay it all up
       front and keep decode steps free of it.
+    - ``max_enum_bytes`` (default :data:`DEFAULT_MAX_ENUM_BYTES`; None = no limit): a JSON
+      schema with an ``enum`` whose strings take more JSON text than this is refused with
+      :class:`GrammarLimitError` before the library sees it (:func:`largest_string_enum`;
+      xgrammar's first fills stall on it; ``auto`` then routes it to the next backend).
     - ``jump_forward_scan_limit`` (characters, default :data:`DEFAULT_JUMP_FORWARD_SCAN_LIMIT`;
       None = always): ``forced_tokens`` uses xgrammar's jump-forward (which walks the whole
       forced run, however long) only for grammars whose forced runs are known to be at most
@@ -545,7 +624,8 @@ class XGrammarBackend(GrammarBackend):
 
     name = "xgrammar"
     library_requirement = "xgrammar>=0.2.9"  # the oldest release tested (the extra's pin)
-    # xgrammar 0.2.9 segfaults on a $ref chain of 4,000 links (nesting 8,003; 3,000 compile);
+    # xgrammar 0.2.9 segfaults on a $ref chain of 4,000 object links (nesting 12,003; 3,000,
+    # 9,003, compile; a bare chain of 4,000 links, 4,003, compiles in 46 s);
     # its EBNF / Lark / JSON parsers have their own nesting limits (typed errors)
     native_max_nesting_depth = 4000
     capabilities = Capabilities(
@@ -609,9 +689,11 @@ class XGrammarBackend(GrammarBackend):
         num_threads: int | None = None,
         dynamic_compilation: bool = True,
         jump_forward_scan_limit: int | None = DEFAULT_JUMP_FORWARD_SCAN_LIMIT,
+        max_enum_bytes: int | None = DEFAULT_MAX_ENUM_BYTES,
         **kwargs: Any,
     ):
         super().__init__(tokenizer, **kwargs)
+        self.max_enum_bytes = None if max_enum_bytes is None else int(max_enum_bytes)
         self.num_threads = int(num_threads) if num_threads else 1
         self._fill_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -873,6 +955,16 @@ class XGrammarBackend(GrammarBackend):
     def _compile(self, spec: GrammarSpec) -> Any:
         c = self._compiler
         if isinstance(spec, JsonSchema):
+            self._check_enums(spec)
+            wide = out_of_range_number(spec.json_schema)
+            if wide is not None:
+                raise GrammarLimitError(
+                    f"json_schema: the {wide} is outside what xgrammar 0.2.9 reads (numbers "
+                    "within a double's range, integer bounds within 64 bits): use a smaller "
+                    "bound",
+                    backend=self.name,
+                    reason=f"number out of xgrammar's range: {wide}",
+                )
             schema = spec.schema_json() if spec.json_schema is not True else "{}"
             older = _draft2020(spec.json_schema)
             older, untyped = _typed(older)
@@ -936,6 +1028,22 @@ class XGrammarBackend(GrammarBackend):
         if isinstance(spec, Lark):
             return c.compile_grammar(xgr.Grammar.from_lark(spec.text))
         raise UnsupportedGrammarError(f"{spec.kind} is not supported by xgrammar")
+
+    def _check_enums(self, spec: JsonSchema) -> None:
+        """Raise :class:`GrammarLimitError` for an ``enum`` of strings past ``max_enum_bytes``
+        (:func:`largest_string_enum`): its first mask fills would stall for minutes."""
+        if self.max_enum_bytes is None:
+            return
+        size, where = largest_string_enum(spec.json_schema)
+        if size > self.max_enum_bytes:
+            raise GrammarLimitError(
+                f"json_schema: the enum at {where} has {size} bytes of strings, over "
+                f"max_enum_bytes={self.max_enum_bytes}: xgrammar 0.2.9's first mask fills take "
+                "seconds per thousand strings past ~90 KB; use llguidance (or auto, which "
+                "routes there), or pass max_enum_bytes= (None: no limit) to xgrammar",
+                backend=self.name,
+                reason=f"enum of {size} bytes > max_enum_bytes {self.max_enum_bytes}",
+            )
 
     def _export_native(self, native: Any) -> str:
         return native.serialize_json()

@@ -61,6 +61,7 @@ from typing import Any
 
 from ..datasets import bfcl_cases, json_schema_test_suite, jsonschemabench_sample
 from ..errors import GrammarCompileError, UnsupportedGrammarError
+from ..json_pointer import resolve_pointer
 from ..json_schema.oracle import ecma_end, oracle
 from ..specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -317,23 +318,6 @@ def neighbours(instance: Any, schema: Any) -> Iterator[tuple[str, Any]]:
         yield kind, _replace(instance, path, value)
 
 
-def _resolve(root: Any, ref: str) -> Any:
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def applicable(schema: Any, instance: Any, root: Any, depth: int = 0) -> list[dict[str, Any]]:
     """The subschemas (objects) that apply to ``instance``: ``schema`` itself, local ``$ref``
     targets, ``allOf`` branches and the ``anyOf`` / ``oneOf`` branches ``instance`` satisfies."""
@@ -342,7 +326,7 @@ def applicable(schema: Any, instance: Any, root: Any, depth: int = 0) -> list[di
     out = [schema]
     ref = schema.get("$ref")
     if isinstance(ref, str):
-        out += applicable(_resolve(root, ref), instance, root, depth + 1)
+        out += applicable(resolve_pointer(root, ref), instance, root, depth + 1)
     for sub in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
         out += applicable(sub, instance, root, depth + 1)
     for k in ("anyOf", "oneOf"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from functools import cache
 
 import jsonschema
@@ -196,3 +197,92 @@ def test_lexer_prefix_literals_accept_or_declare(name, grammar, language, texts)
             b.compile(Lark(grammar, strict=True))
     else:
         b.compile(Lark(grammar, strict=True))
+
+
+# -- a large enum of strings: xgrammar's first fills stall ----------------------------------
+
+
+def _string_enum(n: int, length: int) -> dict:
+    return {"enum": [f"value_{i:06d}_".ljust(length, "x") for i in range(n)]}
+
+
+def _fill_after_quote(b, compiled) -> float:
+    """Seconds of the first mask fill after the opening quote (where xgrammar stalled)."""
+    from spec_grammar.bitmask import allocate_token_bitmask
+
+    m = b.matcher(compiled)
+    quote = Tokenizations(b.tokenizer_info).canonical('"')
+    assert m.accept_tokens(quote) == len(quote)
+    t0 = time.perf_counter()
+    m.fill_next_token_bitmask(allocate_token_bitmask(1, b.vocab_size))
+    return time.perf_counter() - t0
+
+
+def test_xgrammar_refuses_a_string_enum_past_its_bound_and_takes_one_under_it():
+    """10,000 strings (180 KB: the first fill after the quote took over 100 s) are refused
+    with GrammarLimitError naming max_enum_bytes, before the library sees them; 700 strings of
+    100 characters (71.4 KB, under the bound) compile and fill in milliseconds."""
+    pytest.importorskip("xgrammar")
+    from spec_grammar_xgrammar import DEFAULT_MAX_ENUM_BYTES, largest_string_enum
+
+    b = backend("xgrammar")
+    big = {"type": "object", "properties": {"k": _string_enum(10_000, 16)}}
+    assert largest_string_enum(big) == (180_000, "/properties/k/enum")
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarLimitError, match="enum at /properties/k/enum .* max_enum_bytes"):
+        b.compile(JsonSchema(big))
+    assert time.perf_counter() - t0 < 2.0
+    under = _string_enum(700, 100)
+    assert largest_string_enum(under)[0] < DEFAULT_MAX_ENUM_BYTES
+    assert _fill_after_quote(b, b.compile(JsonSchema(under))) < 2.0
+
+
+def test_auto_routes_a_large_string_enum_to_llguidance():
+    """``auto`` ranks xgrammar first for an enum; past xgrammar's bound it compiles on
+    llguidance (10,000 strings: its fill after the quote takes milliseconds), which accepts
+    a member and refuses a near miss (oracle: ``jsonschema``)."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
+    schema = _string_enum(10_000, 16)
+    compiled = backend("auto").compile(JsonSchema(schema))
+    assert compiled.route.startswith("llguidance:") and "max_enum_bytes" in compiled.route
+    assert _fill_after_quote(backend("auto"), compiled) < 2.0
+    member, miss = json.dumps(schema["enum"][4321]), json.dumps(schema["enum"][4321][:-1])
+    assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(member))
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(miss))
+    b = backend("auto")
+    t = Tokenizations(b.tokenizer_info)
+    eos = b.tokenizer_info.stop_token_ids[0]
+    assert accepts(b.matcher(compiled), t.canonical(member), eos)
+    assert not accepts(b.matcher(compiled), t.canonical(miss), eos)
+
+
+# -- numbers xgrammar cannot read -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schema,keyword",
+    [
+        ({"type": "integer", "minimum": 10**400}, "minimum at /"),
+        ({"type": "number", "maximum": -(10**400)}, "maximum at /"),
+        ({"properties": {"n": {"type": "integer", "exclusiveMaximum": 2**63}}}, "/properties/n"),
+    ],
+)
+def test_xgrammar_out_of_range_numbers_are_typed(schema, keyword):
+    """A bound past a double (xgrammar raised RuntimeError with an empty message) or an
+    integer bound past 64 bits (a failed native check): GrammarLimitError naming it."""
+    pytest.importorskip("xgrammar")
+    with pytest.raises(GrammarLimitError, match=f"the .*{re.escape(keyword)}.* xgrammar 0.2.9"):
+        backend("xgrammar").compile(JsonSchema(schema))
+
+
+def test_xgrammar_bounds_within_range_still_compile():
+    """Just inside the ranges: an integer bound of 2**62 and a number bound of 1e308 compile,
+    and the bound holds (oracle: ``jsonschema``)."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "integer", "minimum": 2**62}
+    compiled = backend("xgrammar").compile(JsonSchema(schema))
+    assert fresh_accepts("xgrammar", compiled, str(2**62)) == {True}
+    assert not jsonschema.Draft202012Validator(schema).is_valid(2**62 - 1)
+    assert fresh_accepts("xgrammar", compiled, str(2**62 - 1)) == {False}
+    backend("xgrammar").compile(JsonSchema({"type": "number", "maximum": 1e308}))

@@ -10,9 +10,11 @@ the real schemas of the bundled corpora.
 
 from __future__ import annotations
 
+import json
 import time
 from functools import cache
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,8 +42,9 @@ def _objects(depth: int) -> dict:
 
 def _ref_chain(links: int) -> dict:
     """``$defs`` d0 -> d1 -> ... -> d<links> (a string), each an object whose property ``x``
-    refers to the next: shallow as a document, ``2 * links + 3`` deep expanded (each link an
-    object and its ``properties``, the root and its ``$defs`` around the chain)."""
+    refers to the next: shallow as a document, ``3 * links + 3`` deep expanded (each link an
+    object, its ``properties`` and the object holding the ``$ref``; the root and its
+    ``$defs`` around the chain)."""
     defs = {
         f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}}
         for i in range(links)
@@ -50,13 +53,22 @@ def _ref_chain(links: int) -> dict:
     return {"$defs": defs, "$ref": "#/$defs/d0"}
 
 
+def _bare_chain(links: int) -> dict:
+    """``$defs`` a0 -> a1 -> ... -> a<links> (a string), each just ``{"$ref": next}``: depth
+    ``links + 3`` (llguidance 1.9.1 segfaults at 3,000 links counted as depth 3)."""
+    defs: dict = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(links)}
+    defs[f"a{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/a0"}
+
+
 def _groups(depth: int) -> str:
     return "(" * depth + "a" + ")" * depth
 
 
 DEEP_SPECS = {
     "schema": lambda d: JsonSchema(_objects(d)),
-    "ref_chain": lambda d: JsonSchema(_ref_chain(d // 2)),
+    "ref_chain": lambda d: JsonSchema(_ref_chain(d // 3)),
+    "bare_ref_chain": lambda d: JsonSchema(_bare_chain(d)),
     "regex": lambda d: Regex(_groups(d)),
     "pattern": lambda d: JsonSchema({"type": "string", "pattern": f"^{_groups(d)}$"}),
     "lark": lambda d: Lark(f'start: {"(" * d}"a"{")" * d}\n'),
@@ -115,7 +127,11 @@ def test_recursive_refs_are_finite_and_ref_chains_expand():
         "$ref": "#/$defs/a",
     }
     assert json_nesting_depth(mutual) <= 6
-    assert json_nesting_depth(_ref_chain(1000)) == 2 * 1000 + 3
+    assert json_nesting_depth(_ref_chain(1000)) == 3 * 1000 + 3
+    assert json_nesting_depth(_bare_chain(20_000)) == 20_000 + 3
+    # a linked list (a definition referring to itself) is as deep as one expansion
+    node = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}
+    assert json_nesting_depth({"$defs": {"node": node}, "$ref": "#/$defs/node"}) == 5
     assert json_nesting_depth({"const": {"$ref": "#/$defs/x"}, "$defs": {"x": _objects(50)}}) == 103
 
 
@@ -240,3 +256,63 @@ _json = st.recursive(
 def test_json_depth_equals_the_recursive_definition(doc):
     """Random JSON documents (no ``$ref``): the iterative measure equals the recursive one."""
     assert json_nesting_depth(doc) == _naive_depth(doc)
+
+
+def test_the_bare_chain_that_crashed_llguidance_is_refused_by_its_safe_depth(tok):
+    """The breaker's sample: 3,000 bare ``$ref`` links segfaulted llguidance 1.9.1 in a
+    compile thread while measuring depth 3. It now measures 3,003: past the default limit,
+    and with the limit raised, past the library's safe depth (both typed, no compile run)."""
+    pytest.importorskip("llguidance")
+    spec = JsonSchema(_bare_chain(3000))
+    assert nesting_depth(spec)[0] == 3003
+    with pytest.raises(GrammarLimitError, match="max_nesting_depth=128"):
+        _backend("llguidance", tok).compile(spec)
+    raised = _backend("llguidance", tok, 10**6)
+    compiles = raised.num_compiles
+    with pytest.raises(GrammarLimitError, match="the deepest this backend's library survives"):
+        raised.compile(spec)
+    assert raised.num_compiles == compiles
+
+
+# the deepest JSON text each library's parser reads (serde_json in llguidance and outlines-core)
+NATIVE_TEXT_DEPTH = {"llguidance": 124, "outlines": 127}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_documented_limit_is_the_one_that_holds(name, tok):
+    """Depth exactly ``max_nesting_depth`` (128: an array of 63 nested objects) compiles
+    where the library's own parser reads that deep (xgrammar; the recursive steps of the
+    compile, the meta-schema check first, refused 127 before) and is a GrammarLimitError
+    naming the library's depth where it does not; 129 is refused by the limit on every
+    backend. The compiled grammar accepts the one document ``jsonschema`` accepts."""
+    backend = _backend(name, tok)
+    at_limit = JsonSchema({"type": "array", "items": _objects(63)})
+    over = JsonSchema({"type": "array", "items": at_limit.json_schema})
+    assert nesting_depth(at_limit)[0] == DEFAULT_MAX_NESTING_DEPTH
+    with pytest.raises(GrammarLimitError, match="nesting depth 129 .* max_nesting_depth=128"):
+        backend.compile(over)
+    if name in NATIVE_TEXT_DEPTH:
+        with pytest.raises(GrammarLimitError, match=f"at most {NATIVE_TEXT_DEPTH[name]} deep"):
+            backend.compile(at_limit)
+        # at the library's own depth it compiles
+        deepest = NATIVE_TEXT_DEPTH[name]
+        spec = JsonSchema(_objects((deepest - 1) // 2) if deepest % 2 else _arrays(deepest - 1))
+        assert nesting_depth(spec)[0] == deepest
+        backend.compile(spec)
+        return
+    compiled = backend.compile(at_limit)
+    doc: object = "x"
+    for _ in range(63):
+        doc = {"a": doc}
+    jsonschema.validate([doc], at_limit.json_schema)
+    ids = tok.encode(json.dumps([doc]), add_special_tokens=False)
+    m = backend.matcher(compiled)
+    assert m.accept_tokens(ids) == len(ids)
+    assert m.accept_token(tok.eos_token_id) and m.is_terminated()
+
+
+def _arrays(depth: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(depth):
+        s = {"type": "array", "items": s}
+    return s
