@@ -140,16 +140,13 @@ def test_recursive_refs_are_finite_and_ref_chains_expand():
 def test_deep_spec_is_refused_before_any_library_call(name, kind, tok):
     """Depth 5000 of every kind the backend claims: GrammarLimitError naming the measured
     depth and max_nesting_depth, raised before the compile cache runs a compile (the backend's
-    ``num_compiles`` stays 0) and in a bounded time (no build: seconds, not minutes, on a
-    loaded host)."""
+    ``num_compiles`` stays 0: no library build started)."""
     backend = _backend(name, tok)
     spec = DEEP_SPECS[kind](DEEP)
     if not getattr(backend.capabilities, spec.kind):
         pytest.skip(f"{name} does not claim {spec.kind}")
-    t0 = time.perf_counter()
     with pytest.raises(GrammarLimitError, match="max_nesting_depth=128") as e:
         backend.compile(spec)
-    assert time.perf_counter() - t0 < 5.0
     assert f"nesting depth {nesting_depth(spec)[0]} " in str(e.value)
     assert backend.num_compiles == 0
 
