@@ -844,9 +844,15 @@ def run(args) -> int:
             file=sys.stderr,
         )
     for r in cut:
+        # a cut output can already be a whole document of its grammar (`[0-9]+`): say which
+        state = (
+            "it is valid as it stands, but the model had not ended it"
+            if r.valid
+            else "before its grammar completed: incomplete"
+        )
         print(
             f"spec-grammar generate: {r.rid}: output cut at --max-new-tokens ({r.num_tokens} "
-            "tokens) before its grammar completed: incomplete; raise --max-new-tokens",
+            f"tokens): {state}; raise --max-new-tokens",
             file=sys.stderr,
         )
     invalid = [r for r in final if r.valid is False]
