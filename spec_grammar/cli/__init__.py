@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import json
 import os
 import sys
 
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (SpecGrammarError, OSError, ValueError) as e:  # OSError: a file or folder argument
         print(f"spec-grammar {args.command}: error: {e}", file=sys.stderr)
+        if getattr(args, "json", False):  # a pipeline reading stdout gets a record, not nothing
+            print(json.dumps({"error": str(e), "error_type": type(e).__name__, "exit_code": 2}))
         return 2
     except ModuleNotFoundError as e:
         extra = _EXTRA_OF.get((e.name or "").partition(".")[0])

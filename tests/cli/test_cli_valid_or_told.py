@@ -29,6 +29,16 @@ def test_strict_refusal_is_told_before_the_model_loads(capsys):
     assert "strict mode" in err and "uniqueItems" in err and "backends that would take it" in err
 
 
+def test_refusal_under_json_is_a_record_on_stdout(capsys):
+    """A pipeline reading ``--json`` stdout gets the refusal as JSON, not an empty stream."""
+    rc = main(["generate", "--json", "--strict", "--json-schema", json.dumps(UNIQUE), "hi"])
+    out = capsys.readouterr().out
+    assert rc == 2
+    record = json.loads(out)
+    assert record["exit_code"] == 2 and "uniqueItems" in record["error"]
+    assert record["error_type"] == "UnsupportedGrammarError"
+
+
 def test_strict_batch_lines_refused_alone_without_a_model_load(capsys, tmp_path):
     batch = tmp_path / "b.jsonl"
     batch.write_text(
