@@ -61,6 +61,10 @@ __all__ = [
 WIDE_SET = 64
 """A character set of more than this many characters makes a "wide" position."""
 
+DEFAULT_MAX_GRAMMAR_BYTES = 4_000_000
+"""``GrammarBackend``'s default ``max_grammar_bytes``: a spec whose serialized form is larger
+is refused before any other check."""
+
 _UNBOUNDED = _c.MAXREPEAT
 
 

@@ -81,7 +81,14 @@ def check_output(spec: GrammarSpec | None, text: str) -> tuple[bool | None, list
         matcher = _regex(spec.pattern)
         if matcher is None:
             return None, []
-        if matcher(text):
+        from .json_schema.oracle import PATTERN_TIMEOUT_S  # jsonschema: loaded when used
+
+        try:
+            matched = matcher(text, timeout=PATTERN_TIMEOUT_S)
+        except TimeoutError:
+            message = f"{spec.pattern!r} could not be checked within {PATTERN_TIMEOUT_S} s"
+            return False, [Violation(path="", message=message, keyword="oracle")]
+        if matched:
             return True, []
         return False, [
             Violation(path="", message=f"does not match {spec.pattern!r} in full", keyword="regex")
@@ -116,7 +123,9 @@ def _schema_violations(schema: Any, doc: Any, base: str) -> list[Violation]:
                 )
                 if len(out) >= MAX_VIOLATIONS:
                     break
-    except (RecursionError, re.error) as e:  # the oracle itself failed: say so, never pass it
+    # the oracle itself failed (a pattern past its timeout, a remote $ref it cannot resolve, a
+    # schema too deep for it, a number it cannot hold): say so, never pass the output
+    except Exception as e:  # noqa: BLE001
         out.append(
             Violation(path=base, message=f"the schema could not be checked: {e}", keyword="oracle")
         )
@@ -194,18 +203,23 @@ def _tool_call_violations(spec: ToolCalls, text: str) -> list[Violation]:
 
 @functools.lru_cache(maxsize=256)
 def _regex(pattern: str) -> Any:
-    """A full-match predicate of ``pattern``: Python's ``re``, else the ``regex`` package
-    (Unicode properties and other syntax ``re`` lacks), else None (no oracle)."""
-    try:
-        return re.compile(pattern).fullmatch
-    except (re.error, RecursionError):  # a pattern too deep for re: try the regex package
-        pass
+    """A full-match predicate ``(text, timeout=s)`` of ``pattern``: the ``regex`` package's
+    (Unicode properties and other syntax ``re`` lacks; a timeout against catastrophic
+    backtracking, raising ``TimeoutError``), else Python's ``re`` (no timeout), else None (no
+    oracle)."""
     try:
         import regex  # optional: jsonschema's and hypothesis' dependency trees bring it
 
         return regex.compile(pattern).fullmatch
-    except Exception:  # ImportError, regex.error
+    except ImportError:
+        pass
+    except Exception:  # regex.error, RecursionError: try re
+        pass
+    try:
+        full = re.compile(pattern).fullmatch
+    except (re.error, RecursionError):
         return None
+    return lambda text, timeout=None: full(text)
 
 
 def _too_deep(what: str) -> Violation:

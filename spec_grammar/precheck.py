@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import GrammarCompileError, SpecGrammarError, UnsupportedGrammarError
+from .limits import DEFAULT_MAX_GRAMMAR_BYTES
 from .ranking import AUTO, backends_taking, rank, same_everywhere
 from .specs import GrammarSpec, JsonSchema, ToolCalls
 
@@ -30,6 +31,11 @@ def early_refusal(spec: GrammarSpec | None, backend_name: str) -> SpecGrammarErr
     document. None when the declarations say nothing against it, or cannot be read without
     importing (then the compile decides). Imports neither torch nor a grammar library."""
     if spec is None:
+        return None
+    try:  # the compile refuses an oversized spec first, without the slower checks below
+        if len(spec.cache_key()) > DEFAULT_MAX_GRAMMAR_BYTES:
+            return None
+    except (RecursionError, ValueError):  # too deep to serialize: the compile's limit says it
         return None
     from .backend_info import declarations
 

@@ -34,6 +34,7 @@ from .compile_worker import (
 )
 from .errors import BitmaskError, GrammarStateError, InvalidTokenError
 from .json_schema.strict import KeywordSupport
+from .limits import DEFAULT_MAX_GRAMMAR_BYTES
 from .nesting import DEFAULT_MAX_NESTING_DEPTH
 from .specs import GrammarSpec
 from .tokenizer_info import TokenizerInfo
@@ -438,7 +439,7 @@ class GrammarBackend(ABC):
         max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
         compile_cache_size: int = 256,
         compile_timeout_s: float | None = 60.0,
-        max_grammar_bytes: int = 4_000_000,
+        max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
         max_forced_tokens: int = DEFAULT_MAX_FORCED_TOKENS,
         max_nesting_depth: int = DEFAULT_MAX_NESTING_DEPTH,
         isolation: str | None = None,

@@ -216,10 +216,18 @@ class ToolCalls(GrammarSpec):
     def _check_tools(cls, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not tools:
             raise ValueError("tools must list at least one tool")
+        first: dict[str, int] = {}
         for i, tool in enumerate(tools):
             fn = tool.get("function", tool) if isinstance(tool, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                 raise ValueError(f"tools[{i}] has no function name")
+            # a call names its function: two of one name leave its arguments' schema ambiguous
+            if fn["name"] in first:
+                raise ValueError(
+                    f"tools[{i}] and tools[{first[fn['name']]}] are both named {fn['name']!r}: "
+                    "function names must be unique"
+                )
+            first[fn["name"]] = i
             params = fn.get("parameters", {"type": "object"})
             if not isinstance(params, (dict, bool)):
                 raise ValueError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema")

@@ -83,6 +83,7 @@ _OTHER_KEYWORDS = frozenset(
         "else",
         "$ref",
         "$dynamicRef",
+        "$recursiveRef",
         "format",
     }
 )
@@ -96,6 +97,8 @@ REQUIRED_UNDECLARED = "required:undeclared"
 does not define."""
 
 LENGTH_WITH_PATTERN = "length:with-pattern"
+"""Pseudo-keyword reported for a ``minLength`` / ``maxLength`` in a subschema that also has a
+``pattern`` or a ``format``."""
 
 NOT_CONTEXT_FREE_KEYWORDS = (
     "not",
@@ -112,11 +115,10 @@ NOT_CONTEXT_FREE_KEYWORDS = (
     "unevaluatedItems",
     "unevaluatedProperties",
     "$dynamicRef",
+    "$recursiveRef",  # draft 2019-09's form of $dynamicRef
 )
 """Keywords that none of the built-in libraries turns into grammar (negation, conditionals,
 counting and evaluation-dependent applicators): each adapter declares them unenforced."""
-"""Pseudo-keyword reported for a ``minLength`` / ``maxLength`` in a subschema that also has a
-``pattern`` or a ``format``."""
 
 # Keywords whose value is one subschema, a list of subschemas, or a name -> subschema map.
 _ONE = (

@@ -258,6 +258,7 @@ def test_declarations_name_known_keywords():
         "else",
         "$ref",
         "$dynamicRef",
+        "$recursiveRef",
         REMOTE_REF,
         REQUIRED_UNDECLARED,
         LENGTH_WITH_PATTERN,

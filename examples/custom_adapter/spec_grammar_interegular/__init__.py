@@ -49,6 +49,10 @@ from .bytedfa import DEAD, ByteDFA, EmptyLanguageError, TokenTable
 __all__ = ["InteregularBackend", "InteregularMatcher", "RegexGrammar"]
 
 _CLASS_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\[dDwWsS]")
+_LOOKAROUND = re.compile(r"(?<!\\)(?:\\\\)*\(\?<?[=!]")
+"""An unescaped ``(?=``, ``(?!``, ``(?<=`` or ``(?<!``: interegular 0.3 parses look-arounds but
+gets them wrong (``(?!ab)[a-z]+`` took ``x!``; ``(?!.{4})[a-z]+`` refused ``abc``), so they are
+refused rather than served."""
 _ASCII_CLASSES = (
     "regex:refuses at /: interegular 0.3 reads \\d \\w \\s (and their negations) as ASCII "
     "classes, where Python's re takes them Unicode-wide: other letters, digits and spaces are refused"
@@ -196,6 +200,11 @@ class InteregularBackend(GrammarBackend):
         if not isinstance(spec, Regex):
             raise UnsupportedGrammarError(
                 f"{spec.kind} is not supported by interegular (regex only)"
+            )
+        if _LOOKAROUND.search(spec.pattern):
+            raise UnsupportedGrammarError(
+                f"regex {spec.pattern!r}: look-arounds are not supported by this adapter "
+                "(interegular 0.3 builds a wrong automaton for them)"
             )
         try:
             fsm = interegular.parse_pattern(spec.pattern).to_fsm()
