@@ -148,7 +148,9 @@ def test_registered_through_entry_point_and_capabilities():
         (Regex(r"^abc$"), UnsupportedGrammarError),
         (Regex(r"a\1"), UnsupportedGrammarError),
         (Regex(r"(ab"), GrammarCompileError),
-        (Regex(r"(?=a)b"), GrammarCompileError),  # matches nothing
+        # look-arounds: interegular 0.3 builds wrong automata for them (took "x!" for (?!ab)...)
+        (Regex(r"(?![a-z]{4})[a-z]+"), UnsupportedGrammarError),
+        (Regex(r"(?<=a)b"), UnsupportedGrammarError),
     ],
 )
 def test_bad_or_unsupported_specs_raise_typed_errors(backend, spec, error):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 
 from spec_grammar.datasets import bfcl_cases, json_schema_test_suite
 from spec_grammar.json_schema.limits import OutputLimits
@@ -145,3 +146,38 @@ def test_agrees_with_jsonschema_on_the_suite_and_bfcl():
         assert valid is case["example_output_valid"], (case["id"], v)
         n += 1
     assert n > 1000
+
+
+def test_an_oracle_that_cannot_check_tells_invalid_and_never_raises():
+    """A remote ``$ref`` the oracle cannot resolve, a number past a float: ``valid`` False with
+    an ``oracle`` violation, never an exception (a batch's other results would be lost)."""
+    remote = {"type": "object", "properties": {"a": {"$ref": "https://example.com/x.json"}}}
+    valid, v = check_output(JsonSchema(remote), '{"a": 5}')
+    assert valid is False and v[0].keyword == "oracle" and "Unresolvable" in v[0].message
+    valid, v = check_output(JsonSchema({"type": "number", "multipleOf": 0.5}), "1" + "0" * 400)
+    assert valid is True  # decimal arithmetic holds any magnitude
+
+
+@pytest.mark.parametrize(
+    "schema,text,want",
+    [
+        # JSON's decimal numbers, not binary floats: 0.3 is a multiple of 0.1
+        ({"type": "number", "multipleOf": 0.1}, "0.3", True),
+        ({"type": "number", "multipleOf": 0.1}, "0.30000000000000004", False),
+        ({"type": "integer", "multipleOf": 0.123456789}, "1e308", False),
+        ({"type": "integer", "multipleOf": 3}, "9", True),
+        # Unicode properties, as the backends read them (re cannot compile \p)
+        ({"type": "string", "pattern": "^\\p{L}+$"}, '"Paris"', True),
+        ({"type": "string", "pattern": "^\\p{L}+$"}, '"Par1s"', False),
+    ],
+)
+def test_the_oracle_reads_numbers_and_patterns_as_json_schema_does(schema, text, want):
+    assert check_output(JsonSchema(schema), text)[0] is want
+
+
+def test_a_backtracking_pattern_is_decided_in_bounded_time():
+    """``^(\\w+\\s?)+$`` backtracks exponentially in Python's re on a near-miss: the check
+    answers (within the pattern timeout, here at once) instead of holding the process."""
+    schema = {"type": "string", "pattern": "^(?!z)(\\w+\\s?)+$"}
+    valid, _ = check_output(JsonSchema(schema), json.dumps("Supercalifragilisticexpialidocious."))
+    assert valid is False

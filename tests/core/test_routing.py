@@ -112,3 +112,17 @@ def test_auto_passes_the_conformance_properties_it_routes_through(capsys):
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["passed"], report
     assert sorted(r["name"] for r in report["results"] if r["status"] == "PASS") == sorted(props)
+
+
+def test_an_oversized_spec_is_left_to_the_compile_size_check(tok):
+    """The CLI's pre-check does not run the meta-schema over a spec past the default
+    max_grammar_bytes (150,000 properties took 54 s there): the compile refuses it first."""
+    from spec_grammar.limits import DEFAULT_MAX_GRAMMAR_BYTES
+    from spec_grammar.precheck import early_refusal
+
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200_000)}}
+    spec = JsonSchema(big)
+    assert len(spec.cache_key()) > DEFAULT_MAX_GRAMMAR_BYTES
+    assert early_refusal(spec, "auto") is None
+    with pytest.raises(GrammarCompileError, match="max_grammar_bytes"):
+        get_backend("llguidance", tok).compile(spec)

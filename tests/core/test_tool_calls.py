@@ -90,6 +90,9 @@ def test_spec_checks_openai_choices():
             ToolCalls(TOOLS, **bad)
     assert ToolCalls(TOOLS, tool_choice="auto").call_format == "tagged"
     assert ToolCalls(TOOLS, parallel_tool_calls=False, max_tool_calls=5).max_calls == 1
+    # two functions of one name: a call could not say whose arguments' schema it follows
+    with pytest.raises(GrammarSpecError, match="both named"):
+        ToolCalls(TOOLS + TOOLS[:1])
 
 
 def test_strict_function_schema_is_openais():
