@@ -47,7 +47,7 @@ from spec_grammar.errors import (
     GrammarStateError,
     UnsupportedGrammarError,
 )
-from spec_grammar.json_schema.limits import bound_numbers
+from spec_grammar.json_schema.limits import bound_numbers, out_of_range_number
 from spec_grammar.json_schema.rewrite import ref_siblings_dropped, rewrite_patterns
 from spec_grammar.json_schema.strict import NOT_CONTEXT_FREE_KEYWORDS, REMOTE_REF, KeywordSupport
 from spec_grammar.protocol import Capabilities, CompiledGrammar, GrammarBackend, SpecGrammar
@@ -614,6 +614,15 @@ class LLGuidanceBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> _Grammar | LibraryResult:
         self._notes.notes = []
+        wide = out_of_range_number(spec.json_schema) if isinstance(spec, JsonSchema) else None
+        if wide is not None:  # llguidance clamps such a bound to 64 bits: another language
+            raise GrammarLimitError(
+                f"json_schema: the {wide} is outside what llguidance 1.9 holds (integer bounds "
+                "within 64 bits, numbers within a double's range): it would write a clamped "
+                "number; use a smaller bound",
+                backend=self.name,
+                reason=f"number out of llguidance's range: {wide}",
+            )
         try:
             text = self._grammar_text(spec)
         except ValueError as e:

@@ -37,7 +37,7 @@ from spec_grammar.errors import (
     SpecGrammarError,
     UnsupportedGrammarError,
 )
-from spec_grammar.json_schema.limits import bound_numbers, types_of
+from spec_grammar.json_schema.limits import bound_numbers, out_of_range_number, types_of
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
@@ -302,39 +302,6 @@ of 100 characters, 87 KB, 6 ms; 1,000 of 100, 102 KB, 17 s; 2,000 of 50, 104 KB,
 10,000 of 16, over 100 s: ``docs/reliability.md``)."""
 
 _LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_INT64 = 2**63 - 1
-
-
-def out_of_range_number(schema: Any) -> str | None:
-    """``"<keyword> at <pointer>"`` of the first numeric keyword of ``schema`` that xgrammar
-    0.2.9 cannot read, else None: any number past a double's range (``10**400``: its JSON
-    reader fails with an empty message) and, on an ``integer`` schema, a bound outside
-    ``(-2**63 + 1, 2**63 - 1)`` (a failed native check). Iterative, literals not walked."""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, dict):
-            types = node.get("type")
-            integer = types == "integer" or (isinstance(types, list) and "integer" in types)
-            for k in (*_BOUNDS, "multipleOf"):
-                v = node.get(k)
-                if not isinstance(v, (int, float)) or isinstance(v, bool):
-                    continue
-                try:
-                    wide = abs(float(v)) == float("inf")
-                except OverflowError:
-                    wide = True
-                if wide or (integer and k in _BOUNDS and not -_INT64 < v < _INT64):
-                    return f"{k} at {'/'.join(('', *path)) or '/'}"
-            stack.extend(
-                (v, (*path, str(k))) for k, v in node.items() if k not in _LITERAL_KEYWORDS
-            )
-        elif isinstance(node, list):
-            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
-    return None
 
 
 def largest_string_enum(schema: Any) -> tuple[int, str]:

@@ -47,6 +47,7 @@ __all__ = [
     "close_objects",
     "bound_numbers",
     "types_of",
+    "out_of_range_number",
 ]
 
 
@@ -292,3 +293,37 @@ def limit_applies(schema: Any, name: str, limits: OutputLimits) -> bool:
     if name == "max_digits":
         return bound_numbers(schema, limits.max_digits) is not schema
     return True
+
+
+_NOT_SUBSCHEMAS = frozenset({"const", "enum", "default", "examples"})
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_INT64 = 2**63 - 1
+
+
+def out_of_range_number(schema: Any) -> str | None:
+    """``"<keyword> at <pointer>"`` of the first numeric keyword of ``schema`` that the native
+    libraries cannot hold, else None: any number past a double's range (xgrammar 0.2.9's JSON
+    reader fails with an empty message on ``10**400``) and, on an ``integer`` schema, a bound
+    outside ``(-2**63 + 1, 2**63 - 1)`` (xgrammar: a failed native check; llguidance 1.9 clamps
+    it to 64 bits and writes ``9223372036854775807`` for ``minimum: 10**40``). Iterative,
+    literals not walked."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            types = node.get("type")
+            integer = types == "integer" or (isinstance(types, list) and "integer" in types)
+            for k in (*_BOUNDS, "multipleOf"):
+                v = node.get(k)
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    continue
+                try:
+                    wide = abs(float(v)) == float("inf")
+                except OverflowError:
+                    wide = True
+                if wide or (integer and k in _BOUNDS and not -_INT64 < v < _INT64):
+                    return f"{k} at {'/'.join(('', *path)) or '/'}"
+            stack.extend((v, (*path, str(k))) for k, v in node.items() if k not in _NOT_SUBSCHEMAS)
+        elif isinstance(node, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
+    return None

@@ -276,6 +276,19 @@ def test_xgrammar_out_of_range_numbers_are_typed(schema, keyword):
         backend("xgrammar").compile(JsonSchema(schema))
 
 
+@pytest.mark.parametrize("bound", [10**40, 2**63, -(2**63)])
+def test_llguidance_integer_bounds_past_64_bits_are_refused(bound):
+    """llguidance 1.9 clamps an integer bound to 64 bits (``minimum: 10**40`` wrote
+    ``9223372036854775807``, invalid, while strict claimed it enforced): GrammarLimitError."""
+    pytest.importorskip("llguidance")
+    schema = {"type": "integer", "minimum": bound, "maximum": bound + 5}
+    with pytest.raises(GrammarLimitError, match="the minimum at / .* llguidance 1.9"):
+        backend("llguidance").compile(JsonSchema(schema, strict=True))
+    inside = {"type": "integer", "minimum": 10**15, "maximum": 10**15 + 5}
+    ok = backend("llguidance").compile(JsonSchema(inside))
+    assert fresh_accepts("llguidance", ok, str(10**15 + 5)) == {True}
+
+
 def test_xgrammar_bounds_within_range_still_compile():
     """Just inside the ranges: an integer bound of 2**62 and a number bound of 1e308 compile,
     and the bound holds (oracle: ``jsonschema``)."""
