@@ -163,11 +163,48 @@ def unenforced_keywords(schema: Any, support: KeywordSupport) -> list[str]:
     keyword and location). ``schema``: a JSON schema (dict or bool); unknown keywords and
     annotations are not reported (they constrain nothing)."""
     out: list[str] = []
-    _walk(schema, "", support, out)
+    _walk(schema, "", support, out, _referenced(schema))
     return list(dict.fromkeys(out))
 
 
-def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> None:
+_VACUOUS = {("uniqueItems", False), ("minProperties", 0)}
+"""Keyword values that constrain nothing: no backend needs to enforce them."""
+
+
+def _referenced(schema: Any) -> frozenset[str] | None:
+    """Every ``$ref`` of ``schema`` when all are plain local JSON pointers (``#/...``), else
+    None (an anchor, a URI, a percent-escape, ``$dynamicRef`` or ``$recursiveRef`` may reach
+    any definition: then every definition counts as used). Iterative."""
+    refs: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "$dynamicRef" in node or "$recursiveRef" in node:
+                return None
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                if not (ref == "#" or ref.startswith("#/")) or "%" in ref:
+                    return None
+                refs.add(ref[1:])
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return frozenset(refs)
+
+
+def _used(where: str, refs: frozenset[str] | None) -> bool:
+    """The definition at pointer ``where`` can apply: some ``$ref`` points at it or into it."""
+    return refs is None or any(r == where or r.startswith(where + "/") for r in refs)
+
+
+def _walk(
+    schema: Any,
+    where: str,
+    support: KeywordSupport,
+    out: list[str],
+    refs: frozenset[str] | None = None,
+) -> None:
     if not isinstance(schema, dict):
         return
     at = where or "/"
@@ -179,6 +216,8 @@ def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> N
         elif key in TYPE_KEYWORDS or key in _OTHER_KEYWORDS:
             name = key
         else:
+            name = None
+        if isinstance(value, (bool, int)) and (key, value) in _VACUOUS:
             name = None
         if key == "required" and isinstance(value, list):
             props = schema.get("properties")
@@ -197,21 +236,31 @@ def _walk(schema: Any, where: str, support: KeywordSupport, out: list[str]) -> N
                 out.append(f"{name} at {at}: {support.unenforced[name]}")
             elif support.untyped and key in TYPE_KEYWORDS and not typed:
                 out.append(f"{name} at {at} (no `type` next to it): {support.untyped}")
-        _recurse(key, value, f"{where}/{key}", support, out)
+        _recurse(key, value, f"{where}/{key}", support, out, refs)
 
 
-def _recurse(key: str, value: Any, where: str, support: KeywordSupport, out: list[str]) -> None:
+def _recurse(
+    key: str,
+    value: Any,
+    where: str,
+    support: KeywordSupport,
+    out: list[str],
+    refs: frozenset[str] | None,
+) -> None:
     if key in _ONE:
-        _walk(value, where, support, out)
+        _walk(value, where, support, out, refs)
     elif key in _LIST and isinstance(value, list):
         for i, sub in enumerate(value):
-            _walk(sub, f"{where}/{i}", support, out)
+            _walk(sub, f"{where}/{i}", support, out, refs)
     elif key in _MAP and isinstance(value, dict):
         for name, sub in value.items():
-            _walk(sub, f"{where}/{_escape(name)}", support, out)
+            at = f"{where}/{_escape(name)}"
+            # a definition no $ref reaches constrains nothing
+            if key not in ("$defs", "definitions") or _used(at, refs):
+                _walk(sub, at, support, out, refs)
     elif key == "dependencies" and isinstance(value, dict):
         for name, sub in value.items():
-            _walk(sub, f"{where}/{_escape(name)}", support, out)
+            _walk(sub, f"{where}/{_escape(name)}", support, out, refs)
 
 
 def _escape(name: str) -> str:

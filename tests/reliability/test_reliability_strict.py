@@ -350,3 +350,25 @@ def test_the_length_pseudo_keyword_is_reported_where_it_applies():
         "length:with-pattern at /properties/a: l",
         "length:with-pattern at /properties/c: l",
     ]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_keywords_that_constrain_nothing_are_not_declared(name):
+    """``uniqueItems: false`` and a keyword inside a definition no ``$ref`` reaches constrain
+    nothing: no warning, no strict refusal; the same keyword reached by a ``$ref`` is still
+    declared where the backend does not enforce it."""
+    b = backend(name)
+    unused = {
+        "$defs": {"u": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+        "type": "array",
+        "items": {"type": "integer"},
+        "uniqueItems": False,
+    }
+    compiled = b.compile(JsonSchema(unused))
+    assert not any(w.startswith("uniqueItems") for w in compiled.warnings), compiled.warnings
+    if name != "llguidance":  # llguidance 1.9 itself refuses the key when not lenient
+        b.compile(JsonSchema(unused, strict=True))
+    used = {"$defs": unused["$defs"], "$ref": "#/$defs/u"}
+    if "uniqueItems" in type(b).json_schema_support.unenforced:
+        with pytest.raises(UnsupportedGrammarError, match="uniqueItems"):
+            b.compile(JsonSchema(used, strict=True))
