@@ -563,9 +563,10 @@ class XGrammarBackend(GrammarBackend):
     - ``num_threads``: threads that fill many requests' tree rows side by side in
       :meth:`fill_tree_bitmasks` (default 1: one after another). xgrammar's calls release the
       GIL (tvm-ffi), but the adapter's Python around them does not: threads pay only where
-      xgrammar's own fill dominates. Measured on a 16-core host, 32 requests: Gemma-3's 262k
-      vocabulary, 64-node trees 1.98x with 4 threads, 16-node trees 1.27x; SmolLM2's 49k,
-      16-node trees 0.63x (4 threads) and 0.50x (12).
+      xgrammar's own fill dominates. Measured on a 16-core host, 128 requests
+      (``benchmarks/results/serving/``): SmolLM2's 49k vocabulary, 16-node trees 2.7x with 8
+      threads, 64-node trees 4.4x with 16; Gemma-3's 262k, 3.4x and 1.7x with 8 (one request's
+      walk can be most of a step's fill, and no schedule of whole trees gets under it).
     - ``dynamic_compilation`` (default ``True``): xgrammar builds each grammar position's
       token-mask cache the first time a matcher reaches it (``GrammarCompiler(...,
       enable_dynamic_compilation=True)``) instead of for every position at compile time. Same
