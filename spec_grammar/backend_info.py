@@ -27,6 +27,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -133,6 +134,15 @@ def declarations() -> dict[str, Declarations] | None:
     return out
 
 
+def _assignments(body: list[ast.stmt]) -> Iterator[tuple[ast.expr, ast.expr]]:
+    """``(target, value)`` of each single-target assignment (plain or annotated) in ``body``."""
+    for stmt in body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            yield stmt.targets[0], stmt.value
+        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+            yield stmt.target, stmt.value
+
+
 def _evaluated(tree: ast.Module, body: list[ast.stmt]) -> dict[str, object]:
     """The class-level ``json_schema_support`` / ``output_limits`` / ``schema_caps``
     expressions evaluated (module docstring). Raises ``NameError`` for a name not allowed."""
@@ -143,13 +153,7 @@ def _evaluated(tree: ast.Module, body: list[ast.stmt]) -> dict[str, object]:
             for alias in node.names:
                 allowed[alias.asname or alias.name] = getattr(constants, alias.name)
     out: dict[str, object] = {}
-    for stmt in body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target, value = stmt.targets[0], stmt.value
-        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
-            target, value = stmt.target, stmt.value
-        else:
-            continue
+    for target, value in _assignments(body):
         name = getattr(target, "id", None)
         if name not in ("json_schema_support", "output_limits", "schema_caps"):
             continue
@@ -227,13 +231,7 @@ def _literal_assignments(body: list[ast.stmt]) -> dict[str, object]:
     """``name -> value`` for the class-level assignments of literals, with a
     ``Capabilities(k=literal, ...)`` call read as its keyword dict."""
     out: dict[str, object] = {}
-    for stmt in body:
-        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            target, value = stmt.targets[0], stmt.value
-        elif isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
-            target, value = stmt.target, stmt.value
-        else:
-            continue
+    for target, value in _assignments(body):
         if not isinstance(target, ast.Name):
             continue
         try:
