@@ -78,18 +78,18 @@ def check_output(spec: GrammarSpec | None, text: str) -> tuple[bool | None, list
         out = _tool_call_violations(spec, text)
         return not out, out
     if isinstance(spec, Regex):
-        matcher = _regex(spec.pattern)
-        if matcher is None:
-            return None, []
-        from .json_schema.oracle import PATTERN_TIMEOUT_S  # jsonschema: loaded when used
+        # jsonschema's module: loaded when used
+        from .json_schema.oracle import PatternTimeout, compiled_pattern, pattern_matches
 
         try:
-            matched = matcher(text, timeout=PATTERN_TIMEOUT_S)
-        except TimeoutError:
-            message = f"{spec.pattern!r} could not be checked within {PATTERN_TIMEOUT_S} s"
-            return False, [Violation(path="", message=message, keyword="oracle")]
-        if matched:
-            return True, []
+            compiled_pattern(spec.pattern)
+        except (re.error, RecursionError):  # no engine here compiles it: no oracle
+            return None, []
+        try:
+            if pattern_matches(spec.pattern, text, full=True):
+                return True, []
+        except PatternTimeout as e:
+            return False, [Violation(path="", message=str(e), keyword="oracle")]
         return False, [
             Violation(path="", message=f"does not match {spec.pattern!r} in full", keyword="regex")
         ]
@@ -199,27 +199,6 @@ def _tool_call_violations(spec: ToolCalls, text: str) -> list[Violation]:
             )
         )
     return out[:MAX_VIOLATIONS]
-
-
-@functools.lru_cache(maxsize=256)
-def _regex(pattern: str) -> Any:
-    """A full-match predicate ``(text, timeout=s)`` of ``pattern``: the ``regex`` package's
-    (Unicode properties and other syntax ``re`` lacks; a timeout against catastrophic
-    backtracking, raising ``TimeoutError``), else Python's ``re`` (no timeout), else None (no
-    oracle)."""
-    try:
-        import regex  # optional: jsonschema's and hypothesis' dependency trees bring it
-
-        return regex.compile(pattern).fullmatch
-    except ImportError:
-        pass
-    except Exception:  # regex.error, RecursionError: try re
-        pass
-    try:
-        full = re.compile(pattern).fullmatch
-    except (re.error, RecursionError):
-        return None
-    return lambda text, timeout=None: full(text)
 
 
 def _too_deep(what: str) -> Violation:

@@ -37,7 +37,12 @@ from spec_grammar.errors import (
     SpecGrammarError,
     UnsupportedGrammarError,
 )
-from spec_grammar.json_schema.limits import bound_numbers, out_of_range_number, types_of
+from spec_grammar.json_schema.limits import (
+    bound_numbers,
+    largest_string_enum,
+    out_of_range_number,
+    types_of,
+)
 from spec_grammar.json_schema.pattern import UnsupportedPattern, translate_ex
 from spec_grammar.json_schema.rewrite import (
     const_within_enum,
@@ -300,35 +305,6 @@ compiles any enum in milliseconds, but past about 90 KB of strings the first mas
 the opening quote goes from milliseconds to seconds per thousand strings (SmolLM2: 850 strings
 of 100 characters, 87 KB, 6 ms; 1,000 of 100, 102 KB, 17 s; 2,000 of 50, 104 KB, 15 s; 5,000 of 20, 68 s;
 10,000 of 16, over 100 s: ``docs/reliability.md``)."""
-
-_LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-def largest_string_enum(schema: Any) -> tuple[int, str]:
-    """``(bytes, where)``: the ``enum`` of ``schema`` whose string values take the most JSON
-    text (UTF-8 bytes of each string written as JSON, quotes included; other values count
-    nothing) and its JSON pointer; ``(0, "")`` without one. Iterative, one pass over the
-    schema (literal values are not walked into)."""
-    best, where = 0, ""
-    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
-    while stack:
-        node, path = stack.pop()
-        if isinstance(node, dict):
-            values = node.get("enum")
-            if isinstance(values, list):
-                size = sum(
-                    len(json.dumps(v, ensure_ascii=False).encode())
-                    for v in values
-                    if isinstance(v, str)
-                )
-                if size > best:
-                    best, where = size, "/".join(("", *path, "enum"))
-            stack.extend(
-                (v, (*path, str(k))) for k, v in node.items() if k not in _LITERAL_KEYWORDS
-            )
-        elif isinstance(node, list):
-            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
-    return best, where
 
 
 def forced_run_bound(spec: GrammarSpec) -> int | None:

@@ -48,6 +48,7 @@ __all__ = [
     "bound_numbers",
     "types_of",
     "out_of_range_number",
+    "largest_string_enum",
 ]
 
 
@@ -327,3 +328,28 @@ def out_of_range_number(schema: Any) -> str | None:
         elif isinstance(node, list):
             stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
     return None
+
+
+def largest_string_enum(schema: Any) -> tuple[int, str]:
+    """``(bytes, where)``: the ``enum`` of ``schema`` whose string values take the most JSON
+    text (UTF-8 bytes of each string written as JSON, quotes included; other values count
+    nothing) and its JSON pointer; ``(0, "")`` without one. Iterative, one pass over the
+    schema (literal values are not walked into)."""
+    best, where = 0, ""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, dict):
+            values = node.get("enum")
+            if isinstance(values, list):
+                size = sum(
+                    len(json.dumps(v, ensure_ascii=False).encode())
+                    for v in values
+                    if isinstance(v, str)
+                )
+                if size > best:
+                    best, where = size, "/".join(("", *path, "enum"))
+            stack.extend((v, (*path, str(k))) for k, v in node.items() if k not in _NOT_SUBSCHEMAS)
+        elif isinstance(node, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(node))
+    return best, where

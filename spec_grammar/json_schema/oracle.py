@@ -13,7 +13,14 @@ import jsonschema
 from jsonschema.exceptions import ValidationError
 from jsonschema.validators import validator_for
 
-__all__ = ["oracle", "ecma_end", "PatternTimeout", "PATTERN_TIMEOUT_S"]
+__all__ = [
+    "oracle",
+    "ecma_end",
+    "compiled_pattern",
+    "pattern_matches",
+    "PatternTimeout",
+    "PATTERN_TIMEOUT_S",
+]
 
 
 def ecma_end(pattern: str) -> str:
@@ -54,10 +61,10 @@ class PatternTimeout(Exception):
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(pattern: str) -> Any:
-    """``pattern`` (ECMA ``$`` already applied) compiled by the ``regex`` package where it is
-    installed (it reads ``\\p{L}`` and other syntax ``re`` lacks, and its searches take a
-    timeout), else by ``re``."""
+def compiled_pattern(pattern: str) -> Any:
+    """``pattern`` compiled by the ``regex`` package where it is installed (it reads
+    ``\\p{L}`` and other syntax ``re`` lacks, and its searches take a timeout), else by
+    ``re``. Raises ``re.error`` for a pattern neither compiles."""
     try:
         import regex
     except ImportError:
@@ -68,12 +75,16 @@ def _compiled(pattern: str) -> Any:
         return re.compile(pattern)  # raises re.error: jsonschema reports the bad pattern
 
 
-def _search(pattern: str, text: str) -> bool:
-    compiled = _compiled(pattern)
+def pattern_matches(pattern: str, text: str, *, full: bool = False) -> bool:
+    """``pattern`` found in ``text`` (``full``: matching all of it), searched for at most
+    :data:`PATTERN_TIMEOUT_S` where the ``regex`` package runs it; raises
+    :class:`PatternTimeout` past that, ``re.error`` for a pattern that does not compile."""
+    compiled = compiled_pattern(pattern)
+    find = compiled.fullmatch if full else compiled.search
     if isinstance(compiled, re.Pattern):
-        return compiled.search(text) is not None
+        return find(text) is not None
     try:
-        return compiled.search(text, timeout=PATTERN_TIMEOUT_S) is not None
+        return find(text, timeout=PATTERN_TIMEOUT_S) is not None
     except TimeoutError as e:
         raise PatternTimeout(
             f"pattern {pattern!r} took over {PATTERN_TIMEOUT_S} s on a string of {len(text)} "
@@ -98,7 +109,7 @@ def _ecma_keywords(cls: Any) -> Any:
     base = cls.VALIDATORS
 
     def pattern(validator, patrn, instance, schema):
-        if validator.is_type(instance, "string") and not _search(ecma_end(patrn), instance):
+        if validator.is_type(instance, "string") and not pattern_matches(ecma_end(patrn), instance):
             yield ValidationError(f"{instance!r} does not match {patrn!r}")
 
     def pattern_properties(validator, pp, instance, schema):
