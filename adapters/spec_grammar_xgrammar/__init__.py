@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +69,7 @@ from spec_grammar.specs import Ebnf, GrammarSpec, JsonSchema, Lark, Regex
 from spec_grammar.traverse import fill_tree_bitmask_dfs, forced_tokens_by_mask
 from spec_grammar.tree import DraftTree
 from spec_grammar.tree_batch import TreeBatch
+from spec_grammar.tree_split import TreePiece, piece_sizes, split_tree
 from spec_grammar.vocab import is_rust_tokenizer
 
 try:
@@ -694,6 +696,9 @@ class XGrammarBackend(GrammarBackend):
         self._xgr_width = bitmask_width(info.tokenizer_vocab_size)
         self._narrow = self._xgr_width < bitmask_width(info.vocab_size)
         self._scratch = threading.local()  # per thread: grammar threads fill side by side
+        # each library matcher's fill time per row in its last batched fill (s): which trees
+        # to cut into pieces (weak: a finished request's matcher leaves)
+        self._row_cost: weakref.WeakKeyDictionary[SharedNative, float] = weakref.WeakKeyDictionary()
         self._compiler = xgr.GrammarCompiler(
             self._xgr_info,
             max_threads=max_threads,
@@ -792,14 +797,19 @@ class XGrammarBackend(GrammarBackend):
         """:meth:`fill_tree_bitmasks` for jobs of distinct library matchers of this backend,
         every tree's ids inside the tokenizer.
 
-        ``num_threads`` threads take the jobs one at a time, largest tree first, from a shared
+        ``num_threads`` threads take work one item at a time, costliest first, from a shared
         counter (a job's cost varies by far more than its node count: a state inside a string
         fills a row in microseconds, one before a large object's keys in milliseconds, so
-        fixed shares left most threads idle behind the slowest one). Each thread runs a job's
-        walk and then puts its rows in place (under a model head wider than the tokenizer,
-        xgrammar writes a tokenizer-wide scratch, which the thread copies into the bitmask) and
-        clears their padding ids, with numpy copies that release the GIL: the rows' memory
-        traffic (~50 MB at 128 x 64 nodes over a 128k head) is spread over the threads too."""
+        fixed shares left most threads idle behind the slowest one). An item is a job's whole
+        walk or, for a job whose rows cost more than half a thread's share of the batch in the
+        previous fill (:func:`~spec_grammar.tree_split.piece_sizes`), a piece of its tree
+        (:func:`~spec_grammar.tree_split.split_tree`) walked by a fork of its library matcher
+        moved along the path to the piece: one request's tree was 44% of a step at 128 x 64
+        nodes on Gemma-3 (issue 35). Each thread puts its rows in place (under a model head
+        wider than the tokenizer, xgrammar writes a tokenizer-wide scratch, which the thread
+        copies into the bitmask) and clears their padding ids, with numpy copies that release
+        the GIL: the rows' memory traffic (~50 MB at 128 x 64 nodes over a 128k head) is
+        spread over the threads too."""
         trees = [t for _, t, _ in jobs]
         tb = TreeBatch(trees, [off for _, _, off in jobs])
         total = int(tb.starts[-1])
@@ -810,44 +820,117 @@ class XGrammarBackend(GrammarBackend):
         width = dest.shape[1]
         word, bit = divmod(self.tokenizer_info.tokenizer_vocab_size, 32)
         links = tb.links
-        threads = max(1, min(self.num_threads, len(jobs)))
-        order = sorted(range(len(jobs)), key=lambda j: starts[j] - starts[j + 1])
-        taken = itertools.count()
-
         # numpy, not torch: a small torch op from many threads starts an OpenMP region each
         # (a 16-row zero_ took 1.6 ms against 11 us single-threaded on a loaded host)
         words, scratch_words = bitmask.numpy(), None if scratch is None else scratch.numpy()
+
+        def clear_padding(rows: np.ndarray) -> None:
+            if word < rows.shape[1]:  # ids past the tokenizer are never allowed
+                if bit:
+                    rows[:, word] &= (1 << bit) - 1
+                rows[:, word + (1 if bit else 0) :] = 0
 
         def place(a: int, b: int, lo: int) -> None:
             """Nodes ``[a, b)`` (flat) into bitmask rows ``[lo, lo + b - a)``."""
             rows = words[lo : lo + b - a]
             if scratch_words is not None:
                 rows[:, :width] = scratch_words[a:b]
-            if word < rows.shape[1]:  # ids past the tokenizer are never allowed
-                if bit:
-                    rows[:, word] &= (1 << bit) - 1
-                rows[:, word + (1 if bit else 0) :] = 0
+            clear_padding(rows)
 
         with contextlib.ExitStack() as locks:
             for m, _, _ in sorted(jobs, key=lambda job: id(job[0]._shared)):
                 locks.enter_context(m._shared.lock)
+            natives = [m._enter() for m, _, _ in jobs]
+            shareds = [m._shared for m, _, _ in jobs]
+            items = self._work_items(trees, shareds, max(1, self.num_threads))
+            spent = [0.0] * len(items)  # seconds per item (each written by one thread)
             # the library calls without their Python wrapper: no work between native calls
-            fns = [m._enter()._handle.traverse_draft_tree for m, _, _ in jobs]
+            fns = [native._handle.traverse_draft_tree for native in natives]
+            taken = itertools.count()
+
+            def piece_walk(j: int, piece: TreePiece) -> None:
+                native = natives[j]._handle.fork()
+                path = piece.path
+                for depth, t in enumerate(path):
+                    if not native.accept_token(t, False):
+                        # as the whole walk: a rejected node's row is zeroed, rows below it
+                        # are left (the validity pass reads neither)
+                        if depth == len(path) - 1 and piece.owns_anchor:
+                            words[offs[j] + piece.anchor] = 0
+                        return
+                k = len(piece.nodes)
+                out = self._piece_rows(k)
+                lk = piece.links
+                native.traverse_draft_tree(lk[0], lk[1], lk[2], out, -1.0, None)
+                src = out.numpy()[0 if piece.owns_anchor else 1 : k]
+                rows = np.zeros((len(src), words.shape[1]), dtype=words.dtype)
+                rows[:, : src.shape[1]] = src
+                clear_padding(rows)
+                words[offs[j] + piece.rows] = rows  # scattered rows: one fancy-index write
 
             def share(_k: int) -> None:
-                # next() of itertools.count is atomic under the GIL: each job runs once
-                while (i := next(taken)) < len(order):
-                    j = order[i]
-                    a, b = starts[j], starts[j + 1]
-                    out = dest[offs[j] : offs[j] + b - a] if scratch is None else dest[a:b]
-                    fns[j](links[0, a:b], links[1, a:b], links[2, a:b], out, -1.0, None)
-                    place(a, b, offs[j])
+                # next() of itertools.count is atomic under the GIL: each item runs once
+                while (i := next(taken)) < len(items):
+                    j, piece = items[i]
+                    t0 = time.perf_counter()
+                    if piece is None:
+                        a, b = starts[j], starts[j + 1]
+                        out = dest[offs[j] : offs[j] + b - a] if scratch is None else dest[a:b]
+                        fns[j](links[0, a:b], links[1, a:b], links[2, a:b], out, -1.0, None)
+                        place(a, b, offs[j])
+                    else:
+                        piece_walk(j, piece)
+                    spent[i] = time.perf_counter() - t0
 
-            self._run_shares(share, threads)
+            self._run_shares(share, max(1, min(self.num_threads, len(items))))
+            per_job = [0.0] * len(jobs)
+            for (j, _), s in zip(items, spent):
+                per_job[j] += s
+            for shared, tree, s in zip(shareds, trees, per_job):
+                self._row_cost[shared] = s / tree.num_nodes
         valid, dead = tb.settle(words, self._stop_set)
         if zero_dead and dead.any():
             words[tb.rows[dead]] = 0
         return list(torch.from_numpy(valid).split([t.num_nodes for t in trees]))
+
+    def _work_items(
+        self, trees: list[DraftTree], shareds: list[SharedNative], threads: int
+    ) -> list[tuple[int, TreePiece | None]]:
+        """The work of one batched fill, costliest first: ``(job, None)`` for a whole walk,
+        ``(job, piece)`` for each piece of a tree worth cutting (costs: each library matcher's
+        row cost in its previous fill; a matcher not seen yet counts one row at the batch's
+        median, or its node count when no matcher was seen)."""
+        sizes = [t.num_nodes for t in trees]
+        known = [self._row_cost.get(s) for s in shareds]
+        seen = sorted(c for c in known if c is not None)
+        fallback = seen[len(seen) // 2] if seen else 1.0
+        costs = [(c if c is not None else fallback) * n for c, n in zip(known, sizes)]
+        cuts = piece_sizes([c if k is not None else None for c, k in zip(costs, known)],
+                           sizes, threads)  # fmt: skip
+        items: list[tuple[float, int, TreePiece | None]] = []
+        for j, (tree, cost, max_rows) in enumerate(zip(trees, costs, cuts)):
+            if not max_rows:
+                items.append((cost, j, None))
+                continue
+            stops = self._stop_set
+            tokens, parents = tree.token_list, tree.parent_list
+            below_stop = [False] * tree.num_nodes  # at or below a stop token
+            for v in range(1, tree.num_nodes):
+                below_stop[v] = below_stop[parents[v]] or tokens[v] in stops
+            cuttable = np.logical_not(below_stop)
+            for piece in split_tree(tree, max_rows, cuttable):
+                items.append((cost * len(piece.nodes) / tree.num_nodes, j, piece))
+        items.sort(key=lambda item: -item[0])
+        return [(j, piece) for _, j, piece in items]
+
+    def _piece_rows(self, n: int) -> torch.Tensor:
+        """A contiguous ``(n, W_tokenizer)`` int32 scratch of this thread for a piece's walk."""
+        buf = getattr(self._scratch, "piece", None)
+        if buf is None or buf.shape[0] < n:
+            buf = self._scratch.piece = torch.empty(
+                (max(n, 64), self._xgr_width), dtype=torch.int32
+            )
+        return buf[:n]
 
     def _run_shares(self, share: Callable[[int], None], count: int) -> None:
         """``share(k)`` for ``k < count``: the caller's thread takes share 0, the fill pool's

@@ -101,3 +101,67 @@ def test_batch_fill_equals_reference(tok, wide, threads):
                 assert torch.equal(got_rows[live], one_rows[live])
     assert [m.num_accepted for m, _, _ in jobs] == before
     assert any(not all(v) for v in want) and any(all(v) for v in want)  # both kinds were filled
+
+
+def _big_job(backend, tok, rng: random.Random):
+    """One request whose tree (a 40-token chain of its true next tokens, random and stop-token
+    siblings, a rejected node with a chain under it) outweighs the small ones of :func:`_jobs`."""
+    eos = tok.eos_token_id
+    case = bfcl_cases()[0]
+    compiled = backend.compile(ToolCalls(case["tools"], whitespace="spaced"))
+    ids = tok.encode(
+        json.dumps(case["example_output"], separators=(", ", ": ")), add_special_tokens=False
+    ) + [eos]
+    m = backend.matcher(compiled)
+    assert m.accept_tokens(ids[:1]) == 1
+    nxt = ids[1:41]
+    tokens, parents = [ids[0]] + nxt, [-1] + list(range(len(nxt)))
+    for _ in range(12):  # siblings anywhere along the chain: random ids, EOS, true tokens
+        at = rng.randrange(len(nxt))
+        tokens.append(rng.choice([rng.randrange(len(tok)), eos, ids[1 + at]]))
+        parents.append(at)
+    bad = next(t for t in range(len(tok)) if t not in ids and t != eos)
+    tokens += [bad, *nxt[:3]]
+    parents += [5, len(parents), len(parents) + 1, len(parents) + 2]
+    return m, DraftTree(tokens, parents)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["tokenizer-head", "wider-head"])
+def test_heavy_tree_cut_into_pieces_equals_reference(tok, wide):
+    """A tree that outweighs a thread's share is cut into pieces once its cost is known (each
+    walked by a fork of the request's matcher moved along the path to the piece): rows and
+    validity stay the reference's in every round, and the request's matcher is not moved."""
+    backend = XGrammarBackend(tok, num_threads=4, vocab_size=len(tok) + 300 if wide else None)
+    rng = random.Random(7)
+    pairs = [_big_job(backend, tok, rng)] + _jobs(backend, tok, rng)[:8]
+    jobs, off = [], 0
+    for m, t in pairs:
+        jobs.append((m, t, off))
+        off += t.num_nodes
+    before = [m.num_accepted for m, _, _ in jobs]
+    ref = torch.zeros((off, backend.tokenizer_info.bitmask_width), dtype=torch.int32)
+    want = [fill_tree_bitmask_dfs(m, t, ref, o).tolist() for m, t, o in jobs]
+    cut = []
+    for zero_dead in (True, True, False):
+        if cut:  # measured costs vary with the host's load: make the big tree's certain
+            backend._row_cost[jobs[0][0]._shared] = 1.0
+        items = backend._work_items([t for _, t, _ in jobs], [m._shared for m, _, _ in jobs], 4)
+        cut.append(sum(p is not None for j, p in items if j == 0))
+        got_rows = torch.full_like(ref, 0x5A5A5A5A)
+        got = backend.fill_tree_bitmasks(jobs, got_rows, zero_dead_rows=zero_dead)
+        assert [v.tolist() for v in got] == want
+        n_tok = len(tok)
+        if zero_dead:
+            assert torch.equal(unpack_bitmask(got_rows, n_tok), unpack_bitmask(ref, n_tok))
+        else:  # dead rows are unspecified: the live ones must agree
+            live = [
+                o + k
+                for (m, t, o), v in zip(jobs, want)
+                for k in range(t.num_nodes)
+                if v[k] and not (k and t.token_list[k] in set(m.info.stop_token_ids))
+            ]
+            assert torch.equal(
+                unpack_bitmask(got_rows[live], n_tok), unpack_bitmask(ref[live], n_tok)
+            )
+    assert cut[0] == 0 and cut[1] >= 2 and cut[2] >= 2  # whole before any cost was measured
+    assert [m.num_accepted for m, _, _ in jobs] == before
