@@ -145,7 +145,7 @@ def test_heavy_tree_cut_into_pieces_equals_reference(tok, wide):
     for zero_dead in (True, True, False):
         if cut:  # measured costs vary with the host's load: make the big tree's certain
             backend._row_cost[jobs[0][0]._shared] = 1.0
-        items = backend._work_items([t for _, t, _ in jobs], [m._shared for m, _, _ in jobs], 4)
+        items, _ = backend._work_items([t for _, t, _ in jobs], [m._shared for m, _, _ in jobs])
         cut.append(sum(p is not None for j, p in items if j == 0))
         got_rows = torch.full_like(ref, 0x5A5A5A5A)
         got = backend.fill_tree_bitmasks(jobs, got_rows, zero_dead_rows=zero_dead)
@@ -164,4 +164,8 @@ def test_heavy_tree_cut_into_pieces_equals_reference(tok, wide):
                 unpack_bitmask(got_rows[live], n_tok), unpack_bitmask(ref[live], n_tok)
             )
     assert cut[0] == 0 and cut[1] >= 2 and cut[2] >= 2  # whole before any cost was measured
+    for m, _, _ in jobs:  # microseconds of work in all: one thread, nothing cut
+        backend._row_cost[m._shared] = 1e-7
+    items, threads = backend._work_items([t for _, t, _ in jobs], [m._shared for m, _, _ in jobs])
+    assert threads == 1 and all(p is None for _, p in items)
     assert [m.num_accepted for m, _, _ in jobs] == before
