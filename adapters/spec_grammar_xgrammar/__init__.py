@@ -549,10 +549,12 @@ class XGrammarBackend(GrammarBackend):
     - ``num_threads``: threads that fill many requests' tree rows side by side in
       :meth:`fill_tree_bitmasks` (default 1: one after another). xgrammar's calls release the
       GIL (tvm-ffi), but the adapter's Python around them does not: threads pay only where
-      xgrammar's own fill dominates. Measured on a 16-core host, 128 requests
-      (``benchmarks/results/serving/``): SmolLM2's 49k vocabulary, 16-node trees 2.7x with 8
-      threads, 64-node trees 4.4x with 16; Gemma-3's 262k, 3.4x and 1.7x with 8 (one request's
-      walk can be most of a step's fill, and no schedule of whole trees gets under it).
+      xgrammar's own fill dominates. A tree that outweighs half a thread's share of the batch
+      is cut into pieces walked side by side, and a batch with under
+      :data:`MIN_FILL_WORK_PER_THREAD` of walk work per thread uses fewer threads. Measured on
+      a 16-core host, 128 requests, 16 threads against one (``benchmarks/results/serving/``):
+      Gemma-3's 262k vocabulary 8.3x (16-node trees) and 7.6x (64); SmolLM2's 49k, 2.1x and
+      4.9x (its walks are 50-100 us each, and the Python around each one is serial).
     - ``dynamic_compilation`` (default ``True``): xgrammar builds each grammar position's
       token-mask cache the first time a matcher reaches it (``GrammarCompiler(...,
       enable_dynamic_compilation=True)``) instead of for every position at compile time. Same
