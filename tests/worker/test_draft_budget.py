@@ -452,3 +452,23 @@ def test_requests_whose_drafts_do_not_pay_are_not_drafted():
     plain = DraftBudget(explore_every=8)
     log = _drafting_steps(plain, rids, dict.fromkeys(rids, False), 200, ms_of)
     assert sum(not d for d in log[20:]) >= 0.85 * len(log[20:])
+
+
+def test_new_request_is_a_probe_where_drafts_have_not_paid():
+    """After 120 steps in which no draft was accepted, a new request is not drafted outright
+    (it was: no history counted as a reason to draft): it is a probe, drafted only while
+    exploration has room (here none: ``explore_share=0``); while drafts pay batch-wide, a new
+    request drafts at once."""
+    rids = ["a", "b", "c", "d"]
+
+    def ms_of(rows, padded, drafted):
+        return 40.0 + 2.0 * rows + 1.0 * padded + 1.5 * drafted
+
+    budget = DraftBudget(explore_every=10**9, explore_share=0.0)
+    log = _drafting_steps(budget, rids, dict.fromkeys(rids, False), 120, ms_of)
+    assert sum(not d for d in log[20:]) >= 0.9 * len(log[20:])
+    assert budget.drafting([*rids, "new"], _padded_shape) == [False] * 5
+
+    paying = DraftBudget(explore_every=10**9, explore_share=0.0)
+    _drafting_steps(paying, rids, dict.fromkeys(rids, True), 60, ms_of)
+    assert paying.drafting([*rids, "new"], _padded_shape) == [True] * 5
