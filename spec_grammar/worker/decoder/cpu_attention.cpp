@@ -21,6 +21,8 @@
 
 namespace {
 
+constexpr int64_t kPrefetchKeys = 16;  // 4 KiB ahead at D = 64
+
 // r[i] = sum of the 16 lanes of a[i]
 inline __m512 sum16(const __m512* a) {
   __m512 t[8], u[4], v[2];
@@ -80,6 +82,17 @@ void scores(const Task& t, float* S, int64_t ld) {
     const float* kp[16];
     for (int jj = 0; jj < 16; ++jj)  // past the end: the last key again, its lanes not stored
       kp[jj] = t.k + (jj < left ? j0 + jj : t.kv - 1) * t.ps;
+    // keys kPrefetchKeys ahead into L1, and this block's values into L2 for the third pass:
+    // both streams in flight at once (the hardware prefetcher stops at each 4 KiB page)
+    const int64_t ahead = j0 + kPrefetchKeys;
+    for (int jj = 0; jj < 16; ++jj) {
+      const char* kn = reinterpret_cast<const char*>(t.k + (ahead + jj) * t.ps);
+      const char* vn = reinterpret_cast<const char*>(t.v + (j0 + jj < t.kv ? j0 + jj : t.kv - 1) * t.ps);
+      for (int c = 0; c < C; ++c) {
+        if (ahead + jj < t.kv) _mm_prefetch(kn + 64 * c, _MM_HINT_T0);
+        _mm_prefetch(vn + 64 * c, _MM_HINT_T1);
+      }
+    }
     for (int64_t g = 0; g < t.G; ++g) {
       for (int64_t i = 0; i < t.nq; ++i) {
         const float* qr = t.q + (g * t.n + i) * D;
