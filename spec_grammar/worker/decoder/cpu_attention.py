@@ -80,7 +80,7 @@ def row_indices(rows: slice | torch.Tensor, capacity: int) -> torch.Tensor | Non
     if not (
         type(rows) in _PLAIN
         and rows.dtype == torch.long
-        and rows.device.type == "cpu"
+        and rows.is_cpu
         and rows.dim() == 1
         and rows.numel() > 0
     ):
@@ -128,7 +128,8 @@ def attention(
         # real memory only: a tensor subclass or a tensor under a dispatch mode may have no data
         all(type(t) in _PLAIN for t in tensors)
         and _get_current_dispatch_mode() is None
-        and all(t.device.type == "cpu" and t.layout == torch.strided for t in tensors)
+        # (is_cpu: a twentieth of device.type's cost; this runs once per layer)
+        and all(t.is_cpu and t.layout == torch.strided for t in tensors)
         and q.dtype == k_buf.dtype == v_buf.dtype == mask.dtype == torch.float32
         and q.dim() == 4
         and q.is_contiguous()

@@ -13,7 +13,11 @@ and rotary kernels).
 Grouped-query attention folds each KV head's query heads into query rows: q viewed as
 ``(b, kv_heads, group * n, D)`` attends to the ``(b, kv_heads, kv, D)`` cache directly (no
 ``repeat_kv`` copy), with the ``(b, 1, n, kv)`` tree mask tiled ``group`` times along its rows
-once per forward.
+once per forward. On CPU in float32, up to :data:`.cpu_attention.MAX_QUERIES` tokens per
+request, attention runs :mod:`.cpu_attention`'s kernel instead: it reads each request's keys
+and values in place in the store (no ``k_buf[rows]`` copy), takes the untiled mask, skips the
+padding tokens after each request's last real one, and writes the ``(b * n, heads * D)`` layout
+the O projection takes; elsewhere (CUDA, other dtypes, more queries, no kernel) SDPA runs.
 
 The weights stay the model's: the q/k/v (and gate/up) weights are copied once into one merged
 tensor per layer and the HF parameters' data become views of it (the same ``Parameter``
