@@ -164,18 +164,35 @@ def projections(model, reps: int) -> list[dict]:
     return rows
 
 
+def _median_rows(runs: list[list[dict]]) -> list[dict]:
+    """Cell by cell, the median of the runs' timings (the same rows in the same order; the
+    shape columns, ints, kept)."""
+    return [
+        {
+            k: v if isinstance(v, int) else statistics.median(row[k] for row in rows)
+            for k, v in rows[0].items()
+        }
+        for rows in zip(*runs)
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=1, help="repeat everything, report cell medians")
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model("smollm2")
-    fwd, attn = forwards(model, args.reps), attention(model, args.reps)
-    proj = projections(model, args.reps)
+    runs = [
+        (forwards(model, args.reps), attention(model, args.reps), projections(model, args.reps))
+        for _ in range(args.runs)
+    ]
+    fwd, attn, proj = (_median_rows([run[i] for run in runs]) for i in range(3))
     md = [
-        f"SmolLM2-135M float32, {args.threads} thread(s), median of {args.reps}",
+        f"SmolLM2-135M float32, {args.threads} thread(s), median of {args.reps}"
+        + (f", median over {args.runs} runs" if args.runs > 1 else ""),
         "",
         "| batch | nodes | HF forward ms | ours, oneDNN ms | ours, SDPA ms | ours ms | HF / ours |"
         " oneDNN / ours | SDPA / ours | ours / one-token ours |",
