@@ -9,10 +9,14 @@
 // task per (request, KV head) reads that head's keys and values in place, once each, for all
 // its G query heads and query tokens:
 //   1. scores: 16 keys at a time (in L1), each query's 16 dot products summed by one transposing
-//      reduction tree, then scaled and masked, into a per-thread buffer (queries x kv);
+//      reduction tree, then scaled and masked, into a per-thread buffer (queries x kv); the keys
+//      16 positions ahead are prefetched into L1 and this block's values into L2, so both
+//      streams are in flight at once (SmolLM2, 8 requests x 1 token over 300 keys, one core:
+//      302 us a layer without the prefetches, 196 us with them, 132 us to merely read them);
 //   2. softmax per query row: max-subtracted, exp by range reduction to [-ln2/2, ln2/2] and a
 //      degree-7 Taylor polynomial (relative error ~1e-7, float rounding);
-//   3. values: each value row read once per block of queries held in registers.
+//   3. values: each value row read once per block of queries held in registers (from L2).
+// The buffer grows to the largest queries x kv seen per thread and is kept.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -82,8 +86,7 @@ void scores(const Task& t, float* S, int64_t ld) {
     const float* kp[16];
     for (int jj = 0; jj < 16; ++jj)  // past the end: the last key again, its lanes not stored
       kp[jj] = t.k + (jj < left ? j0 + jj : t.kv - 1) * t.ps;
-    // keys kPrefetchKeys ahead into L1, and this block's values into L2 for the third pass:
-    // both streams in flight at once (the hardware prefetcher stops at each 4 KiB page)
+    // keys kPrefetchKeys ahead into L1, and this block's values into L2 for the third pass
     const int64_t ahead = j0 + kPrefetchKeys;
     for (int jj = 0; jj < 16; ++jj) {
       const char* kn = reinterpret_cast<const char*>(t.k + (ahead + jj) * t.ps);
