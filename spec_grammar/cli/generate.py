@@ -806,10 +806,11 @@ def run(args) -> int:
             "draft_budget": worker.config.draft_budget,
         }
         if str(worker.runner.device) == "cpu":
-            from ..worker.decoder import cpu_gemm
+            from ..worker.decoder import cpu_attention, cpu_gemm
 
-            # "on", or why the small-batch kernel does not run (oneDNN does: slower decoding)
+            # "on", or why the small-batch kernels do not run (oneDNN / SDPA do: slower decoding)
             runner["cpu_projections"] = cpu_gemm.status()
+            runner["cpu_attention"] = cpu_attention.status()
         # one line: token id lists would take a line per id with an indent (pipe to jq to read)
         print(
             json.dumps(

@@ -90,11 +90,18 @@ def test_fused_logits_equal_hf_while_requests_and_trees_change(kind):
     )
 
 
-def test_fused_float32_cpu_forward_matches_hf_on_ragged_trees():
-    """float32 on CPU: the projections run through oneDNN (another GEMM than HF's MKL one) and
-    ragged batches run on their real rows only (padding skipped), so logits agree with HF's to
-    float32 rounding, not exactly, through churn with ragged trees and subsets."""
-    model = _small("qwen2").to(torch.float32)
+@pytest.mark.parametrize("kind", ["qwen2", "llama-d16"])
+def test_fused_float32_cpu_forward_matches_hf_on_ragged_trees(kind):
+    """float32 on CPU: the projections run through oneDNN or the small-batch kernel (other GEMMs
+    than HF's MKL one), attention through SDPA (qwen2: head size 8) or the CPU attention kernel
+    (llama-d16: head size 16, 4 query heads per KV head), and ragged batches run on their real
+    rows only (padding skipped), so logits agree with HF's to float32 rounding, not exactly,
+    through churn with ragged trees and subsets."""
+    if kind == "qwen2":
+        model = _small("qwen2").to(torch.float32)
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**{**SMALL, "head_dim": 16})).eval()
     hf = ModelRunner(model, fused_forward=False, prefill_chunk=7)
     fused = ModelRunner(model, prefill_chunk=7)
     assert fused.uses_fused_forward

@@ -24,7 +24,7 @@ from spec_grammar import Ebnf, JsonSchema, Regex
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.tree import DraftTree
 from spec_grammar.worker import Request, SpecWorker, build_prompt
-from spec_grammar.worker.decoder import cpu_gemm
+from spec_grammar.worker.decoder import cpu_attention, cpu_gemm
 from spec_grammar.worker.defaults import DEFAULT_FORCED_TOKENS
 from spec_grammar.worker.drafters import Drafter
 from spec_grammar.worker.sampling import SamplingParams
@@ -480,6 +480,7 @@ def test_cli_generate_json(tmp_path):
     assert out["runner"]["forced_tokens"] is DEFAULT_FORCED_TOKENS  # says whether it is on
     assert out["runner"]["draft_budget"] is True  # on by default (--no-draft-budget: off)
     assert out["runner"]["cpu_projections"] == cpu_gemm.status()  # "on", or why not
+    assert out["runner"]["cpu_attention"] == cpu_attention.status()
 
 
 @pytest.mark.parametrize(

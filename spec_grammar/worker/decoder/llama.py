@@ -13,7 +13,11 @@ and rotary kernels).
 Grouped-query attention folds each KV head's query heads into query rows: q viewed as
 ``(b, kv_heads, group * n, D)`` attends to the ``(b, kv_heads, kv, D)`` cache directly (no
 ``repeat_kv`` copy), with the ``(b, 1, n, kv)`` tree mask tiled ``group`` times along its rows
-once per forward.
+once per forward. On CPU in float32, up to :data:`.cpu_attention.MAX_QUERIES` tokens per
+request, attention runs :mod:`.cpu_attention`'s kernel instead: it reads each request's keys
+and values in place in the store (no ``k_buf[rows]`` copy), takes the untiled mask, skips the
+padding tokens after each request's last real one, and writes the ``(b * n, heads * D)`` layout
+the O projection takes; elsewhere (CUDA, other dtypes, more queries, no kernel) SDPA runs.
 
 The weights stay the model's: the q/k/v (and gate/up) weights are copied once into one merged
 tensor per layer and the HF parameters' data become views of it (the same ``Parameter``
@@ -32,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import cpu_attention, ops
 
 __all__ = ["FusedLlama", "unsupported_reason"]
 
@@ -230,8 +234,10 @@ class FusedLlama:
             tok, pos, wpos = tok[valid], pos[valid], wpos[valid]
         h = F.embedding(tok, self.embed)  # the residual stream, updated in place
         cos, sin = ops.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.embed.dtype)
-        if self.group > 1:
-            mask = mask.repeat(1, 1, self.group, 1)  # row g * n + i is query i of group member g
+        # on CPU the small-batch kernel reads the store in place (None: SDPA)
+        kernel = self._kernel_inputs(mask, valid, b, n)
+        sdpa_mask = None if kernel is not None else self._sdpa_mask(mask)
+        rows_at, capacity = None, 0  # the kernel's row indices into buffers of capacity rows
         x = ops.rms_norm(h, self.layers[0].in_norm, self.layers[0].eps)
         for i, layer in enumerate(self.layers):
             qkv = ops.linear(x, layer.qkv_w, layer.qkv_b)
@@ -239,15 +245,30 @@ class FusedLlama:
             q = self._rope_and_cache(
                 qkv, cos, sin, k_buf, v_buf, flat_rows, wpos, row_idx, valid, b, n
             )
-            attn = F.scaled_dot_product_attention(
-                q.view(b, self.kv_heads, self.group * n, self.head_dim),
-                k_buf[rows, :, :kv_len],
-                v_buf[rows, :, :kv_len],
-                attn_mask=mask,
-                scale=layer.scaling,
-            )
-            # (memory-efficient attention may return a non-contiguous output: reshape, not view)
-            attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2).reshape(b * n, -1)
+            attn = None
+            if kernel is not None:
+                if rows_at is None or capacity != k_buf.shape[0]:
+                    capacity = k_buf.shape[0]
+                    rows_at = cpu_attention.row_indices(rows, capacity)
+                if rows_at is not None:
+                    attn = cpu_attention.attention(
+                        q, k_buf, v_buf, rows_at, kv_len, mask, layer.scaling, kernel
+                    )
+            if attn is not None:
+                attn = attn.view(b * n, -1)
+            else:
+                if sdpa_mask is None:
+                    sdpa_mask = self._sdpa_mask(mask)
+                attn = F.scaled_dot_product_attention(
+                    q.view(b, self.kv_heads, self.group * n, self.head_dim),
+                    k_buf[rows, :, :kv_len],
+                    v_buf[rows, :, :kv_len],
+                    attn_mask=sdpa_mask,
+                    scale=layer.scaling,
+                )
+                # (memory-efficient attention may return a non-contiguous output: reshape)
+                attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2)
+                attn = attn.reshape(b * n, -1)
             if valid is not None:
                 attn = attn[valid]
             x = ops.rms_norm(
@@ -269,6 +290,29 @@ class FusedLlama:
             x = self._padded(x, valid, b * n).view(b, n, -1)[:, -logits_to_keep:]
             return self._head(x.reshape(-1, x.shape[-1])).view(b, logits_to_keep, -1)
         return self._padded(self._head(x), valid, b * n).view(b, n, -1)
+
+    def _sdpa_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """The ``(b, 1, group * n, kv)`` mask SDPA takes: row ``g * n + i`` is query ``i`` of
+        group member ``g``."""
+        return mask.repeat(1, 1, self.group, 1) if self.group > 1 else mask
+
+    def _kernel_inputs(self, mask, valid, b, n) -> torch.Tensor | None:
+        """The ``queries`` argument of :func:`.cpu_attention.attention` (``(b,)`` long: each
+        request's tokens up to its last real one; the rest are padding, discarded after
+        attention) where the kernel may run this forward (CPU, float32, at most
+        :data:`.cpu_attention.MAX_QUERIES` tokens per request, the kernel built), else None."""
+        if not (
+            mask.device.type == "cpu"
+            and mask.dtype == torch.float32
+            and n <= cpu_attention.MAX_QUERIES
+            and cpu_attention.available()
+        ):
+            return None
+        queries = torch.full((b,), n, dtype=torch.long)
+        if valid is not None:
+            last = valid % n + 1
+            queries = torch.zeros(b, dtype=torch.long).scatter_reduce_(0, valid // n, last, "amax")
+        return queries
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits ``(T, V)`` of the final hidden states ``x (T, H)``."""
