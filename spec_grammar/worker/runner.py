@@ -628,13 +628,16 @@ class ModelRunner:
     def forward_shape(self, node_counts: Sequence[int]) -> tuple[int, int]:
         """``(rows, padded)`` of a :meth:`forward_trees` over trees of ``node_counts`` nodes:
         the rows its projections, norms and LM head compute, and the query rows its attention
-        runs on. Where the fused forward skips padding (CPU): the real nodes, and the batch
-        padded to its largest tree (``len * max``). A forward over every live request that
+        runs on. Where the fused forward skips padding (CPU): the real nodes, and for attention
+        the real nodes too where the CPU attention kernel runs
+        (:meth:`~.decoder.FusedLlama.attends_unpadded`), else the batch padded to its largest
+        tree (``len * max``). A forward over every live request that
         replays a CUDA graph: the graph's bucket shape for both; else the padded batch for
         both."""
         b, n_max = len(node_counts), max(node_counts, default=0)
         if self._fused is not None and self.device.type == "cpu":
-            return int(sum(node_counts)), b * n_max
+            rows = int(sum(node_counts))
+            return rows, rows if self._fused.attends_unpadded(n_max) else b * n_max
         if (
             self._graphs is not None
             and b == len(self._rids)

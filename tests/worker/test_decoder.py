@@ -24,7 +24,7 @@ from transformers import (
 
 from spec_grammar.datasets import jsonschemabench_sample
 from spec_grammar.specs import JsonSchema
-from spec_grammar.worker.decoder import FusedLlama, unsupported_reason
+from spec_grammar.worker.decoder import FusedLlama, cpu_attention, unsupported_reason
 from spec_grammar.worker.drafters.model import truncated_model
 from spec_grammar.worker.engine import SpecWorker
 from spec_grammar.worker.request import Request
@@ -121,6 +121,20 @@ def test_fused_float32_cpu_forward_matches_hf_on_ragged_trees(kind):
         check=check,
         subsets=True,
     )
+
+
+def test_forward_shape_counts_attention_on_real_nodes_where_the_kernel_runs():
+    """The draft budget's cost model is told the query rows attention really runs on: each
+    request's own nodes where the CPU attention kernel runs (float32, trees of at most its
+    ``MAX_QUERIES`` nodes), the batch padded to its largest tree where SDPA does (float64)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SMALL, "head_dim": 16})).eval()
+    f32 = ModelRunner(model)
+    f64 = ModelRunner(_small("mha"))
+    big = cpu_attention.MAX_QUERIES + 1
+    assert f64.forward_shape([1, 4, 2]) == (7, 12)
+    assert f32.forward_shape([1, 4, 2]) == (7, 7 if cpu_attention.available() else 12)
+    assert f32.forward_shape([1, big]) == (big + 1, 2 * big)
 
 
 @pytest.mark.model

@@ -296,6 +296,17 @@ class FusedLlama:
         group member ``g``."""
         return mask.repeat(1, 1, self.group, 1) if self.group > 1 else mask
 
+    def attends_unpadded(self, n: int) -> bool:
+        """Whether a forward of trees of at most ``n`` nodes runs attention on each request's
+        own tokens only (the CPU attention kernel: CPU, float32, ``n`` at most
+        :data:`.cpu_attention.MAX_QUERIES`, the kernel built), not the batch padded to ``n``."""
+        return (
+            self.embed.device.type == "cpu"
+            and self.embed.dtype == torch.float32
+            and n <= cpu_attention.MAX_QUERIES
+            and cpu_attention.available()
+        )
+
     def _kernel_inputs(self, mask, valid, b, n) -> torch.Tensor | None:
         """The ``queries`` argument of :func:`.cpu_attention.attention` (``(b,)`` long: each
         request's tokens up to its last real one; the rest are padding, discarded after
