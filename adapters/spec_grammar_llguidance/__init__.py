@@ -739,7 +739,7 @@ class LLGuidanceBackend(GrammarBackend):
                 stops=frozenset(self.tokenizer_info.stop_token_ids),
                 vocab=self.vocab_index,
                 zero_dead=zero_dead,
-                run_shares=self._run_shares,
+                submit=self._submit,
                 threads=self.num_threads,
             )
         for k, (i, _) in enumerate(native):
@@ -748,24 +748,13 @@ class LLGuidanceBackend(GrammarBackend):
             else:
                 results[i] = valids[k]
 
-    def _run_shares(self, share: Callable[[int], None], count: int) -> None:
-        """``share(k)`` for ``k < count``: the caller's thread takes share 0, the fill pool's
-        threads the others (each share catches its own errors)."""
-        if count <= 1:
-            share(0)
-            return
+    def _submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the fill pool (``num_threads - 1`` threads, started on first use)."""
         with self._lazy_lock:
-            if self._fill_pool is None or self._fill_pool._max_workers < count - 1:
+            if self._fill_pool is None or self._fill_pool._max_workers < self.num_threads - 1:
                 if self._fill_pool is not None:
                     self._fill_pool.shutdown(wait=False)
                 self._fill_pool = concurrent.futures.ThreadPoolExecutor(
-                    max(count, self.num_threads) - 1,
-                    thread_name_prefix="spec-grammar-llguidance-fill",
+                    max(1, self.num_threads - 1), thread_name_prefix="spec-grammar-llguidance-fill"
                 )
-            pool = self._fill_pool
-        futures = [pool.submit(share, k) for k in range(1, count)]
-        try:
-            share(0)
-        finally:
-            for f in futures:
-                f.result()
+            self._fill_pool.submit(fn)

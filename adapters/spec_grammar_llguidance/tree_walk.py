@@ -13,6 +13,7 @@ on a 2-core host was slower than one thread's walk.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -118,12 +119,15 @@ def fill_trees(
     stops: Collection[int],
     vocab: VocabIndex,
     zero_dead: bool,
-    run_shares: Callable[[Callable[[int], None], int], None],
+    submit: Callable[[Callable[[], None]], Any],
     threads: int,
 ) -> tuple[list[torch.Tensor | None], dict[int, BaseException]]:
     """:func:`walk_tree` for each ``(native matcher, tree, row_offset)`` job (distinct native
-    matchers), ``threads`` at a time through ``run_shares(share, count)`` (which runs
-    ``share(k)`` for ``k < count``, side by side), largest tree first.
+    matchers), largest tree first, on the calling thread and ``threads - 1`` helpers started
+    by ``submit(fn)`` (which runs ``fn()`` on another thread). The jobs are taken one at a time
+    from a shared counter and the call returns once every job is done: it never waits for a
+    helper that took no job (on a busy host a helper may start only after the caller has
+    walked every tree; it then finds none left).
 
     Then, for the whole batch in a few numpy passes: the dead rows (invalid nodes, non-root
     stop-token nodes) are zeroed when ``zero_dead``, and the ids ``>= n_tok`` of every live
@@ -132,10 +136,15 @@ def fill_trees(
     words = bitmask.numpy()
     valids: list[list[bool] | None] = [None] * len(jobs)
     errors: dict[int, BaseException] = {}
+    if not jobs:
+        return [], errors
     order = sorted(range(len(jobs)), key=lambda j: -jobs[j][1].num_nodes)
     taken = itertools.count()
+    left = [len(jobs)]
+    lock = threading.Lock()
+    done = threading.Event()
 
-    def share(_k: int) -> None:
+    def share() -> None:
         # next() of itertools.count is atomic under the GIL: each job runs once
         while (i := next(taken)) < len(order):
             j = order[i]
@@ -144,8 +153,16 @@ def fill_trees(
                 valids[j] = walk_tree(m, tree, words, off, n_tok, stops, vocab)
             except Exception as e:  # noqa: BLE001  (reported per job, the others still fill)
                 errors[j] = e
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if not left[0]:
+                        done.set()
 
-    run_shares(share, max(1, min(threads, len(jobs))))
+    for _ in range(min(threads, len(jobs)) - 1):
+        submit(share)
+    share()
+    done.wait()
     done = [j for j, v in enumerate(valids) if v is not None]
     if not done:
         return [None] * len(jobs), errors
