@@ -27,7 +27,6 @@ Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llgu
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -722,9 +721,14 @@ class LLGuidanceBackend(GrammarBackend):
         """The batched pass of :meth:`fill_tree_bitmasks` over ``jobs[i]`` for ``i`` in
         ``batch`` (distinct library matchers of this backend): results and errors by job
         index."""
-        with contextlib.ExitStack() as locks:
-            for i in sorted(batch, key=lambda i: id(jobs[i][0]._shared)):
-                locks.enter_context(jobs[i][0]._shared.lock)
+        # in id order (no deadlock with another batch); plain acquires: an ExitStack cost
+        # ~4 us a job
+        locks = sorted((jobs[i][0]._shared for i in batch), key=id)
+        held = []
+        try:
+            for shared in locks:
+                shared.lock.acquire()
+                held.append(shared.lock)
             native = []
             for i in batch:
                 m, tree, off = jobs[i]
@@ -742,6 +746,9 @@ class LLGuidanceBackend(GrammarBackend):
                 submit=self._submit,
                 threads=self.num_threads,
             )
+        finally:
+            for lock in held:
+                lock.release()
         for k, (i, _) in enumerate(native):
             if k in failed:
                 errors[i] = failed[k]
