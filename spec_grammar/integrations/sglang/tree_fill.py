@@ -8,8 +8,9 @@ node and tests each child's bit in its parent's row with tensor indexing.
 :func:`generate_token_bitmask` here replaces it (through SGLang's plugin ``HookRegistry``,
 see :func:`spec_grammar.integrations.sglang.register`) with one call per backend to
 :meth:`~spec_grammar.protocol.GrammarBackend.fill_tree_bitmasks` over every request whose
-grammar is a :class:`~.grammar.SGLangGrammar`: each adapter's native tree fill (xgrammar's
-draft-tree traversal, llguidance's parallel level-by-level fill), no per-node Python.
+grammar is a :class:`~.grammar.SGLangGrammar`: each adapter's batched tree fill (xgrammar's
+native draft-tree traversal, llguidance's lean depth-first walks, each on a thread pool), with
+the batch's dead rows found in one numpy pass.
 
 The rows are SGLang's, bit for bit: row ``i * N + n`` holds the tokens allowed after the path
 root..n of request ``i``; rows of nodes the grammar rejects (their token not allowed by the
