@@ -40,8 +40,6 @@ from spec_grammar.specs import JsonSchema
 
 def _set_threads(backend, threads: int) -> None:
     backend.num_threads = threads
-    if hasattr(backend, "_executor"):  # llguidance: its executor is sized when created
-        backend._executor = None
 
 
 def _requests(backend, batch: int, nodes: int, seed: int):

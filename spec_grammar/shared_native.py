@@ -17,7 +17,7 @@ A view found further than ``detach_after`` tokens from the library matcher gets 
 copy of its own once it is there (one O(history) copy, what every fork cost before), so two
 far-apart views used in turn pay their distance once, not on every switch.
 
-Thread safety: every use of :attr:`SharedNative.native` (and of the spares) must hold
+Thread safety: every use of :attr:`SharedNative.native` must hold
 :attr:`SharedNative.lock`; views of one shared native are used one at a time.
 """
 
@@ -79,7 +79,6 @@ class SharedNative:
         rollback: ``rollback(native, k)``, the library's rollback of ``k`` tokens.
         copy: ``copy(native) -> native``, an independent library copy.
         detach_after: a view moved further than this many tokens gets its own copy.
-        max_spares: spare library matchers kept for parallel tree fills (:meth:`spares`).
     """
 
     def __init__(
@@ -90,7 +89,6 @@ class SharedNative:
         rollback: Callable[[Any, int], None],
         copy: Callable[[Any], Any],
         detach_after: int,
-        max_spares: int = 8,
     ):
         self.native = native
         self.root = PathNode(None, -1, 0)
@@ -98,10 +96,8 @@ class SharedNative:
         self._at: PathNode | None = self.root  # None: unknown (after a failed library call)
         self._accept, self._rollback, self._copy = accept, rollback, copy
         self.detach_after = detach_after
-        self.max_spares = max_spares
-        self._spares: list[list[Any]] = []  # [native, node it is at]
         self.moves = 0  # tokens rolled back + replayed so far (tests, reports)
-        self.copies = 0  # library copies made (detaches and spares)
+        self.copies = 0  # library copies made (detaches)
 
     def _move(self, native: Any, src: PathNode, dst: PathNode) -> int:
         up, down = _route(src, dst)
@@ -143,7 +139,6 @@ class SharedNative:
             rollback=self._rollback,
             copy=self._copy,
             detach_after=self.detach_after,
-            max_spares=self.max_spares,
         )
         self.copies += 1
         # the last detach_after tokens come along, so the copy's own forks can replay them
@@ -175,39 +170,3 @@ class SharedNative:
         child = node.child(token)
         self._at = child
         return child
-
-    def lost(self) -> None:
-        """:attr:`native`'s position is unknown (a library call failed midway): every view
-        of it raises :class:`GrammarStateError` from now on."""
-        self._at = None
-
-    def spare(self, node: PathNode, i: int, ahead: int = 0) -> Any:
-        """Spare library matcher number ``i`` (other than :attr:`native`) at ``node``, for a
-        parallel tree fill. Up to ``max_spares`` are kept between calls (moved here, costing
-        the distance); others are library copies of :attr:`native` made at ``node``. The caller
-        holds :attr:`lock`, has entered ``node``, tells how many tokens :attr:`native` has
-        consumed past it meanwhile (``ahead``: the copy is rolled back by as many) and must bring
-        each spare back to ``node`` (or call :meth:`drop_spares`). Raises
-        :class:`GrammarStateError` when ``node`` was not entered."""
-        if i < len(self._spares):
-            native, at = self._spares[i]
-            try:
-                self._move(native, at, node)
-            except BaseException:
-                del self._spares[i:]  # its position is unknown (and the others' index moved)
-                raise
-            self._spares[i][1] = node
-            return native
-        if self._at is not node:
-            raise GrammarStateError("spare(node) needs the shared native at node")
-        native = self._copy(self.native)
-        self.copies += 1
-        if ahead:
-            self._rollback(native, ahead)
-        if len(self._spares) < self.max_spares:
-            self._spares.append([native, node])
-        return native
-
-    def drop_spares(self) -> None:
-        """Forget the spares (their positions are unknown after a failed fill)."""
-        self._spares.clear()

@@ -2,9 +2,9 @@
 
 Native paths used: ``LLMatcher.rollback`` / ``deep_copy``, ``validate_tokens`` (a cheap upper
 bound and refusal test, see below), ``compute_ff_tokens`` for forced tokens,
-``unsafe_compute_mask_ptr`` for rows, and ``LLExecutor`` for filling the draft trees of many
-requests in parallel (the mask computation releases the GIL). Tree rows come from a
-depth-first consume/rollback walk on the native matcher.
+``unsafe_compute_mask_ptr`` for rows (it releases the GIL, so the draft trees of many requests
+fill on threads side by side). Tree rows come from a depth-first consume/rollback walk on the
+native matcher (:mod:`.tree_walk`).
 
 Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llguidance 1.9.1):
 
@@ -16,7 +16,7 @@ Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llgu
   next, the token ``{"a":`` but not ``{``), while its parser accepts every spelling. The
   protocol's row is the grammar's allowed set (as the other backends give it), so such a row
   is completed: when llguidance's row is a single token and forced bytes exist, every token
-  consistent with the forced bytes that the parser accepts is added (:func:`_complete_row`).
+  consistent with the forced bytes that the parser accepts is added (:func:`complete_row`).
   Accept and validate then check the completed row, so "row allows t" <=> "accept(t)".
 - **Stop tokens.** llguidance's ``is_stopped()`` is true right after the final ``}``, EOS
   consumed there is not recorded in the rollback history, and ``validate_tokens([EOS])``
@@ -26,25 +26,26 @@ Three llguidance behaviours shape this adapter (notes/backend-libraries.md, llgu
 
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import importlib.metadata
 import json
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from spec_grammar.bitmask import check_bitmask, check_bitmask_rows, clear_padding_bits
+from spec_grammar.bitmask import check_bitmask, check_bitmask_rows
 from spec_grammar.compile import LibraryResult
 from spec_grammar.errors import (
     GrammarCompileError,
     GrammarLimitError,
     GrammarStateError,
+    SpecGrammarError,
     UnsupportedGrammarError,
 )
 from spec_grammar.json_schema.limits import bound_numbers, out_of_range_number
@@ -64,6 +65,8 @@ except ImportError as e:  # pragma: no cover - exercised when the extra is missi
 
 from .lexer import greedy_lexer_conflicts
 from .probe import DEFAULT_MAX_ITEMS_IN_ROW, ROW_LIMIT, first_rows_fault, wide_object
+from .rows import check_native, consume_native, fill_row
+from .tree_walk import fill_trees, walk_tree
 from .vocab import VocabIndex, llg_tokenizer
 
 __all__ = ["LLGuidanceBackend", "LLGuidanceMatcher"]
@@ -118,57 +121,6 @@ serde_json), below the default ``max_nesting_depth``; past it the compile is ref
 _UNSUPPORTED = re.compile(
     r"Unimplemented keys|not supported|Unknown format|not present in a registry", re.IGNORECASE
 )
-
-
-def _consume_native(matcher: Any, token: int) -> None:
-    """Consume a token its row allowed; a refusal would mean llguidance's mask and parser
-    disagree, so it is reported instead of ignored."""
-    if not matcher.consume_token(token):
-        raise GrammarStateError(
-            f"llguidance refused token {token} that its row allowed: {matcher.get_error()}"
-        )
-
-
-def _fill_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
-    """Write the state's allowed set into ``row`` (a ``(W,)`` int32 view): llguidance's mask,
-    then :func:`_complete_row`. Raises :class:`GrammarStateError` if llguidance fails."""
-    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-    _check_native(matcher)
-    _complete_row(matcher, row, vocab)
-
-
-def _check_native(matcher: Any) -> None:
-    if matcher.is_error():
-        raise GrammarStateError(f"llguidance matcher failed: {matcher.get_error()}")
-
-
-def _complete_row(matcher: Any, row: np.ndarray, vocab: VocabIndex) -> None:
-    """Add the non-canonical spellings of forced text to a row llguidance filled (see the
-    module docstring). Only a single-token row can be such a row. Candidates are the tokens
-    whose bytes are a proper prefix of the forced bytes or start with them, each checked by
-    llguidance's parser (``validate_tokens`` never mutates). Validity is prefix-closed (a
-    token is allowed iff its bytes can begin the rest of a document), which lets
-    :meth:`VocabIndex.extensions_accepted` skip the extensions of a refused token."""
-    if np.count_nonzero(row) != 1:
-        return
-    bits = row.view(np.uint32)
-    # the one non-zero word is the largest as unsigned: argmax finds it without allocating
-    # (flatnonzero took ~18 µs on a 262k-token row)
-    word = int(bits[bits.argmax()])
-    if word & (word - 1):
-        return
-    # only the first max_token_bytes + 1 bytes can begin or hold a token: a longer forced run
-    # (a 100 kB const) made every fill walk all of its prefixes (a second per row)
-    forced = matcher.compute_ff_bytes()[: vocab.max_token_bytes + 1]
-    if not forced:
-        return
-
-    def accepts(t: int) -> bool:
-        return bool((int(bits[t >> 5]) >> (t & 31)) & 1) or matcher.validate_tokens([t]) == 1
-
-    shorter = [t for t in vocab.proper_prefixes(forced) if accepts(t)]
-    for t in shorter + vocab.extensions_accepted(forced, accepts):
-        bits[t >> 5] |= np.uint32(1 << (t & 31))
 
 
 def _lexer_notes(lark: str) -> list[str]:
@@ -256,7 +208,7 @@ class LLGuidanceMatcher(SpecGrammar):
 
     def _consume(self, m: Any, token: int) -> None:
         """Consume an allowed ``token`` on ``m`` (this view's library matcher) and record it."""
-        _consume_native(m, token)
+        consume_native(m, token)
         self._node = self._shared.pushed(self._node, token)
 
     def _row(self, m: Any) -> np.ndarray:
@@ -264,7 +216,7 @@ class LLGuidanceMatcher(SpecGrammar):
         int32 buffer."""
         if self._scratch is None:
             self._scratch = np.zeros(self.info.bitmask_width, dtype=np.int32)
-        _fill_row(m, self._scratch, self._backend.vocab_index)
+        fill_row(m, self._scratch, self._backend.vocab_index)
         return self._scratch
 
     def _allows(self, m: Any, token: int) -> bool:
@@ -301,7 +253,7 @@ class LLGuidanceMatcher(SpecGrammar):
 
     def _fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         with self._shared.lock:
-            _fill_row(self._enter(), bitmask.numpy()[row], self._backend.vocab_index)
+            fill_row(self._enter(), bitmask.numpy()[row], self._backend.vocab_index)
 
     def _is_terminated(self) -> bool:
         return self._terminated
@@ -322,7 +274,7 @@ class LLGuidanceMatcher(SpecGrammar):
                     n += 1
                     if n > stop_at:
                         break
-                    _consume_native(m, tokens[n - 1])
+                    consume_native(m, tokens[n - 1])
                     consumed += 1
             finally:
                 if consumed:
@@ -343,7 +295,7 @@ class LLGuidanceMatcher(SpecGrammar):
         with self._shared.lock:
             m = self._enter()
             ff = m.compute_ff_bytes()
-            _check_native(m)
+            check_native(m)
             if not ff or limit <= 0:
                 return []
             cut = ff[: limit * vocab.max_token_bytes]
@@ -360,7 +312,7 @@ class LLGuidanceMatcher(SpecGrammar):
                     )
                     if any((int(row[u >> 5]) >> (u & 31)) & 1 for u in longer):
                         break
-                    _consume_native(m, t)
+                    consume_native(m, t)
                     forced.append(t)
             finally:
                 if forced:
@@ -382,62 +334,24 @@ class LLGuidanceMatcher(SpecGrammar):
     def _fill_tree_walk(
         self, m: Any, tree: DraftTree, bitmask: torch.Tensor, row_offset: int, zero_dead: bool
     ) -> torch.Tensor:
-        """Depth-first walk with consume/rollback on the native matcher; a child is entered only
-        when its bit is set in its parent's row (G4), a stop-token child is valid with a dead
-        row and is never consumed. Same rows as :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`
+        """:func:`~.tree_walk.walk_tree` (a stop-token child is valid with a dead row and is
+        never consumed). Same rows as :func:`spec_grammar.traverse.fill_tree_bitmask_dfs`
         (dead rows zeroed when ``zero_dead``, else left as they were)."""
-        n = tree.num_nodes
-        tokens = tree.token_list
-        parents = tree.parent_list
-        first_child = tree.first_child_list
-        next_sibling = tree.next_sibling_list
-        n_tok = self.info.tokenizer_vocab_size
-        stops = self._stop_ids
-        vocab = self._backend.vocab_index
-        words = bitmask.numpy()[row_offset : row_offset + n]
-        # _fill_row inlined, rows addressed from the block's base pointer: the per-row Python
-        # (a ctypes object per row, three calls) cost as much as llguidance's mask itself
-        base, row_bytes = words.ctypes.data, words.strides[0]
-        valid = [False] * n
-        valid[0] = True
-        filled = [False] * n
-        filled[0] = True
-        _fill_row(m, words[0], vocab)
-        # Stack entries: a node to enter (>= 0) or ~node to leave (roll its token back).
-        stack = tree.children(0)[::-1]
-        depth = 0
-        try:
-            while stack:
-                node = stack.pop()
-                if node < 0:
-                    m.rollback(1)
-                    depth -= 1
-                    continue
-                t = tokens[node]
-                if not (0 <= t < n_tok and (int(words[parents[node], t >> 5]) >> (t & 31)) & 1):
-                    continue
-                valid[node] = True
-                if t in stops:
-                    continue  # terminates: zero row, no children
-                _consume_native(m, t)
-                depth += 1
-                stack.append(~node)
-                m.unsafe_compute_mask_ptr(base + node * row_bytes, row_bytes)
-                if m.is_error():
-                    _check_native(m)
-                _complete_row(m, words[node], vocab)
-                filled[node] = True
-                c = first_child[node]
-                kids = []
-                while c != -1:
-                    kids.append(c)
-                    c = next_sibling[c]
-                stack.extend(reversed(kids))
-        finally:
-            if depth:
-                m.rollback(depth)
+        words = bitmask.numpy()
+        valid = walk_tree(
+            m,
+            tree,
+            words,
+            row_offset,
+            self.info.tokenizer_vocab_size,
+            self._stop_ids,
+            self._backend.vocab_index,
+        )
         if zero_dead:
-            dead = [k for k in range(n) if not filled[k]]
+            tokens, stops = tree.token_list, self._stop_ids
+            dead = [
+                row_offset + k for k, ok in enumerate(valid) if not ok or (k and tokens[k] in stops)
+            ]
             if dead:
                 words[dead] = 0
         return torch.from_numpy(np.array(valid, dtype=bool))
@@ -446,9 +360,9 @@ class LLGuidanceMatcher(SpecGrammar):
 class LLGuidanceBackend(GrammarBackend):
     """llguidance (https://github.com/guidance-ai/llguidance) behind the spec-grammar protocol.
 
-    Extra options: ``num_threads`` of the ``LLExecutor`` that fills many requests' tree rows
-    in parallel (default: llguidance's rule, 80 % of the CPUs up to 32; with one thread the
-    requests are filled one after another); ``slices`` for the tokenizer's mask slicer
+    Extra options: ``num_threads``, the threads that walk many requests' draft trees side by
+    side in :meth:`fill_tree_bitmasks` (default: llguidance's executor rule, 80 % of the CPUs
+    up to 32; with one thread the requests are walked one after another); ``slices`` for the tokenizer's mask slicer
     (``None`` = llguidance's general slices, ``[]`` = off; see G5); ``parser_limits``, keyword
     arguments of ``llguidance.LLParserLimits`` (lexer states, lexer fuel, Earley items per step,
     grammar size; default: the library's), which bound a compile's and a mask's time and memory:
@@ -518,7 +432,7 @@ class LLGuidanceBackend(GrammarBackend):
         self._token_lengths: np.ndarray | None = None  # (V,) bytes per token, for the probe
         cpus = os.cpu_count() or 1
         self.num_threads = int(num_threads) if num_threads else max(1, min(32, cpus * 4 // 5))
-        self._executor: Any = None
+        self._fill_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lazy_lock = threading.Lock()
         self._notes = threading.local()  # rewrite warnings of the compile running in this thread
 
@@ -731,14 +645,6 @@ class LLGuidanceBackend(GrammarBackend):
             return self._vocab_index
 
     # -- many requests at once ---------------------------------------------------------------
-    @property
-    def executor(self) -> Any:
-        """The ``llguidance.LLExecutor`` used by :meth:`fill_tree_bitmasks` (created lazily)."""
-        with self._lazy_lock:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(self.num_threads)
-            return self._executor
-
     def fill_tree_bitmasks(
         self,
         jobs: Sequence[tuple[SpecGrammar, DraftTree, int]],
@@ -750,149 +656,112 @@ class LLGuidanceBackend(GrammarBackend):
         and the returned ``(N,)`` bool ``valid`` tensors are exactly those of
         :meth:`SpecGrammar.fill_tree_bitmask` per job (``zero_dead_rows`` as there).
 
-        Level by level (breadth first over all trees at once): every valid node of the level
-        gets its own native matcher (its parent's, moved on by its token, for the first child; a
-        spare of the job's shared native moved along the node's path for the other children,
-        see :meth:`SharedNative.spare <spec_grammar.shared_native.SharedNative.spare>`) and the
-        level's rows are computed in one
-        ``LLExecutor`` call, in parallel with the GIL released. Each job's own matcher follows
-        its first branch and is rolled back afterwards. With ``num_threads == 1``, and for jobs
-        whose matcher is not this backend's or shares its native matcher with an earlier job (a
-        fork of it), each job goes through
-        :meth:`SpecGrammar.fill_tree_bitmask` instead.
+        One batched pass (:func:`~.tree_walk.fill_trees`): every job's library matcher is
+        moved to its state on the calling thread, then only the trees' depth-first walks run,
+        spread over ``num_threads`` threads (llguidance's mask computation releases the GIL),
+        then the dead rows and padding ids of the whole batch are settled in a few numpy passes.
+        Jobs this pass cannot take (another backend's matcher, a subclass with its own tree
+        fill, a second view of one library matcher) are filled one by one afterwards.
 
         Raises :class:`BitmaskError` on a bad buffer or rows that do not fit, and
-        :class:`GrammarStateError` when a job's matcher is terminated.
+        :class:`GrammarStateError` when a job's matcher is terminated or llguidance fails
+        (the first failing job's error, once every other job is filled).
         """
         check_bitmask(bitmask, self.vocab_size)
         results: list[torch.Tensor | None] = [None] * len(jobs)
-        par: list[int] = []
+        batch: list[int] = []
+        rest: list[int] = []
+        errors: dict[int, BaseException] = {}
         seen: set[int] = set()
         for i, (m, tree, off) in enumerate(jobs):
-            check_bitmask_rows(bitmask, off, tree.num_nodes)
-            if m.is_terminated():
-                raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
-            if (
+            fits = (
                 isinstance(m, LLGuidanceMatcher)
+                # a subclass with its own tree fill is filled by it, not by the batch walk
+                and type(m)._fill_tree_rows is LLGuidanceMatcher._fill_tree_rows
+                and type(m)._fill_tree_bitmask is LLGuidanceMatcher._fill_tree_bitmask
                 and m._backend is self
+                and isinstance(tree, DraftTree)
                 and id(m._shared) not in seen
-            ):
-                seen.add(id(m._shared))  # views of one library matcher are filled one by one
-                par.append(i)
-        if len(par) > 1 and self.num_threads > 1:
-            filled = self._fill_trees_par([jobs[i] for i in par], bitmask, zero_dead_rows)
-            for i, valid in zip(par, filled):
-                results[i] = valid
-        for i, (m, tree, off) in enumerate(jobs):
-            if results[i] is None:
+                and isinstance(off, int)
+                and not isinstance(off, bool)
+            )
+            if not fits:
+                rest.append(i)
+                continue
+            try:
+                check_bitmask_rows(bitmask, off, tree.num_nodes)
+                if m.is_terminated():
+                    raise GrammarStateError("fill_tree_bitmask on a terminated matcher")
+            except SpecGrammarError as e:
+                errors[i] = e
+                continue
+            seen.add(id(m._shared))  # views of one library matcher are filled one by one
+            batch.append(i)
+        if batch:
+            self._fill_batch(batch, jobs, bitmask, zero_dead_rows, results, errors)
+        for i in rest:
+            m, tree, off = jobs[i]
+            try:
                 results[i] = m.fill_tree_bitmask(tree, bitmask, off, zero_dead_rows=zero_dead_rows)
+            except Exception as e:  # noqa: BLE001  (re-raised once every job is filled)
+                errors[i] = e
+        if errors:
+            raise errors[min(errors)]
         return results  # type: ignore[return-value]
 
-    def _fill_trees_par(
+    def _fill_batch(
         self,
-        jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]],
+        batch: list[int],
+        jobs: Sequence[tuple[SpecGrammar, DraftTree, int]],
         bitmask: torch.Tensor,
         zero_dead: bool,
-    ) -> list[torch.Tensor]:
-        with contextlib.ExitStack() as locks:
-            for m, _, _ in sorted(jobs, key=lambda job: id(job[0]._shared)):
-                locks.enter_context(m._shared.lock)
-            return self._fill_trees_locked(jobs, bitmask, zero_dead)
-
-    def _fill_trees_locked(
-        self,
-        jobs: list[tuple[LLGuidanceMatcher, DraftTree, int]],
-        bitmask: torch.Tensor,
-        zero_dead: bool,
-    ) -> list[torch.Tensor]:
-        words = bitmask.numpy()
-        executor = self.executor
-        vocab = self.vocab_index
-        n_tok = self.tokenizer_info.tokenizer_vocab_size
-        stops = frozenset(self.tokenizer_info.stop_token_ids)
-        valids: list[list[bool]] = []
-        filled: list[int] = []  # bitmask rows written by the executor
-        # tokens each library matcher consumed during the fill: id -> [matcher, count]
-        consumed: dict[int, list[Any]] = {}
-        spares_used = [0] * len(jobs)
-        level: list[tuple[int, int, Any]] = []  # (job, node, native matcher at that node)
-        for j, (m, tree, _) in enumerate(jobs):
-            v = [False] * tree.num_nodes
-            v[0] = True
-            valids.append(v)
-            level.append((j, 0, m._enter()))
-
-        def consume(nm: Any, tokens: list[int]) -> None:
-            for t in tokens:
-                _consume_native(nm, t)
-            consumed.setdefault(id(nm), [nm, 0])[1] += len(tokens)
-
+        results: list[torch.Tensor | None],
+        errors: dict[int, BaseException],
+    ) -> None:
+        """The batched pass of :meth:`fill_tree_bitmasks` over ``jobs[i]`` for ``i`` in
+        ``batch`` (distinct library matchers of this backend): results and errors by job
+        index."""
+        # in id order (no deadlock with another batch); plain acquires: an ExitStack cost
+        # ~4 us a job
+        locks = sorted((jobs[i][0]._shared for i in batch), key=id)
+        held = []
         try:
-            while level:
-                rows = [(nm, jobs[j][2] + node) for j, node, nm in level]
-                filled.extend(r for _, r in rows)
-                executor.unsafe_compute_mask_ptr(
-                    rows,
-                    bitmask.data_ptr(),
-                    bitmask.shape[1] * 4,
-                    bitmask.shape[0],
-                )
-                nxt: list[tuple[int, int, Any]] = []
-                for j, node, nm in level:
-                    _check_native(nm)
-                    m, tree, off = jobs[j]
-                    prow = words[off + node]
-                    _complete_row(nm, prow, vocab)
-                    kids = [
-                        c
-                        for c in tree.children(node)
-                        if 0 <= (t := tree.token_list[c]) < n_tok
-                        and (int(prow[t >> 5]) >> (t & 31)) & 1
-                    ]
-                    for c in kids:
-                        valids[j][c] = True
-                    kids = [c for c in kids if tree.token_list[c] not in stops]
-                    # Other children get a spare library matcher moved from the job's root along
-                    # the path (a copy of the whole history only while the pool warms up); the
-                    # first child then takes the parent's matcher over.
-                    for c in kids[1:]:
-                        ahead = consumed.get(id(m._shared.native), (None, 0))[1]
-                        cm = m._shared.spare(m._node, spares_used[j], ahead)
-                        spares_used[j] += 1
-                        consume(cm, _tree_path(tree, c))
-                        nxt.append((j, c, cm))
-                    if kids:
-                        consume(nm, [tree.token_list[kids[0]]])
-                        nxt.append((j, kids[0], nm))
-                level = nxt
+            for shared in locks:
+                shared.lock.acquire()
+                held.append(shared.lock)
+            native = []
+            for i in batch:
+                m, tree, off = jobs[i]
+                try:
+                    native.append((i, (m._enter(), tree, off)))
+                except Exception as e:  # noqa: BLE001  (a lost library matcher: this job fails)
+                    errors[i] = e
+            valids, failed = fill_trees(
+                [job for _, job in native],
+                bitmask,
+                n_tok=self.tokenizer_info.tokenizer_vocab_size,
+                stops=frozenset(self.tokenizer_info.stop_token_ids),
+                vocab=self.vocab_index,
+                zero_dead=zero_dead,
+                submit=self._submit,
+                threads=self.num_threads,
+            )
         finally:
-            try:
-                for nm, k in consumed.values():
-                    if k:
-                        _native_rollback(nm, k)
-            except GrammarStateError:
-                for m, _, _ in jobs:  # which library matcher failed is unknown: none is trusted
-                    m._shared.lost()
-                    m._shared.drop_spares()
-                raise
-        if zero_dead:
-            dead = np.ones(bitmask.shape[0], dtype=bool)
-            dead[filled] = False
-            for _, tree, off in jobs:
-                rows = words[off : off + tree.num_nodes]
-                rows[dead[off : off + tree.num_nodes]] = 0
-        out = []
-        for (_, tree, off), v in zip(jobs, valids):
-            clear_padding_bits(bitmask, off, off + tree.num_nodes, n_tok)
-            out.append(torch.tensor(v, dtype=torch.bool))
-        return out
+            for lock in held:
+                lock.release()
+        for k, (i, _) in enumerate(native):
+            if k in failed:
+                errors[i] = failed[k]
+            else:
+                results[i] = valids[k]
 
-
-def _tree_path(tree: DraftTree, node: int) -> list[int]:
-    """Tokens root..node of ``tree``, the root's excluded."""
-    parents, tokens = tree.parent_list, tree.token_list
-    out = []
-    while node > 0:
-        out.append(tokens[node])
-        node = parents[node]
-    return out[::-1]
+    def _submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the fill pool (``num_threads - 1`` threads, started on first use)."""
+        with self._lazy_lock:
+            if self._fill_pool is None or self._fill_pool._max_workers < self.num_threads - 1:
+                if self._fill_pool is not None:
+                    self._fill_pool.shutdown(wait=False)
+                self._fill_pool = concurrent.futures.ThreadPoolExecutor(
+                    max(1, self.num_threads - 1), thread_name_prefix="spec-grammar-llguidance-fill"
+                )
+            self._fill_pool.submit(fn)

@@ -11,7 +11,7 @@ Method: SmolLM2 tokenizer, the schema ``{"type": "array", "items": {"type": "int
 ``fork()`` and ``fill_tree_bitmask`` on a small draft tree (8 nodes: digits and commas that
 continue the document) are timed over ``--repeat`` calls each, best of ``--rounds`` rounds
 (median per call in each round); so is ``backend.fill_tree_bitmasks`` for two such requests
-at once (llguidance with 2 threads: its parallel level-by-level fill). The longest length is
+at once (llguidance with 2 threads: its batched fill, the two walks on threads). The longest length is
 compared with the shortest in the same run (ratios, side by side), so a noisy host moves both
 alike.
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("llguidance")
 
 from spec_grammar_llguidance import LLGuidanceBackend, LLGuidanceMatcher
+from spec_grammar_llguidance.tree_walk import fill_trees
 
 from spec_grammar.bitmask import allocate_token_bitmask, clear_padding_bits
 from spec_grammar.datasets import bfcl_cases, jsonschemabench_sample
@@ -433,6 +434,41 @@ def test_tree_with_shared_matcher_and_terminated_job(par_backend, schema, ids, e
     done.accept_tokens(ids + [eos])
     with pytest.raises(GrammarStateError):
         par_backend.fill_tree_bitmasks([(m, tree, 0), (done, tree, 5)], bm)
+
+
+def test_batched_fill_never_waits_for_an_idle_helper(par_backend, schema, ids):
+    """The batched fill returns once every job is done, by whichever thread: a helper that never
+    starts (a starved pool thread on a busy host) costs nothing, and one that starts after the
+    call finds no job left. Rows and validity equal each request's own fill."""
+    compiled = par_backend.compile(JsonSchema(schema))
+    ms = [par_backend.matcher(compiled) for _ in range(3)]
+    trees = []
+    for k, m in enumerate(ms):
+        m.accept_tokens(ids[: k + 1])
+        trees.append(DraftTree(ids[k : k + 5] + [ids[k + 2]], [-1, 0, 1, 2, 3, 0]))
+    n = 6
+    late = []
+    got = allocate_token_bitmask(3 * n, par_backend.vocab_size)
+    jobs = [(m._m, t, j * n) for j, (m, t) in enumerate(zip(ms, trees))]
+    valids, errors = fill_trees(
+        jobs,
+        got,
+        n_tok=par_backend.tokenizer_info.tokenizer_vocab_size,
+        stops=frozenset(par_backend.tokenizer_info.stop_token_ids),
+        vocab=par_backend.vocab_index,
+        zero_dead=True,
+        submit=late.append,  # helpers queued, never run during the call
+        threads=3,
+    )
+    assert len(late) == 2 and not errors
+    for fn in late:
+        fn()  # a helper that starts afterwards: nothing left, nothing written
+    want = allocate_token_bitmask(3 * n, par_backend.vocab_size)
+    for j, (m, t) in enumerate(zip(ms, trees)):
+        assert valids[j].tolist() == m.fill_tree_bitmask(t, want, j * n).tolist()
+        assert m.num_accepted == j + 1
+    assert torch.equal(got, want)
+    assert not valids[0][5]  # a rejected node too: ids[2] right after the root ids[0]
 
 
 # -- grammar kinds and compile errors ------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""xgrammar's batched tree fill (``XGrammarBackend.fill_tree_bitmasks``: one pass over many
-requests, xgrammar's walks spread over threads, validity and dead rows settled for the batch at
-once) against the reference: each job's rows by the generic depth-first walk
+"""The batched tree fills (``fill_tree_bitmasks`` of xgrammar and llguidance: one pass over many
+requests, the library's walks spread over threads, validity and dead rows settled for the batch
+at once) against the reference: each job's rows by the generic depth-first walk
 (:func:`spec_grammar.traverse.fill_tree_bitmask_dfs`: accept / fill / rollback on the matcher's
 own hooks, the conformance suite's oracle path) and each job's own ``fill_tree_bitmask``.
 
@@ -22,7 +22,14 @@ from spec_grammar.specs import ToolCalls
 from spec_grammar.traverse import fill_tree_bitmask_dfs
 from spec_grammar.tree import DraftTree
 
-XGrammarBackend = pytest.importorskip("spec_grammar_xgrammar").XGrammarBackend
+
+def _backend(name: str, tok, threads: int, vocab: int | None):
+    if name == "xgrammar":
+        cls = pytest.importorskip("spec_grammar_xgrammar").XGrammarBackend
+    else:
+        cls = pytest.importorskip("spec_grammar_llguidance").LLGuidanceBackend
+    return cls(tok, num_threads=threads, vocab_size=vocab)
+
 
 pytestmark = pytest.mark.model
 
@@ -60,9 +67,10 @@ def _jobs(backend, tok, rng: random.Random):
 
 @pytest.mark.parametrize("wide", [False, True], ids=["tokenizer-head", "wider-head"])
 @pytest.mark.parametrize("threads", [1, 4])
-def test_batch_fill_equals_reference(tok, wide, threads):
+@pytest.mark.parametrize("library", ["xgrammar", "llguidance"])
+def test_batch_fill_equals_reference(tok, library, wide, threads):
     vocab = len(tok) + 300 if wide else None
-    backend = XGrammarBackend(tok, num_threads=threads, vocab_size=vocab)
+    backend = _backend(library, tok, threads, vocab)
     pairs = _jobs(backend, tok, random.Random(threads))
     # rows in reverse job order with a gap: not one contiguous block
     sizes = [t.num_nodes for _, t in pairs]
