@@ -139,7 +139,7 @@ def test_heavy_tree_cut_into_pieces_equals_reference(tok, wide):
     """A tree that outweighs a thread's share is cut into pieces once its cost is known (each
     walked by a fork of the request's matcher moved along the path to the piece): rows and
     validity stay the reference's in every round, and the request's matcher is not moved."""
-    backend = XGrammarBackend(tok, num_threads=4, vocab_size=len(tok) + 300 if wide else None)
+    backend = _backend("xgrammar", tok, 4, len(tok) + 300 if wide else None)
     rng = random.Random(7)
     pairs = [_big_job(backend, tok, rng)] + _jobs(backend, tok, rng)[:8]
     jobs, off = [], 0
