@@ -791,7 +791,7 @@ def run(args) -> int:
     for line in _warning_lines(final):
         print(line, file=sys.stderr)
     cut = [
-        r
+        (r, req)
         for r, req in zip(final, [requests[s] if isinstance(s, int) else None for s in slots])
         if r.finish_reason == "length" and req is not None and req.grammar is not None
     ]
@@ -844,13 +844,17 @@ def run(args) -> int:
             f"{'s' if threads > 1 else ''}, forced tokens {'on' if worker.config.forced_tokens else 'off'}",
             file=sys.stderr,
         )
-    for r in cut:
-        # a cut output can already be a whole document of its grammar (`[0-9]+`): say which
-        state = (
-            "it is valid as it stands, but the model had not ended it"
-            if r.valid
-            else "before its grammar completed: incomplete"
-        )
+    from ..output_check import check_output
+
+    for r, req in cut:
+        # a cut output can already be a whole document of its grammar (`[a-z ]+`): say which
+        # (its result's `valid` stays null: an output cut short is not a finished one)
+        whole, _ = check_output(req.grammar, r.text)
+        state = {
+            True: "it is valid as it stands, but the model had not ended it",
+            False: "before its grammar completed: incomplete",
+            None: "its grammar has no output check (EBNF, Lark): it may be incomplete",
+        }[whole]
         print(
             f"spec-grammar generate: {r.rid}: output cut at --max-new-tokens ({r.num_tokens} "
             f"tokens): {state}; raise --max-new-tokens",

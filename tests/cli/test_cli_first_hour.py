@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,7 +126,9 @@ def test_thread_policy_reaches_torch_in_a_fresh_process(env, want):
 @pytest.mark.model
 def test_a_cut_grammar_output_exits_3_naming_the_request(capsys, tmp_path):
     """An output cut at max_new_tokens exited 0 with a note: it does not parse. Line 1 is cut
-    (4 tokens of a person object); line 2 (OpenAI-style messages) completes its regex."""
+    (4 tokens of a person object); line 2 (OpenAI-style messages) completes its regex; line 3
+    is cut inside a regex any prefix of which is a match, and the note says it is valid as it
+    stands (it said "incomplete" for every cut output)."""
     batch = tmp_path / "b.jsonl"
     batch.write_text(
         json.dumps({"prompt": "Invent a person.", "json_schema": str(PERSON), "max_new_tokens": 4})
@@ -141,6 +144,8 @@ def test_a_cut_grammar_output_exits_3_naming_the_request(capsys, tmp_path):
             }
         )
         + "\n"
+        + json.dumps({"prompt": "Say hello.", "regex": "[a-z ]+", "max_new_tokens": 6})
+        + "\n"
     )
     rc = main(["generate", "--batch-file", str(batch), "--json"])
     out, err = capsys.readouterr()
@@ -152,7 +157,10 @@ def test_a_cut_grammar_output_exits_3_naming_the_request(capsys, tmp_path):
     assert res["line-2"]["finish_reason"] == "stop" and res["line-2"]["finish_detail"] == "grammar"
     assert res["line-2"]["text"] in ("yes", "no")
     cut_lines = [ln for ln in err.splitlines() if "cut at --max-new-tokens" in ln]
-    assert len(cut_lines) == 1 and "line-1" in cut_lines[0], err
+    assert len(cut_lines) == 2 and "line-1" in cut_lines[0] and "line-3" in cut_lines[1], err
+    assert "incomplete" in cut_lines[0]
+    assert re.fullmatch("[a-z ]+", res["line-3"]["text"])  # the oracle: a whole match
+    assert "valid as it stands" in cut_lines[1] and res["line-3"]["valid"] is None
 
 
 @pytest.mark.model
