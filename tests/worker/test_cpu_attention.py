@@ -111,6 +111,31 @@ def test_queries_past_each_requests_count_are_zero_and_the_rest_unchanged():
         assert not part[r, size:].any()
 
 
+@needs_kernel
+def test_indices_outside_the_buffers_raise_before_any_work():
+    """A row outside the store or a ``queries`` entry outside ``[0, n]`` would read or write
+    outside the buffers in C++: a typed error, the output untouched; ``kv_len`` at the store's
+    full capacity and ``n`` at :data:`MAX_QUERIES` still compute (the boundaries)."""
+    b, heads, kv_heads, d, n = 2, 4, 2, 32, 3
+    q, k_buf, v_buf, kv_len, mask = _case(5, b, heads, kv_heads, d, n, [5, 6], [3, 2])
+    rows = cpu_attention.row_indices(slice(0, b), k_buf.shape[0])
+    with pytest.raises(IndexError, match="outside the store"):
+        cpu_attention.attention(q, k_buf, v_buf, torch.tensor([0, k_buf.shape[0]]), kv_len,
+                                mask, 0.2)  # fmt: skip
+    with pytest.raises(IndexError, match="outside the store"):
+        cpu_attention.attention(q, k_buf, v_buf, torch.tensor([-1, 0]), kv_len, mask, 0.2)
+    for bad in ([0, n + 1], [-1, 1]):
+        with pytest.raises(ValueError, match="queries entry"):
+            cpu_attention.attention(q, k_buf, v_buf, rows, kv_len, mask, 0.2, torch.tensor(bad))
+    many = cpu_attention.MAX_QUERIES
+    q, k_buf, v_buf, kv_len, mask = _case(6, 1, 2, 2, 16, many, [4], [many], cap=4 + many)
+    assert kv_len == k_buf.shape[2]
+    rows = cpu_attention.row_indices(slice(0, 1), k_buf.shape[0])
+    got = cpu_attention.attention(q, k_buf, v_buf, rows, kv_len, mask, 0.25)
+    want = _sdpa(q, k_buf, v_buf, slice(0, 1), kv_len, mask, 0.25)
+    assert (got - want).abs().max() < 2e-6
+
+
 def test_inputs_the_kernel_does_not_compute_are_declined():
     """float64, too many queries, head sizes not a multiple of 16 or past 128, a mask repeated
     per group, keys past the store's positions, rows outside the store, a negated view: None

@@ -196,11 +196,17 @@ constexpr TaskFn kTasks[9] = {nullptr,     run_task<1>, run_task<2>, run_task<3>
 // mask + b * mbs + i * mrs, kv entries; nq: (B,) queries computed per request (the rest are
 // padding: zero output), or null for all n; out: (B, n, KH * G, D) contiguous. D = 16 * C,
 // 1 <= C <= 8. Runs on `threads` OpenMP threads (the process's libgomp: torch's, by soname).
-extern "C" void sg_attention_f32(const float* q, int64_t B, int64_t KH, int64_t G, int64_t n,
-                                 int64_t D, const float* k, const float* v, const int64_t* rows,
-                                 int64_t rs, int64_t hs, int64_t ps, const float* mask,
-                                 int64_t mbs, int64_t mrs, int64_t kv, float scale,
-                                 const int64_t* nq, float* out, int threads) {
+// Returns 0, or before any work 1 where a row is outside [0, R) and 2 where an nq is outside
+// [0, n]: either would read or write outside the buffers, and B integer compares cost nothing.
+extern "C" int sg_attention_f32(const float* q, int64_t B, int64_t KH, int64_t G, int64_t n,
+                                int64_t D, const float* k, const float* v, const int64_t* rows,
+                                int64_t R, int64_t rs, int64_t hs, int64_t ps, const float* mask,
+                                int64_t mbs, int64_t mrs, int64_t kv, float scale,
+                                const int64_t* nq, float* out, int threads) {
+  for (int64_t b = 0; b < B; ++b) {
+    if (rows[b] < 0 || rows[b] >= R) return 1;
+    if (nq && (nq[b] < 0 || nq[b] > n)) return 2;
+  }
   const TaskFn fn = kTasks[D / 16];
   const int64_t H = KH * G, tasks = B * KH;
   auto one = [&](int64_t task) {
@@ -226,8 +232,9 @@ extern "C" void sg_attention_f32(const float* q, int64_t B, int64_t KH, int64_t 
   };
   if (threads <= 1 || tasks == 1) {
     for (int64_t task = 0; task < tasks; ++task) one(task);
-    return;
+    return 0;
   }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < tasks; ++task) one(task);
+  return 0;
 }

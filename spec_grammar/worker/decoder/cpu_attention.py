@@ -52,11 +52,12 @@ def _load():
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [
         *(ptr, i64, i64, i64, i64, i64),  # q, B, KH, G, n, D
-        *(ptr, ptr, ptr, i64, i64, i64),  # k, v, rows, row / head / position strides
+        *(ptr, ptr, ptr, i64),  # k, v, rows, the store's row count
+        *(i64, i64, i64),  # row / head / position strides
         *(ptr, i64, i64, i64, ctypes.c_float),  # mask, its batch / row strides, kv, scale
         *(ptr, ptr, ctypes.c_int),  # queries, out, threads
     ]
-    fn.restype = None
+    fn.restype = ctypes.c_int
     return fn, None
 
 
@@ -109,7 +110,8 @@ def attention(
             ``kv_heads``; ``D`` a multiple of 16 up to 128; ``1 <= n <=`` :data:`MAX_QUERIES`.
         k_buf, v_buf: the store's ``(capacity_rows, kv_heads, capacity, D)`` buffers, the same
             strides, unit stride along ``D``; ``kv_len <= capacity``.
-        rows: ``(b,)`` int64 contiguous row indices from :func:`row_indices`.
+        rows: ``(b,)`` int64 contiguous row indices, each in ``[0, capacity_rows)``
+            (:func:`row_indices` makes them).
         mask: ``(b, 1, n, kv_len)`` additive mask (0 or a large negative), unit last stride,
             shared by every head (not repeated per group).
         scale: the score scale (``1 / sqrt(D)`` for Llama).
@@ -122,6 +124,10 @@ def attention(
     not apply (other dtypes, devices, shapes or layouts, negated views, tensor subclasses or an
     active dispatch mode, an input needing a gradient, or the kernel unavailable): the caller
     runs SDPA. Runs on ``torch.get_num_threads()`` threads.
+
+    Raises:
+        IndexError: a row index outside the store.
+        ValueError: a ``queries`` entry outside ``[0, n]``.
     """
     tensors = (q, k_buf, v_buf, rows, mask) + ((queries,) if queries is not None else ())
     if not (
@@ -165,7 +171,9 @@ def attention(
     if fn is None:
         return None
     out = torch.empty(b, n, heads, d, dtype=torch.float32)
-    fn(
+    # the kernel checks the indices before any work: one pass over b integers in C++, where
+    # an aminmax here would cost a few us per layer
+    error = fn(
         q.data_ptr(),
         b,
         kv_heads,
@@ -175,6 +183,7 @@ def attention(
         k_buf.data_ptr(),
         v_buf.data_ptr(),
         rows.data_ptr(),
+        k_buf.shape[0],
         k_buf.stride(0),
         k_buf.stride(1),
         k_buf.stride(2),
@@ -187,4 +196,8 @@ def attention(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+    if error == 1:
+        raise IndexError(f"cpu_attention: a row index is outside the store's {k_buf.shape[0]} rows")
+    if error == 2:
+        raise ValueError(f"cpu_attention: a queries entry is outside [0, {n}]")
     return out
