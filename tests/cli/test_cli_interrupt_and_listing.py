@@ -58,12 +58,25 @@ def test_backends_lists_what_the_classes_declare_without_importing_them():
             assert got["version"] == info.version, name
 
 
+def _ctrl_c_as_on_a_terminal() -> None:
+    """A job started in the background of a non-interactive shell (as CI starts this run)
+    inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the
+    generation ran to its end. The child gets the terminal's default back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.model
 def test_ctrl_c_ends_at_once_with_the_stats_so_far():
     """Ctrl-C took 2-7 s (the interpreter's teardown of torch and the model) and said nothing."""
     cmd = [sys.executable, "-m", "spec_grammar", "generate", "Write a long story about a dragon."]
     cmd += ["--regex", "[a-zA-Z ,.]+", "--max-new-tokens", "4000"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        preexec_fn=_ctrl_c_as_on_a_terminal,
+    )
     sel = selectors.DefaultSelector()
     sel.register(p.stdout, selectors.EVENT_READ)
     streamed = b""
