@@ -501,6 +501,7 @@ class ModelRunner:
                     dict(tokens=tokens, parents=parents, lens=lens),
                     logits_to_keep=1,
                     graph=False,
+                    chains=[(self._len[row], len(part)) for row, part in zip(rows, parts)],
                 )
                 for row, part in zip(rows, parts):
                     self._len[row] += len(part)
@@ -697,6 +698,7 @@ class ModelRunner:
         logits_to_keep: int,
         graph: bool,
         before_launch: Callable[[], None] | None = None,
+        chains: list[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run a batch for ascending ``rows``. ``inputs`` (CPU tensors): ``tokens``, ``parents``
         ``(B, N)`` long (-1 for roots), ``lens (B,)`` long.
@@ -706,7 +708,9 @@ class ModelRunner:
         attend to themselves); otherwise ``B = len(rows)``. Returns ``(B, N or logits_to_keep, V)``
         float32 logits and, from a graph replay, their ``(B, N)`` :func:`row_argmax` (computed in
         the graph, a few microseconds of GPU time), else None. ``before_launch``: as in
-        :meth:`forward_trees`."""
+        :meth:`forward_trees`. ``chains``: each row's ``(committed, length)`` where its nodes
+        are a chain (a prefill chunk): on CPU the fused decoder then attends per request without
+        padding (:meth:`FusedLlama.forward`); elsewhere the padded layout costs about the same."""
         self._flush_moves()
         if self._graphs is not None:
             self._graphs.last_events = None
@@ -761,6 +765,7 @@ class ModelRunner:
             kv_len=kv_len,
             logits_to_keep=logits_to_keep,
             valid=self._real_tokens(inputs["parents"]),
+            chains=chains if dev.type == "cpu" else None,
         )
         return logits, None
 
@@ -788,6 +793,7 @@ class ModelRunner:
         kv_len: int,
         logits_to_keep: int,
         valid: torch.Tensor | None = None,
+        chains: list[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """The model forward on device tensors (capturable: no host synchronization).
 
@@ -796,7 +802,8 @@ class ModelRunner:
             lens: ``(b,)`` long committed KV lengths; row_idx: ``(b,)`` long KV rows (the same
             rows as ``rows``, the slice or tensor the cache reads through).
             kv_len: key length of the attention (``>= max(lens) + n``).
-            valid: the fused forward's ``valid`` (:meth:`FusedLlama.forward`), or None.
+            valid, chains: the fused forward's ``valid`` and ``chains``
+                (:meth:`FusedLlama.forward`), or None (the Hugging Face forward ignores them).
 
         Returns float32 logits ``(b, n or logits_to_keep, V)``.
         """
@@ -835,6 +842,7 @@ class ModelRunner:
                 kv_len,
                 logits_to_keep,
                 valid,
+                chains,
             )
         cache = _BatchCache(self._store, rows, row_idx, write_pos, kv_len)
         with torch.inference_mode():

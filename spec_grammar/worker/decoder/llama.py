@@ -31,6 +31,7 @@ else than ``F.linear`` over its weight.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -206,6 +207,7 @@ class FusedLlama:
         kv_len: int,
         logits_to_keep: int = 0,
         valid: torch.Tensor | None = None,
+        chains: Sequence[tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """One forward of ``b`` requests' ``n`` tokens each (capturable: no host synchronization).
 
@@ -223,6 +225,14 @@ class FusedLlama:
                 ``(b, n)`` layout); the logits of padding rows are zero. None: all ``b * n``.
                 On CPU, where a GEMM's cost grows with its rows, this skips the padding of
                 ragged trees; CUDA-graph forwards leave it None (a fixed shape per bucket).
+            chains: per request ``(committed, length)`` where its tokens are a chain (a prefill
+                chunk): its first ``length`` tokens follow the ``committed`` keys of its row,
+                each attending to those and the chain before it, and ``valid`` (or no padding)
+                keeps exactly those. Attention then runs per request on its own ``length``
+                queries and ``committed + length`` keys, causal without a mask where nothing is
+                committed (``mask`` unread), instead of on the padded ``(b, n, kv_len)`` layout
+                through the mask: at 12 prompts of 136-359 tokens, 3.4x less attention time on
+                CPU. Not capturable (a host loop over the requests); None: the padded layout.
 
         Returns float32 logits ``(b, n or logits_to_keep, V)``.
         """
@@ -235,8 +245,9 @@ class FusedLlama:
         h = F.embedding(tok, self.embed)  # the residual stream, updated in place
         cos, sin = ops.rotary_cos_sin(pos, self.inv_freq, self.rope_scaling, self.embed.dtype)
         # on CPU the small-batch kernel reads the store in place (None: SDPA)
-        kernel = self._kernel_inputs(mask, valid, b, n)
-        sdpa_mask = None if kernel is not None else self._sdpa_mask(mask)
+        kernel = None if chains is not None else self._kernel_inputs(mask, valid, b, n)
+        sdpa_mask = None if kernel is not None or chains is not None else self._sdpa_mask(mask)
+        chain_rows = row_idx.tolist() if chains is not None else None
         rows_at, capacity = None, 0  # the kernel's row indices into buffers of capacity rows
         x = ops.rms_norm(h, self.layers[0].in_norm, self.layers[0].eps)
         for i, layer in enumerate(self.layers):
@@ -245,32 +256,37 @@ class FusedLlama:
             q = self._rope_and_cache(
                 qkv, cos, sin, k_buf, v_buf, flat_rows, wpos, row_idx, valid, b, n
             )
-            attn = None
-            if kernel is not None:
-                if rows_at is None or capacity != k_buf.shape[0]:
-                    capacity = k_buf.shape[0]
-                    rows_at = cpu_attention.row_indices(rows, capacity)
-                if rows_at is not None:
-                    attn = cpu_attention.attention(
-                        q, k_buf, v_buf, rows_at, kv_len, mask, layer.scaling, kernel
-                    )
-            if attn is not None:
-                attn = attn.view(b * n, -1)
-            else:
-                if sdpa_mask is None:
-                    sdpa_mask = self._sdpa_mask(mask)
-                attn = F.scaled_dot_product_attention(
-                    q.view(b, self.kv_heads, self.group * n, self.head_dim),
-                    k_buf[rows, :, :kv_len],
-                    v_buf[rows, :, :kv_len],
-                    attn_mask=sdpa_mask,
-                    scale=layer.scaling,
+            if chains is not None:
+                attn = self._chain_attention(
+                    q, k_buf, v_buf, chain_rows, mask, chains, layer.scaling
                 )
-                # (memory-efficient attention may return a non-contiguous output: reshape)
-                attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2)
-                attn = attn.reshape(b * n, -1)
-            if valid is not None:
-                attn = attn[valid]
+            else:
+                attn = None
+                if kernel is not None:
+                    if rows_at is None or capacity != k_buf.shape[0]:
+                        capacity = k_buf.shape[0]
+                        rows_at = cpu_attention.row_indices(rows, capacity)
+                    if rows_at is not None:
+                        attn = cpu_attention.attention(
+                            q, k_buf, v_buf, rows_at, kv_len, mask, layer.scaling, kernel
+                        )
+                if attn is not None:
+                    attn = attn.view(b * n, -1)
+                else:
+                    if sdpa_mask is None:
+                        sdpa_mask = self._sdpa_mask(mask)
+                    attn = F.scaled_dot_product_attention(
+                        q.view(b, self.kv_heads, self.group * n, self.head_dim),
+                        k_buf[rows, :, :kv_len],
+                        v_buf[rows, :, :kv_len],
+                        attn_mask=sdpa_mask,
+                        scale=layer.scaling,
+                    )
+                    # (memory-efficient attention may return a non-contiguous output: reshape)
+                    attn = attn.reshape(b, self.heads, n, self.head_dim).transpose(1, 2)
+                    attn = attn.reshape(b * n, -1)
+                if valid is not None:
+                    attn = attn[valid]
             x = ops.rms_norm(
                 ops.linear(attn, layer.o.weight, layer.o.bias),
                 layer.post_norm,
@@ -290,6 +306,31 @@ class FusedLlama:
             x = self._padded(x, valid, b * n).view(b, n, -1)[:, -logits_to_keep:]
             return self._head(x.reshape(-1, x.shape[-1])).view(b, logits_to_keep, -1)
         return self._padded(self._head(x), valid, b * n).view(b, n, -1)
+
+    def _chain_attention(self, q, k_buf, v_buf, rows, mask, chains, scaling) -> torch.Tensor:
+        """Attention of prefill chains (:meth:`forward`'s ``chains``): ``(sum(length), heads *
+        head_dim)``, the requests' tokens in order (the rows ``valid`` keeps)."""
+        outs = []
+        for j, (committed, length) in enumerate(chains):
+            keys = committed + length
+            row = rows[j]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[j : j + 1, :, :length],
+                    k_buf[row, :, :keys][None],
+                    v_buf[row, :, :keys][None],
+                    # a chain on an empty row is a causal square (no mask needed); after
+                    # committed keys its causal corner is bottom-right aligned, which is_causal
+                    # (top-left) is not: then this request's rows of the mask
+                    attn_mask=None if committed == 0 else mask[j : j + 1, :, :length, :keys],
+                    is_causal=committed == 0,
+                    scale=scaling,
+                    enable_gqa=self.group > 1,
+                )[0]
+                .transpose(0, 1)
+                .reshape(length, -1)
+            )
+        return torch.cat(outs)
 
     def _sdpa_mask(self, mask: torch.Tensor) -> torch.Tensor:
         """The ``(b, 1, group * n, kv)`` mask SDPA takes: row ``g * n + i`` is query ``i`` of
