@@ -501,7 +501,9 @@ def generate(
                 max_reasoning_tokens=max_reasoning_tokens,
             )
         )
-    text_stream = TextStream(worker.tokenizer, on_chunk) if on_chunk is not None else None
+    text_stream = (
+        TextStream(worker.tokenizer, on_chunk, worker.result) if on_chunk is not None else None
+    )
     with worker:
         results = worker.run(requests, on_step=text_stream)
     if text_stream is not None:

@@ -617,7 +617,7 @@ class SpecWorker:
                 self._running, self._cancelled = set(), set()
             for st in live:
                 self._release(st)
-        return [self._result(s) for s in states]
+        return [self.result(s) for s in states]
 
     # -- one step: draft, verify (grammar work under it), accept, account -------------------
     def _step(self, live: list[RequestState], draining: list[RequestState]) -> StepStats:
@@ -1155,7 +1155,11 @@ class SpecWorker:
         if self._budget is not None:
             self._budget.forget(st.rid)
 
-    def _result(self, st: RequestState) -> RequestResult:
+    def result(self, st: RequestState) -> RequestResult:
+        """The :class:`RequestResult` of request state ``st`` as it stands (what :meth:`run`
+        returns for it once it ended): its output checked against its request (``valid``)
+        where it completed. A :class:`~.streaming.TextStream` reads it for a request's last
+        chunk, which ends before the run does."""
         reasoning, text = self._split_reasoning(st, committed_text(self.tokenizer, st))
         content, calls = self._tool_calls(st, text)
         n = len(st.output_ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from pydantic import BaseModel
 
@@ -108,6 +109,7 @@ def test_pydantic_grammar_streams_and_the_chunks_are_the_result():
     assert "".join(c.text for c in chunks) == res.text
     assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
     assert chunks[-1].finish_reason == res.finish_reason
+    assert chunks[-1].valid is res.valid is True
     assert 2 <= len(chunks) <= res.steps + 1  # one chunk per step at most, not one at the end
     assert res.message() == {"role": "assistant", "content": res.text}
     again = list(
@@ -149,3 +151,21 @@ def test_stream_raises_the_runs_error(monkeypatch):
     monkeypatch.setattr(api, "_load", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(TypeError, match="unexpected keyword"):
         list(api.stream("hi", nonsense=1))
+
+
+@pytest.mark.model
+def test_the_last_streamed_chunk_says_whether_the_output_is_valid():
+    """A stream's last chunk comes before the run's results: it carries the result's ``valid``
+    (was always None, so a streaming user was not told that an output broke its schema). The
+    schema asks for two equal unique items: xgrammar cannot enforce ``uniqueItems``, so every
+    completed output breaks it; jsonschema is the oracle."""
+    unique = {"type": "array", "items": {"const": 1}, "minItems": 2, "maxItems": 2}
+    unique["uniqueItems"] = True
+    for grammar, prompt, want in [(unique, "Two ones.", False), (Regex("(yes|no)"), "Wet?", True)]:
+        chunks = list(api.stream(prompt, grammar=grammar, max_new_tokens=64))
+        text = "".join(c.text for c in chunks)
+        assert [c.valid for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].valid is want, chunks
+        if isinstance(grammar, dict):
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(json.loads(text), grammar)
