@@ -332,19 +332,8 @@ class _ReplayRunner(ModelRunner):
             self._slots[: len(slots)].copy_(torch.tensor(slots, dtype=torch.long))
         return super().forward_trees(rids, trees, **kwargs)
 
-    def _device_forward(
-        self, tokens, parents, lens, row_idx, *, rows, kv_len, logits_to_keep, valid=None
-    ):
-        logits = super()._device_forward(
-            tokens,
-            parents,
-            lens,
-            row_idx,
-            rows=rows,
-            kv_len=kv_len,
-            logits_to_keep=logits_to_keep,
-            valid=valid,
-        )
+    def _device_forward(self, tokens, parents, lens, row_idx, **kwargs):
+        logits = super()._device_forward(tokens, parents, lens, row_idx, **kwargs)
         if not self._editing or logits.shape[1] != tokens.shape[1]:  # prefill keeps no tree rows
             return logits
         pos = lens[:, None] + ancestors(parents)[1]
