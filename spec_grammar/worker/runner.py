@@ -495,13 +495,13 @@ class ModelRunner:
                     tokens[j, : len(part)] = torch.tensor(part, dtype=torch.long)
                     parents[j, : len(part)] = torch.arange(-1, len(part) - 1)
                 rows = [row for row, _ in group]
-                lens = torch.tensor([self._len[row] for row in rows])
+                committed = [self._len[row] for row in rows]
                 self._forward(
                     rows,
-                    dict(tokens=tokens, parents=parents, lens=lens),
+                    dict(tokens=tokens, parents=parents, lens=torch.tensor(committed)),
                     logits_to_keep=1,
                     graph=False,
-                    chains=[(self._len[row], len(part)) for row, part in zip(rows, parts)],
+                    chains=list(zip(committed, map(len, parts))),
                 )
                 for row, part in zip(rows, parts):
                     self._len[row] += len(part)

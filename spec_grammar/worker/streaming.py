@@ -6,9 +6,9 @@ path at a time), in the shape of OpenAI's streamed chat-completion deltas.
 committed output and hands the text not sent yet to ``on_chunk``; a request's last chunk
 carries its ``finish_reason`` and ``valid`` (the output checked against its request, as in
 its :class:`RequestResult`, where a ``result_of`` is given). Text that could still change is
-held back: an incomplete UTF-8 sequence at the end (decoded as U+FFFD) and, with stop strings, the last
-``max(len(stop)) - 1`` characters (a stop string may still complete there; the output is cut
-before it). The chunks of a request join to its :attr:`RequestResult.text`.
+held back: an incomplete UTF-8 sequence at the end (decoded as U+FFFD) and, with stop strings,
+the last ``max(len(stop)) - 1`` characters (a stop string may still complete there; the output
+is cut before it). The chunks of a request join to its :attr:`RequestResult.text`.
 """
 
 from __future__ import annotations
