@@ -473,12 +473,15 @@ def generate(
             grammar_backend=backend_name,
         )
         if all(refused):
-            return [
+            failed = [
                 RequestResult.failed_before_run(
                     i.rid if isinstance(i, Request) else Request(prompt="").rid, why
                 )
                 for i, why in zip(items, refused)
             ]
+            if on_chunk is not None:  # each still gets its one chunk, as in a mixed batch
+                TextStream(None, on_chunk).close(failed)
+            return failed
     worker = build_worker(config=cfg, **load)
     requests = []
     for item, spec in zip(items, specs):

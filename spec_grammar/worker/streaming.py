@@ -71,7 +71,8 @@ class TextStream:
     def __call__(self, _stats: Any, states: Sequence[RequestState]) -> None:
         for st in states:
             rid = st.rid
-            if rid in self._done or not isinstance(rid, str):
+            # a bad id (unhashable even) ends its request: close() sends its chunk
+            if not isinstance(rid, str) or rid in self._done:
                 continue
             sent = self._sent.get(rid, 0)
             text = committed_text(self.tokenizer, st) if st.output_ids else ""

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from spec_grammar.specs import JsonSchema, Regex, ToolCalls, as_grammar_spec
 from spec_grammar.worker import api
 from spec_grammar.worker.request import Request, check_request, finish_reason_of
+from spec_grammar.worker.sampling import SamplingParams
 
 
 class City(BaseModel):
@@ -169,3 +170,22 @@ def test_the_last_streamed_chunk_says_whether_the_output_is_valid():
         if isinstance(grammar, dict):
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate(json.loads(text), grammar)
+
+
+def test_a_stream_of_refused_requests_still_ends_each_with_its_chunk():
+    """Every request refused before the model loads: the stream yielded nothing (the early
+    return came before the stream existed); each now gets its one final chunk, the error."""
+    chunks = list(api.stream(["hi", "ho"], grammar={"type": "nonsense"}))
+    assert [c.finish_reason for c in chunks] == ["error", "error"]
+    assert len({c.rid for c in chunks}) == 2 and all(c.text == "" for c in chunks)
+
+
+@pytest.mark.model
+def test_an_unhashable_request_id_ends_only_its_request_when_streaming():
+    """``rid in self._done`` ran before the id's type check: a list id raised TypeError in the
+    stream and took the batch down (plain ``generate`` ended only that request)."""
+    good = Request("Say hi.", sampling=SamplingParams(max_new_tokens=4))
+    chunks = list(api.stream([Request("Hi", rid=["a"]), good]))
+    finals = [c for c in chunks if c.finish_reason is not None]
+    assert sorted(c.finish_reason for c in finals) == ["error", "length"]
+    assert "".join(c.text for c in chunks if c.rid == good.rid) != ""
